@@ -1,0 +1,296 @@
+//! The `Idempotency-Key` value (RFC 8941 sf-string or bare token), the scope, and the request fingerprint.
+
+use http::{HeaderMap, HeaderName, Method};
+use sha2::{Digest, Sha256};
+
+use crate::config::FingerprintBody;
+
+/// Why a key header was refused (always a 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the key is empty")]
+    Empty,
+    #[error("the key is {len} characters long; at most {max} are allowed")]
+    TooLong { len: usize, max: usize },
+    #[error("the header appears more than once; send exactly one key")]
+    Repeated,
+    #[error("the key is not a valid value: {0}")]
+    Syntax(&'static str),
+}
+
+/// Decodes one header value: `"quoted"` (sf-string, with `\"` and `\\`) or a
+/// bare token of visible ASCII without spaces, quotes, commas or semicolons.
+/// Both spellings of the same key decode to the same bytes.
+pub fn parse_key(raw: &[u8], max_len: usize) -> Result<String, KeyError> {
+    let v = trim_ows(raw);
+    if v.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    let key = if v[0] == b'"' {
+        let mut out = String::with_capacity(v.len());
+        let mut i = 1;
+        loop {
+            let Some(&c) = v.get(i) else {
+                return Err(KeyError::Syntax("a quoted key has no closing quote"));
+            };
+            match c {
+                b'\\' => {
+                    match v.get(i + 1) {
+                        Some(&e @ (b'"' | b'\\')) => out.push(e as char),
+                        _ => {
+                            return Err(KeyError::Syntax(
+                                "only \\\" and \\\\ may be escaped in a quoted key",
+                            ))
+                        }
+                    }
+                    i += 2;
+                }
+                b'"' => {
+                    if i + 1 != v.len() {
+                        return Err(KeyError::Syntax(
+                            "nothing may follow the closing quote (no lists, no parameters)",
+                        ));
+                    }
+                    break;
+                }
+                0x20..=0x7e => {
+                    out.push(c as char);
+                    i += 1;
+                }
+                _ => return Err(KeyError::Syntax("a quoted key holds printable ASCII only")),
+            }
+        }
+        out
+    } else {
+        for &c in v {
+            match c {
+                b',' => return Err(KeyError::Syntax("a list of keys is not allowed")),
+                b';' => return Err(KeyError::Syntax("parameters are not allowed")),
+                b'"' => return Err(KeyError::Syntax("a bare key may not contain quotes")),
+                0x21..=0x7e => {}
+                _ => return Err(KeyError::Syntax(
+                    "a bare key is visible ASCII without spaces; quote it as a string otherwise",
+                )),
+            }
+        }
+        // Checked above: every byte is visible ASCII.
+        String::from_utf8_lossy(v).into_owned()
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > max_len {
+        return Err(KeyError::TooLong {
+            len: key.len(),
+            max: max_len,
+        });
+    }
+    Ok(key)
+}
+
+fn trim_ows(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|&b| b != b' ' && b != b'\t')
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|&b| b != b' ' && b != b'\t')
+        .map_or(start, |i| i + 1);
+    &v[start..end]
+}
+
+/// Feeds a length-prefixed field, so that no two different inputs hash alike.
+fn field(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_be_bytes());
+    h.update(bytes);
+}
+
+/// Several lines of one header, joined with ", " as HTTP allows.
+fn joined_values(headers: &HeaderMap, name: &HeaderName) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, v) in headers.get_all(name).iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        out.extend_from_slice(v.as_bytes());
+    }
+    out
+}
+
+/// The record id: hex SHA-256 over the non-empty scope header values (by
+/// lower-cased name, in name order) and the decoded key. A missing header and
+/// an empty one are the same principal. Neither the key nor any header value
+/// can be read back from it.
+pub fn record_id<'a>(scope: impl IntoIterator<Item = (&'a str, &'a [u8])>, key: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"idemproxy-scope-v1");
+    for (name, value) in scope {
+        if !value.is_empty() {
+            field(&mut h, name.as_bytes());
+            field(&mut h, value);
+        }
+    }
+    field(&mut h, key.as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// The record id of a request: `scope_headers` (already sorted by name) taken from its headers.
+pub fn request_record_id(headers: &HeaderMap, scope_headers: &[HeaderName], key: &str) -> String {
+    let values: Vec<(&str, Vec<u8>)> = scope_headers
+        .iter()
+        .map(|n| (n.as_str(), joined_values(headers, n)))
+        .collect();
+    record_id(values.iter().map(|(n, v)| (*n, v.as_slice())), key)
+}
+
+/// SHA-256 over method, path, query, the fingerprint headers (sorted by name) and the body.
+pub fn fingerprint(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    headers: &HeaderMap,
+    fingerprint_headers: &[HeaderName],
+    body: &[u8],
+    body_mode: FingerprintBody,
+) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"idemproxy-fp-v1");
+    field(&mut h, method.as_str().as_bytes());
+    field(&mut h, path.as_bytes());
+    match query {
+        Some(q) => {
+            h.update([1]);
+            field(&mut h, q.as_bytes());
+        }
+        None => h.update([0]),
+    }
+    for name in fingerprint_headers {
+        field(&mut h, name.as_str().as_bytes());
+        field(&mut h, &joined_values(headers, name));
+    }
+    match body_mode {
+        FingerprintBody::Json => match canonical_json(body) {
+            Some(canon) => field(&mut h, &canon),
+            None => field(&mut h, body),
+        },
+        FingerprintBody::Raw => field(&mut h, body),
+    }
+    h.finalize().into()
+}
+
+/// Canonical JSON: object keys sorted, no insignificant whitespace. `None` when the body is not JSON.
+fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    // serde_json's map is ordered by key unless `preserve_order` is enabled (it is not).
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    serde_json::to_vec(&value).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn quoted_and_bare_are_the_same_key() {
+        assert_eq!(parse_key(b"abc-123", 255).unwrap(), "abc-123");
+        assert_eq!(parse_key(b"\"abc-123\"", 255).unwrap(), "abc-123");
+        assert_eq!(parse_key(b"  \"a b\\\"c\\\\\"  ", 255).unwrap(), "a b\"c\\");
+        assert_eq!(
+            parse_key(b"8e03978e-40d5-43e8-bc93-6894a57f9324", 255).unwrap(),
+            "8e03978e-40d5-43e8-bc93-6894a57f9324"
+        );
+    }
+
+    #[test]
+    fn refusals() {
+        assert_eq!(parse_key(b"", 255), Err(KeyError::Empty));
+        assert_eq!(parse_key(b"\"\"", 255), Err(KeyError::Empty));
+        assert_eq!(parse_key(b"   ", 255), Err(KeyError::Empty));
+        assert!(matches!(
+            parse_key(&[b'a'; 256], 255),
+            Err(KeyError::TooLong { len: 256, max: 255 })
+        ));
+        assert!(parse_key(&[b'a'; 255], 255).is_ok());
+        // max_key_length counts the decoded key
+        let mut quoted = vec![b'"'];
+        quoted.extend_from_slice(&[b'a'; 253]);
+        quoted.extend_from_slice(b"\\\\\"");
+        assert_eq!(parse_key(&quoted, 254).unwrap().len(), 254);
+        for bad in [
+            &b"a,b"[..],
+            b"a;x=1",
+            b"\"a\";x=1",
+            b"\"a\", \"b\"",
+            b"a b",
+            b"\"abc",
+            b"\"a\\b\"",
+            b"ab\"c",
+            b"\xc3\xa9",
+            b"\"\xc3\xa9\"",
+            b"a\x7f",
+        ] {
+            assert!(
+                matches!(parse_key(bad, 255), Err(KeyError::Syntax(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn scope_separates_principals_and_hides_values() {
+        let a = record_id([("authorization", &b"Bearer A"[..])], "k");
+        let b = record_id([("authorization", &b"Bearer B"[..])], "k");
+        let none = record_id([("authorization", &b""[..])], "k");
+        assert_ne!(a, b);
+        assert_eq!(
+            none,
+            record_id([], "k"),
+            "missing and empty scope are the same principal"
+        );
+        assert_eq!(a.len(), 64);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn json_fingerprint_ignores_key_order_and_whitespace() {
+        let m = Method::POST;
+        let h = HeaderMap::new();
+        let f = |b: &[u8], mode| fingerprint(&m, "/p", None, &h, &[], b, mode);
+        let j = FingerprintBody::Json;
+        assert_eq!(
+            f(br#"{"a":1,"b":[1,2]}"#, j),
+            f(b"{ \"b\" : [1, 2],\n \"a\": 1 }", j)
+        );
+        assert_ne!(f(br#"{"a":1}"#, j), f(br#"{"a":2}"#, j));
+        assert_ne!(
+            f(br#"{"a":1,"b":2}"#, FingerprintBody::Raw),
+            f(br#"{"b":2,"a":1}"#, FingerprintBody::Raw)
+        );
+        // not JSON: raw bytes
+        assert_eq!(f(b"not json", j), f(b"not json", FingerprintBody::Raw));
+        // the query is part of it, and "no query" differs from an empty one
+        assert_ne!(
+            fingerprint(&m, "/p", None, &h, &[], b"", j),
+            fingerprint(&m, "/p", Some(""), &h, &[], b"", j)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn bare_tokens_roundtrip_through_quoting(key in "[!#-+\\x2d-:<-~]{1,64}") {
+            let bare = parse_key(key.as_bytes(), 255).unwrap();
+            let quoted = format!("\"{}\"", key.replace('\\', "\\\\"));
+            prop_assert_eq!(&bare, &key);
+            prop_assert_eq!(parse_key(quoted.as_bytes(), 255).unwrap(), key);
+        }
+
+        #[test]
+        fn parser_never_panics_and_respects_max(raw in proptest::collection::vec(any::<u8>(), 0..300), max in 1usize..300) {
+            if let Ok(k) = parse_key(&raw, max) {
+                prop_assert!(!k.is_empty() && k.len() <= max);
+                prop_assert!(k.bytes().all(|b| (0x20..0x7f).contains(&b)));
+            }
+        }
+    }
+}

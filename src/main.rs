@@ -1,0 +1,152 @@
+//! The `idemproxy` binary: command line, logging, exit codes. The work is in the library.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
+use idemproxy::config::{Config, Overrides};
+use idemproxy::server::Server;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// An idempotency-key reverse proxy: makes chosen routes of an HTTP API safe to retry.
+#[derive(Debug, Parser)]
+#[command(name = "idemproxy", version)]
+struct Cli {
+    /// TOML configuration file.
+    #[arg(long, env = "IDEMPROXY_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Address to listen on (overrides server.listen).
+    #[arg(long, env = "IDEMPROXY_LISTEN", value_name = "ADDR")]
+    listen: Option<String>,
+    /// Upstream base URL (overrides server.upstream).
+    #[arg(long, env = "IDEMPROXY_UPSTREAM", value_name = "URL")]
+    upstream: Option<String>,
+    /// Redis URL; selects the redis backend (overrides store.url).
+    #[arg(
+        long,
+        env = "IDEMPROXY_REDIS_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    redis_url: Option<String>,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Validate the configuration, print the resolved routes and exit (0 valid, 2 not).
+    #[arg(long)]
+    check: bool,
+}
+
+/// Exit status for invalid usage or configuration.
+const EXIT_CONFIG: u8 = 2;
+/// Exit status for any other failure to start.
+const EXIT_START: u8 = 1;
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        listen: cli.listen.clone(),
+        upstream: cli.upstream.clone(),
+        redis_url: cli.redis_url.clone(),
+    };
+    let config = match Config::load(cli.config.as_deref(), &overrides) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idemproxy: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if cli.check {
+        print_check(&config);
+        return ExitCode::SUCCESS;
+    }
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemproxy: cannot start the runtime: {e}");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    runtime.block_on(async move {
+        let server = match Server::bind(config).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("cannot start: {e}");
+                eprintln!("idemproxy: cannot start: {e}");
+                return ExitCode::from(EXIT_START);
+            }
+        };
+        server.run(shutdown_signal()).await;
+        ExitCode::SUCCESS
+    })
+}
+
+/// The resolved routes, one line each, for `--check`.
+fn print_check(config: &Config) {
+    println!("configuration {} is valid", config.source);
+    println!(
+        "upstream {}  listen {}  admin {}  store {:?}",
+        config.server.upstream,
+        config.server.listen,
+        config.server.admin_listen,
+        config.store.backend
+    );
+    for r in config.routes.iter() {
+        let methods: Vec<&str> = r.methods.iter().map(|m| m.as_str()).collect();
+        println!(
+            "route {} methods={} path={} key={:?} ttl={} lease={} mode={:?}",
+            r.name,
+            methods.join(","),
+            r.path,
+            r.policy.key,
+            idemproxy::config::HumanDuration(r.policy.ttl),
+            idemproxy::config::HumanDuration(r.policy.lease),
+            r.policy.mode,
+        );
+    }
+    if config.routes.is_empty() {
+        println!("no routes: every request is passed through unprotected");
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers, Ctrl-C still ends the process (non-gracefully).
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}

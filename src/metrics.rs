@@ -1,0 +1,199 @@
+//! Prometheus metrics (prometheus-client): what operators watch, named per the Prometheus conventions.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+/// What became of a request; the `outcome` label of `idemproxy_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Passthrough,
+    Forwarded,
+    Replayed,
+    Conflict,
+    Mismatch,
+    MissingKey,
+    InvalidKey,
+    TooLarge,
+    StoreError,
+    UpstreamError,
+    Released,
+    StoreBypass,
+    NotStored,
+    /// The request itself was unusable (a body that could not be read).
+    BadRequest,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Passthrough => "passthrough",
+            Outcome::Forwarded => "forwarded",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::TooLarge => "too_large",
+            Outcome::StoreError => "store_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Released => "released",
+            Outcome::StoreBypass => "store_bypass",
+            Outcome::NotStored => "not_stored",
+            Outcome::BadRequest => "bad_request",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteOutcome {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: String,
+}
+
+/// Every metric idemproxy exports; cheap to share (the handles are reference-counted).
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RouteOutcome, Counter>,
+    shadow_outcomes: Family<RouteOutcome, Counter>,
+    upstream_duration: Histogram,
+    store_duration: Family<OpLabel, Histogram>,
+    store_errors: Family<OpLabel, Counter>,
+    lease_lost: Family<RouteLabel, Counter>,
+    pub inflight: Gauge,
+    pub store_up: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("idemproxy");
+        let requests = Family::<RouteOutcome, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests by route (\"\" when unprotected) and outcome",
+            requests.clone(),
+        );
+        let shadow_outcomes = Family::<RouteOutcome, Counter>::default();
+        registry.register(
+            "shadow_outcomes",
+            "What enforcement would have done on routes in shadow mode",
+            shadow_outcomes.clone(),
+        );
+        let upstream_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        registry.register_with_unit(
+            "upstream_duration",
+            "Time from sending a request upstream to the end of its response headers",
+            Unit::Seconds,
+            upstream_duration.clone(),
+        );
+        let store_duration = Family::<OpLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.00005, 2.0, 16))
+        });
+        registry.register_with_unit(
+            "store_duration",
+            "Store round trips by operation",
+            Unit::Seconds,
+            store_duration.clone(),
+        );
+        let store_errors = Family::<OpLabel, Counter>::default();
+        registry.register(
+            "store_errors",
+            "Store operations that failed or timed out",
+            store_errors.clone(),
+        );
+        let lease_lost = Family::<RouteLabel, Counter>::default();
+        registry.register(
+            "lease_lost",
+            "Completions refused because another owner held the key",
+            lease_lost.clone(),
+        );
+        let inflight = Gauge::default();
+        registry.register("inflight", "Requests being handled now", inflight.clone());
+        let store_up = Gauge::default();
+        registry.register(
+            "store_up",
+            "1 when the last store operation or health ping succeeded",
+            store_up.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            shadow_outcomes,
+            upstream_duration,
+            store_duration,
+            store_errors,
+            lease_lost,
+            inflight,
+            store_up,
+        }
+    }
+
+    pub fn request(&self, route: &str, outcome: Outcome) {
+        self.requests
+            .get_or_create(&RouteOutcome {
+                route: route.to_string(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn shadow(&self, route: &str, outcome: Outcome) {
+        self.shadow_outcomes
+            .get_or_create(&RouteOutcome {
+                route: route.to_string(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn upstream(&self, took: Duration) {
+        self.upstream_duration.observe(took.as_secs_f64());
+    }
+
+    pub fn store_op(&self, op: &'static str, took: Duration, ok: bool) {
+        self.store_duration
+            .get_or_create(&OpLabel { op })
+            .observe(took.as_secs_f64());
+        if !ok {
+            self.store_errors.get_or_create(&OpLabel { op }).inc();
+        }
+        self.store_up.set(i64::from(ok));
+    }
+
+    pub fn lease_lost(&self, route: &str) {
+        self.lease_lost
+            .get_or_create(&RouteLabel {
+                route: route.to_string(),
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text exposition (Prometheus reads it).
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(8192);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

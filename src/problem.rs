@@ -1,0 +1,235 @@
+//! RFC 9457 problem details: every answer the proxy makes itself, from one kind → status mapping.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, StatusCode};
+
+use crate::key::KeyError;
+
+/// Every answer the proxy makes on its own.
+#[derive(Debug, Clone)]
+pub enum Problem {
+    MissingKey {
+        header: String,
+    },
+    InvalidKey {
+        header: String,
+        why: KeyError,
+    },
+    BodyTooLarge {
+        limit: u64,
+    },
+    /// The first request with this key is still in flight.
+    Conflict {
+        retry_after: Duration,
+    },
+    /// The key was used with a different request.
+    Mismatch,
+    /// The operation ran, but its answer was too large to keep.
+    NotStored,
+    StoreUnavailable,
+    /// Connect refused, DNS: the request never reached the upstream; the key was released.
+    UpstreamUnreachable,
+    /// Reset or cut off after the request was sent: the outcome is unknown.
+    /// `released`: the key was freed (so a retry re-executes) rather than the problem stored.
+    UpstreamReset {
+        released: bool,
+    },
+    UpstreamTimeout {
+        after: Duration,
+        released: bool,
+    },
+    /// The request body could not be read (the client went away or sent bad chunking).
+    BodyUnreadable,
+    ShuttingDown,
+}
+
+impl Problem {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Problem::MissingKey { .. } | Problem::InvalidKey { .. } | Problem::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Problem::Conflict { .. } => StatusCode::CONFLICT,
+            Problem::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Problem::NotStored => StatusCode::GONE,
+            Problem::StoreUnavailable | Problem::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::UpstreamUnreachable | Problem::UpstreamReset { .. } => StatusCode::BAD_GATEWAY,
+            Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The `type` member: a short stable name that tells apart problems sharing a status.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Problem::MissingKey { .. } => "idempotency-key-missing",
+            Problem::InvalidKey { .. } => "idempotency-key-invalid",
+            Problem::BodyTooLarge { .. } => "request-too-large",
+            Problem::Conflict { .. } => "request-in-progress",
+            Problem::Mismatch => "idempotency-key-reused",
+            Problem::NotStored => "response-not-stored",
+            Problem::StoreUnavailable => "store-unavailable",
+            Problem::UpstreamUnreachable => "upstream-unreachable",
+            Problem::UpstreamReset { .. } => "upstream-reset",
+            Problem::BodyUnreadable => "request-body-unreadable",
+            Problem::UpstreamTimeout { .. } => "upstream-timeout",
+            Problem::ShuttingDown => "shutting-down",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Problem::MissingKey { .. } => "Idempotency key is missing",
+            Problem::InvalidKey { .. } => "Idempotency key is invalid",
+            Problem::BodyTooLarge { .. } => "Request body is too large",
+            Problem::Conflict { .. } => {
+                "A request with this idempotency key is still being processed"
+            }
+            Problem::Mismatch => "Idempotency key was already used for a different request",
+            Problem::NotStored => "The operation was performed but its response cannot be replayed",
+            Problem::StoreUnavailable => "Idempotency store is unavailable",
+            Problem::UpstreamUnreachable => "Upstream is unreachable",
+            Problem::UpstreamReset { .. } => {
+                "Upstream connection failed after the request was sent"
+            }
+            Problem::BodyUnreadable => "Request body could not be read",
+            Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
+            Problem::ShuttingDown => "The proxy is shutting down",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::MissingKey { header } => format!(
+                "This endpoint requires an {header} header with a unique value per operation \
+                 (draft-ietf-httpapi-idempotency-key-header, section-2.1)."
+            ),
+            Problem::InvalidKey { header, why } => {
+                format!("The {header} header is not usable: {why} (draft-ietf-httpapi-idempotency-key-header, section-2.1).")
+            }
+            Problem::BodyTooLarge { limit } => {
+                format!("The request body exceeds the limit of {limit} bytes for this endpoint.")
+            }
+            Problem::Conflict { retry_after } => format!(
+                "The first request with this key has not finished; retry after {} s.",
+                retry_secs(*retry_after)
+            ),
+            Problem::Mismatch => "This idempotency key was used with a different method, path, query or body; \
+                                  use a new key for a new operation."
+                .to_string(),
+            Problem::NotStored => "The original request was executed, but its response was too large to keep. \
+                                   It will not be executed again."
+                .to_string(),
+            Problem::StoreUnavailable => {
+                "The request was not forwarded because its idempotency key could not be recorded; retry later."
+                    .to_string()
+            }
+            Problem::UpstreamUnreachable => {
+                "The upstream service could not be reached; the request was not executed and may be retried."
+                    .to_string()
+            }
+            Problem::UpstreamReset { released } => format!(
+                "The upstream connection failed after the request was sent; whether it was executed is unknown. {}",
+                if *released { "The key was released." } else { "Retries with this key get this answer." }
+            ),
+            Problem::UpstreamTimeout { after, released } => format!(
+                "The upstream did not answer within {} ms; whether the request was executed is unknown. {}",
+                after.as_millis(),
+                if *released { "The key was released." } else { "Retries with this key get this answer." }
+            ),
+            Problem::BodyUnreadable => "The request body ended early or was malformed.".to_string(),
+            Problem::ShuttingDown => "The proxy stopped before the request could be forwarded.".to_string(),
+        }
+    }
+
+    /// Can a client usefully send the same request again?
+    pub fn retryable(&self) -> bool {
+        match self {
+            Problem::Conflict { .. }
+            | Problem::StoreUnavailable
+            | Problem::UpstreamUnreachable
+            | Problem::ShuttingDown => true,
+            Problem::UpstreamReset { released } | Problem::UpstreamTimeout { released, .. } => {
+                *released
+            }
+            _ => false,
+        }
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            Problem::Conflict { retry_after } => Some(retry_secs(*retry_after)),
+            Problem::StoreUnavailable | Problem::ShuttingDown => Some(1),
+            _ => None,
+        }
+    }
+
+    /// Status, headers and body of the answer; `request_id` becomes `instance`.
+    pub fn render(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap, Bytes) {
+        let status = self.status();
+        let mut body = serde_json::json!({
+            "type": self.kind(),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.detail(),
+            "instance": format!("urn:uuid:{request_id}"),
+            "retryable": self.retryable(),
+        });
+        if let Problem::MissingKey { header } | Problem::InvalidKey { header, .. } = self {
+            body["idempotency_key"] = serde_json::json!({ "header": header });
+        }
+        let mut headers = HeaderMap::with_capacity(3);
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(secs) = self.retry_after() {
+            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        (status, headers, Bytes::from(bytes))
+    }
+}
+
+/// Whole seconds, rounded up, at least 1.
+pub fn retry_secs(d: Duration) -> u64 {
+    let ms = d.as_millis() as u64;
+    ms.div_ceil(1000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up_at_least_one() {
+        assert_eq!(retry_secs(Duration::from_millis(0)), 1);
+        assert_eq!(retry_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(retry_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_secs(Duration::from_secs(30)), 30);
+    }
+
+    #[test]
+    fn rendered_problem_has_the_rfc9457_members() {
+        let id = uuid::Uuid::new_v4();
+        let (status, headers, body) = Problem::Conflict {
+            retry_after: Duration::from_millis(2500),
+        }
+        .render(&id);
+        assert_eq!(status, 409);
+        assert_eq!(headers[CONTENT_TYPE], "application/problem+json");
+        assert_eq!(headers[CACHE_CONTROL], "no-store");
+        assert_eq!(headers[RETRY_AFTER], "3");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["type"], "request-in-progress");
+        assert_eq!(v["retryable"], true);
+        assert_eq!(v["instance"], format!("urn:uuid:{id}"));
+        assert!(v["title"].is_string() && v["detail"].is_string());
+    }
+}

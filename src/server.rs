@@ -1,0 +1,225 @@
+//! Listeners, the accept loops, the store health check, and draining on shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tracing::{error, info, warn};
+
+use crate::app::App;
+use crate::config::Config;
+use crate::store::StoreSetupError;
+use crate::{admin, proxy};
+
+/// Headers must arrive within this time, or the connection is closed (slowloris).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the store is pinged once it has answered (faster before that).
+const PING_EVERY: Duration = Duration::from_secs(2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreSetupError),
+}
+
+/// A bound, not yet running proxy. `bind` then `run`: tests and `main` use the same path.
+pub struct Server {
+    app: Arc<App>,
+    config: Config,
+    listener: TcpListener,
+    admin: TcpListener,
+}
+
+async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            what,
+            addr: addr.to_string(),
+            source,
+        })
+}
+
+impl Server {
+    pub async fn bind(config: Config) -> Result<Server, StartError> {
+        let app = App::new(&config)?;
+        let listener = bind("proxy", &config.server.listen).await?;
+        let admin = bind("admin", &config.server.admin_listen).await?;
+        Ok(Server {
+            app,
+            config,
+            listener,
+            admin,
+        })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.local_addr()
+    }
+
+    pub fn app(&self) -> Arc<App> {
+        self.app.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then drains: readiness off, no new
+    /// connections, in-flight requests finish and their records are stored.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let Server {
+            app,
+            config,
+            listener,
+            admin,
+        } = self;
+        let proxy_addr = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let admin_addr = admin
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        info!(
+            proxy = %proxy_addr,
+            admin = %admin_addr,
+            upstream = %config.server.upstream,
+            store = ?config.store.backend,
+            routes = config.routes.len(),
+            "listening"
+        );
+        if app.store.is_memory() {
+            warn!("store backend is \"memory\": records live in this process only; run one replica, or use redis");
+        }
+
+        let pinger = tokio::spawn(ping_store(app.clone()));
+        let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
+
+        let graceful = GracefulShutdown::new();
+        app.accepting.store(true, Ordering::Release);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (stream, peer) = match accepted {
+                        Ok(c) => c,
+                        Err(e) => {
+                            // Out of file descriptors and the like: back off instead of spinning.
+                            warn!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let app = app.clone();
+                    let service = service_fn(move |req| {
+                        let app = app.clone();
+                        async move { Ok::<_, Infallible>(proxy::handle(app, req, peer).await) }
+                    });
+                    let conn = http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(HEADER_READ_TIMEOUT)
+                        .serve_connection(TokioIo::new(stream), service);
+                    let conn = graceful.watch(conn);
+                    tokio::spawn(async move {
+                        let _ = conn.await;
+                    });
+                }
+                () = &mut shutdown => break,
+            }
+        }
+
+        // Draining.
+        app.draining.store(true, Ordering::Release);
+        app.accepting.store(false, Ordering::Release);
+        drop(listener);
+        let grace = config.server.shutdown_grace;
+        let deadline = tokio::time::Instant::now() + grace;
+        info!(
+            grace_ms = grace.as_millis() as u64,
+            "shutting down: draining connections"
+        );
+        if tokio::time::timeout_at(deadline, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            warn!("shutdown grace ran out with connections still open");
+        }
+        app.tasks.close();
+        if tokio::time::timeout_at(deadline, app.tasks.wait())
+            .await
+            .is_err()
+        {
+            warn!(
+                tasks = app.tasks.len(),
+                "shutdown grace ran out with upstream calls in flight; their leases will expire"
+            );
+        }
+        pinger.abort();
+        admin_task.abort();
+        info!("stopped");
+    }
+}
+
+/// Pings the store: marks it answered (for `/readyz`) and keeps `idemproxy_store_up` current.
+async fn ping_store(app: Arc<App>) {
+    loop {
+        let ok = match app.store.ping().await {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(error = %e, "store ping failed");
+                false
+            }
+        };
+        if ok && !app.store_answered.swap(true, Ordering::AcqRel) {
+            info!("store answered");
+        }
+        let wait = if app.store_answered.load(Ordering::Acquire) {
+            PING_EVERY
+        } else {
+            Duration::from_millis(250)
+        };
+        tokio::time::sleep(wait).await;
+    }
+}
+
+async fn serve_admin(app: Arc<App>, listener: TcpListener) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                error!(error = %e, "admin accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let app = app.clone();
+        let service = service_fn(move |req| {
+            let app = app.clone();
+            async move { Ok::<_, Infallible>(admin::handle(app, req).await) }
+        });
+        tokio::spawn(async move {
+            let _ = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
