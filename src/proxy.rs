@@ -110,7 +110,7 @@ pub async fn handle(app: Arc<App>, mut req: Request<Incoming>, peer: SocketAddr)
         outcome = handled.outcome.as_str(),
         status = handled.response.status().as_u16(),
         duration_ms = start.elapsed().as_secs_f64() * 1000.0,
-        record_id = handled.record_id.as_deref().unwrap_or(""),
+        record_id = handled.record_id.as_deref(),
         "request"
     );
     handled.response
