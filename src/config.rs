@@ -77,9 +77,11 @@ impl HumanDuration {
                         "invalid duration \"{text}\": a unit is required (ms, s, m, h, d)"
                     ))
                 }
-                other => return Err(format!(
+                other => {
+                    return Err(format!(
                     "invalid duration \"{text}\": unknown unit \"{other}\" (units: ms, s, m, h, d)"
-                )),
+                ))
+                }
             };
             total = total
                 .checked_add(number.saturating_mul(ms_per_unit))

@@ -32,8 +32,10 @@ struct Demo {
 fn json(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -79,7 +81,9 @@ async fn handle(demo: Arc<Demo>, req: Request<Incoming>) -> Response<Full<Bytes>
 }
 
 fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 #[tokio::main]
@@ -90,7 +94,9 @@ async fn main() -> std::io::Result<()> {
         return Ok(());
     }
     let listen = arg(&args, "--listen").unwrap_or_else(|| "127.0.0.1:3000".to_string());
-    let delay_ms: u64 = arg(&args, "--delay-ms").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let delay_ms: u64 = arg(&args, "--delay-ms")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     let demo = Arc::new(Demo {
         charges: AtomicU64::new(0),
         delay: Duration::from_millis(delay_ms),
@@ -105,7 +111,9 @@ async fn main() -> std::io::Result<()> {
                 let demo = demo.clone();
                 async move { Ok::<_, Infallible>(handle(demo, req).await) }
             });
-            let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
         });
     }
 }
