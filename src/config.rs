@@ -108,12 +108,8 @@ impl<'de> Deserialize<'de> for HumanDuration {
 impl fmt::Display for HumanDuration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ms = self.0.as_millis();
-        for (unit, size) in [
-            ("d", 86_400_000u128),
-            ("h", 3_600_000),
-            ("m", 60_000),
-            ("s", 1_000),
-        ] {
+        // Hours at most: "48h" reads better than "2d" next to a config that says "48h".
+        for (unit, size) in [("h", 3_600_000u128), ("m", 60_000), ("s", 1_000)] {
             if ms % size == 0 {
                 return write!(f, "{}{unit}", ms / size);
             }
@@ -828,12 +824,21 @@ fn located(file: &str, text: &str, offset: usize, message: String) -> ConfigErro
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
     let column = before[line_start..].chars().count() + 1;
     let line_text = text[line_start..].lines().next().unwrap_or("");
+    // The enclosing table: "[server]" → "server"; the n-th "[[routes]]" → "routes[n]".
     let section = before
         .lines()
         .rev()
         .map(str::trim)
         .find(|l| l.starts_with('['))
-        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string());
+        .map(|header| {
+            let name = header.trim_matches(|c| c == '[' || c == ']').trim();
+            if header.starts_with("[[") {
+                let index = before.lines().filter(|l| l.trim() == header).count() - 1;
+                format!("{name}[{index}]")
+            } else {
+                name.to_string()
+            }
+        });
     let key_on_line = line_text
         .split_once('=')
         .map(|(k, _)| k.trim().to_string())

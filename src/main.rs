@@ -112,23 +112,23 @@ fn main() -> ExitCode {
 fn print_check(config: &Config) {
     println!("configuration {} is valid", config.source);
     println!(
-        "upstream {}  listen {}  admin {}  store {:?}",
+        "upstream {}  listen {}  admin {}  store {}",
         config.server.upstream,
         config.server.listen,
         config.server.admin_listen,
-        config.store.backend
+        format!("{:?}", config.store.backend).to_lowercase()
     );
     for r in config.routes.iter() {
         let methods: Vec<&str> = r.methods.iter().map(|m| m.as_str()).collect();
         println!(
-            "route {} methods={} path={} key={:?} ttl={} lease={} mode={:?}",
+            "route {} methods={} path={} key={} ttl={} lease={} mode={}",
             r.name,
             methods.join(","),
             r.path,
-            r.policy.key,
+            format!("{:?}", r.policy.key).to_lowercase(),
             idemproxy::config::HumanDuration(r.policy.ttl),
             idemproxy::config::HumanDuration(r.policy.lease),
-            r.policy.mode,
+            format!("{:?}", r.policy.mode).to_lowercase(),
         );
     }
     if config.routes.is_empty() {

@@ -1,0 +1,271 @@
+//! The binary as an operator meets it: flags, env vars, exit codes, start-up and shutdown.
+
+mod support;
+
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+
+use support::*;
+
+fn idemproxy() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    c.env_remove("IDEMPROXY_CONFIG")
+        .env_remove("IDEMPROXY_UPSTREAM")
+        .env_remove("IDEMPROXY_LISTEN")
+        .env_remove("IDEMPROXY_REDIS_URL");
+    c
+}
+
+#[test]
+fn check_prints_the_resolved_routes_and_exits_0() {
+    let out = idemproxy()
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/config/idemproxy.toml"),
+            "--check",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let routes: Vec<&str> = stdout.lines().filter(|l| l.starts_with("route ")).collect();
+    assert_eq!(routes.len(), 3, "{stdout}");
+    assert!(
+        routes[0].contains("payments")
+            && routes[0].contains("POST")
+            && routes[0].contains("/v1/payments")
+    );
+    assert!(
+        routes[0].contains("ttl=48h")
+            && routes[0].contains("lease=30s")
+            && routes[0].contains("key=required")
+    );
+    assert!(routes[2].contains("key=optional"));
+}
+
+#[test]
+fn check_reads_no_secrets_and_contacts_no_store() {
+    let cfg = write_config(
+        "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1/0\"\npassword_file = \"/nonexistent/secret\"\n",
+    );
+    let out = idemproxy()
+        .arg("--config")
+        .arg(cfg.path())
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Starting for real needs the secret: exit 1, naming the file.
+    let out = idemproxy()
+        .arg("--config")
+        .arg(cfg.path())
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/secret"));
+}
+
+#[test]
+fn invalid_configuration_exits_2_naming_file_line_and_key() {
+    let cfg = write_config(
+        "[server]\nupstream = \"http://127.0.0.1:1\"\n\n[defaults]\nttl = \"forever\"\n",
+    );
+    for extra in [&["--check"][..], &[][..]] {
+        let out = idemproxy()
+            .arg("--config")
+            .arg(cfg.path())
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        let place = format!("{}:5:7", cfg.path().display());
+        assert!(
+            err.contains(&place) && err.contains("defaults.ttl"),
+            "{err}"
+        );
+    }
+    let out = idemproxy()
+        .args(["--config", "/nonexistent.toml", "--check"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.toml"));
+    let out = idemproxy().arg("--no-such-flag").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = idemproxy()
+        .args(["--log-format", "xml", "--check"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn env_vars_stand_in_for_flags() {
+    let cfg = write_config("[[routes]]\nname = \"p\"\npath = \"/p\"\n");
+    let out = idemproxy()
+        .env("IDEMPROXY_CONFIG", cfg.path())
+        .env("IDEMPROXY_UPSTREAM", "http://127.0.0.1:4444")
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("http://127.0.0.1:4444"));
+}
+
+#[test]
+fn a_port_in_use_exits_1() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = idemproxy()
+        .args(["--upstream", "http://127.0.0.1:1", "--listen", &addr])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&addr));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_store_is_not_a_startup_failure() {
+    let upstream = TestUpstream::start().await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let store = format!("[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{port}/0\"\nop_timeout = \"200ms\"\n");
+    let proxy = Proxy::spawn(&config_text(&upstream.url(), &store, ROUTES), &[]).await;
+    assert_eq!(get(&proxy.admin_url("/healthz")).await.unwrap().status, 200);
+    assert_eq!(
+        get(&proxy.admin_url("/readyz")).await.unwrap().status,
+        503,
+        "not ready before the store answers"
+    );
+    let r = Call::post(&proxy.url("/v1/payments"))
+        .key("k")
+        .body("x")
+        .await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["type"], "store-unavailable");
+    assert_eq!(r.json()["retryable"], true);
+    assert!(r.header("retry-after").unwrap().parse::<u64>().unwrap() >= 1);
+    assert!(
+        !String::from_utf8_lossy(&r.body).contains(&port.to_string()),
+        "no internal address leaks"
+    );
+    assert_eq!(
+        upstream.hits(),
+        0,
+        "not forwarded when the key cannot be recorded"
+    );
+    // Pass-through does not need the store.
+    assert_eq!(
+        Call::new("GET", &proxy.url("/other")).send().await.status,
+        201
+    );
+    let metrics = get(&proxy.admin_url("/metrics")).await.unwrap();
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("idemproxy_store_up 0"), "{text}");
+    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"store_error\"} 1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_request_in_flight_finish_and_exits_0() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let store = store_section(Backend::Redis, Some(&redis));
+    let mut proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let url = proxy.url("/v1/payments");
+    let in_flight = tokio::spawn({
+        let url = url.clone();
+        async move {
+            Call::post(&url)
+                .key("k-term")
+                .header("x-test-hold", "1")
+                .body("x")
+                .await
+        }
+    });
+    upstream.wait_hits(1).await;
+    proxy.signal("TERM");
+    let admin = proxy.admin_url("/readyz");
+    eventually("readiness withdrawn", DEADLINE, || {
+        let admin = admin.clone();
+        async move {
+            match get(&admin).await {
+                Ok(r) if r.status == 200 => None,
+                _ => Some(()),
+            }
+        }
+    })
+    .await;
+    upstream.release(1);
+    let r = in_flight.await.unwrap();
+    assert_eq!(r.status, 201, "the request in flight gets its real answer");
+    assert_eq!(proxy.wait_exit().await, Some(0));
+    // The record is there for a new process.
+    let proxy2 = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let again = Call::post(&proxy2.url("/v1/payments"))
+        .key("k-term")
+        .header("x-test-hold", "1")
+        .body("x")
+        .await;
+    assert!(again.is_replay());
+    assert_eq!(again.body, r.body);
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quickstart_config_in_front_of_the_demo_upstream() {
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_demo-upstream"))
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(demo.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let demo_addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let quickstart = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/config/quickstart.toml"
+    ))
+    .unwrap()
+    .replace("127.0.0.1:8080", "127.0.0.1:0")
+    .replace("127.0.0.1:9901", "127.0.0.1:0")
+    .replace("127.0.0.1:3000", &demo_addr);
+    let proxy = Proxy::start(&quickstart).await;
+    let url = proxy.url("/v1/payments");
+    let pay = || {
+        Call::post(&url)
+            .key("order-1001-attempt")
+            .header("content-type", "application/json")
+            .body(r#"{"amount": 4200}"#)
+    };
+    let first = pay().await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("location"), Some("/v1/payments/pay_1"));
+    let retry = pay().await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    let charges = get(&proxy.url("/v1/charges")).await.unwrap();
+    assert_eq!(charges.json()["charges"], 1, "one charge for two attempts");
+    let _ = demo.kill();
+    let _ = demo.wait();
+}

@@ -1,0 +1,350 @@
+//! Configuration: every shipped file loads, and each validation rule fails with file, place and key.
+
+use std::time::Duration;
+
+use idemproxy::config::{
+    Backend, ByteSize, Concurrent, Config, FingerprintBody, HumanDuration, KeyMode, Overrides,
+};
+use proptest::prelude::*;
+
+const BASE: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
+
+fn load(text: &str) -> Result<Config, String> {
+    Config::from_toml(text, "test.toml", &Overrides::default()).map_err(|e| e.to_string())
+}
+
+/// Asserts that `text` is rejected with a message containing each of `parts`.
+fn rejects(text: &str, parts: &[&str]) {
+    let err = match load(text) {
+        Ok(_) => panic!("accepted:\n{text}"),
+        Err(e) => e,
+    };
+    for p in parts {
+        assert!(err.contains(p), "error {err:?} should contain {p:?}");
+    }
+}
+
+#[test]
+fn every_shipped_config_file_loads() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/config")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            Config::load(Some(&path), &Overrides::default())
+                .unwrap_or_else(|e| panic!("{} does not load: {e}", path.display()));
+            n += 1;
+        }
+    }
+    assert!(
+        n >= 2,
+        "config/ holds the reference and the quickstart files"
+    );
+}
+
+#[test]
+fn reference_config_resolves_defaults_and_overrides() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/idemproxy.toml");
+    let c = Config::load(Some(path.as_ref()), &Overrides::default()).unwrap();
+    assert_eq!(c.store.backend, Backend::Redis);
+    let routes: Vec<_> = c.routes.iter().collect();
+    assert_eq!(routes[0].name, "payments");
+    assert_eq!(routes[0].policy.ttl, Duration::from_secs(48 * 3600));
+    assert_eq!(
+        routes[0].policy.lease,
+        Duration::from_secs(30),
+        "inherited from [defaults]"
+    );
+    assert_eq!(routes[1].policy.fingerprint_body, FingerprintBody::Json);
+    assert_eq!(routes[2].policy.key, KeyMode::Optional);
+    assert_eq!(routes[2].policy.concurrent, Concurrent::Wait);
+    assert_eq!(routes[2].methods.len(), 3);
+    assert!(c
+        .routes
+        .find(&http::Method::PATCH, "/v1/orders/42")
+        .is_some_and(|r| r.name == "orders"));
+    assert!(c.routes.find(&http::Method::GET, "/v1/payments").is_none());
+}
+
+#[test]
+fn defaults_without_a_file() {
+    let c = Config::from_toml(
+        "",
+        "<none>",
+        &Overrides {
+            upstream: Some("http://127.0.0.1:3000".into()),
+            ..Overrides::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.server.listen, "0.0.0.0:8080");
+    assert_eq!(c.server.admin_listen, "127.0.0.1:9901");
+    assert_eq!(c.server.upstream_timeout, Duration::from_secs(30));
+    assert_eq!(c.server.shutdown_grace, Duration::from_secs(20));
+    assert_eq!(c.store.backend, Backend::Memory);
+    assert_eq!(c.store.key_prefix, "idemproxy");
+    assert_eq!(c.store.op_timeout, Duration::from_millis(500));
+    assert!(c.routes.is_empty());
+}
+
+#[test]
+fn overrides_win_and_redis_url_selects_redis() {
+    let text = format!("{BASE}listen = \"127.0.0.1:1\"\n[store]\nbackend = \"memory\"\n");
+    let c = Config::from_toml(
+        &text,
+        "t.toml",
+        &Overrides {
+            listen: Some("127.0.0.1:2".into()),
+            upstream: Some("http://10.0.0.1:9".into()),
+            redis_url: Some("redis://127.0.0.1:7000/1".into()),
+        },
+    )
+    .unwrap();
+    assert_eq!(c.server.listen, "127.0.0.1:2");
+    assert_eq!(c.server.upstream.to_string(), "http://10.0.0.1:9");
+    assert_eq!(c.store.backend, Backend::Redis);
+    assert_eq!(c.store.url, "redis://127.0.0.1:7000/1");
+}
+
+#[test]
+fn unknown_keys_are_errors_with_line_and_column() {
+    rejects(
+        &format!("{BASE}lissten = \"x\"\n"),
+        &["test.toml:3:1", "server.lissten", "unknown field"],
+    );
+    rejects(
+        &format!("{BASE}[store]\nbackend = \"redis\"\nurll = \"x\"\n"),
+        &["test.toml:5:1", "store.urll"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nttll = \"1s\"\n"),
+        &["test.toml:6:1", "routes[0].ttll", "unknown field"],
+    );
+    rejects(&format!("{BASE}[extra]\n"), &["unknown field `extra`"]);
+}
+
+#[test]
+fn upstream_is_required_and_checked() {
+    rejects("", &["server.upstream", "required"]);
+    rejects(
+        "[server]\nupstream = \"https://x:1\"\n",
+        &["test.toml:2:1", "server.upstream", "only http://"],
+    );
+    rejects(
+        "[server]\nupstream = \"not a url\"\n",
+        &["server.upstream", "invalid upstream URL"],
+    );
+    rejects(
+        "[server]\nupstream = \"http://x:1/?a=1\"\n",
+        &["a query is not allowed"],
+    );
+}
+
+#[test]
+fn listen_addresses_are_checked() {
+    rejects(
+        &format!("{BASE}listen = \"localhost\"\n"),
+        &["server.listen", "invalid listen address"],
+    );
+    rejects(
+        &format!("{BASE}admin_listen = \"1.2.3.4\"\n"),
+        &["server.admin_listen"],
+    );
+}
+
+#[test]
+fn durations_are_human_and_positive() {
+    rejects(
+        &format!("{BASE}upstream_timeout = \"30\"\n"),
+        &[
+            "test.toml:3:20",
+            "server.upstream_timeout",
+            "a unit is required",
+        ],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nttl = \"24x\"\n"),
+        &["test.toml:4:7", "defaults.ttl", "unknown unit \"x\""],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nlease = \"0s\"\n"),
+        &["defaults.lease", "greater than zero"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nlease = 30\n"),
+        &["defaults.lease"],
+    );
+    rejects(
+        &format!("{BASE}[store]\nop_timeout = \"\"\n"),
+        &["store.op_timeout", "empty duration"],
+    );
+    assert_eq!(
+        HumanDuration::parse("1m30s").unwrap().0,
+        Duration::from_secs(90)
+    );
+    assert_eq!(
+        HumanDuration::parse("250ms").unwrap().0,
+        Duration::from_millis(250)
+    );
+    assert_eq!(
+        HumanDuration::parse("1d").unwrap().0,
+        Duration::from_secs(86400)
+    );
+    assert_eq!(HumanDuration::parse("2h30m").unwrap().to_string(), "150m");
+}
+
+#[test]
+fn sizes_have_units_and_are_positive() {
+    rejects(
+        &format!("{BASE}[defaults]\nmax_request_body = \"1 Mb\"\n"),
+        &["defaults.max_request_body", "unknown unit \"Mb\""],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nmax_response_body = 0\n"),
+        &["defaults.max_response_body", "greater than zero"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nmax_response_body = \"0KiB\"\n"),
+        &["greater than zero"],
+    );
+    assert_eq!(ByteSize::parse("64KiB").unwrap().0, 65536);
+    assert_eq!(ByteSize::parse("1KB").unwrap().0, 1000);
+    assert_eq!(ByteSize::parse("1000").unwrap().0, 1000);
+    assert_eq!(ByteSize::parse("2GiB").unwrap().0, 2 << 30);
+    let c = load(&format!("{BASE}[defaults]\nmax_request_body = 2048\n")).unwrap();
+    let _ = c;
+}
+
+#[test]
+fn route_names_are_unique_and_required() {
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\n[[routes]]\nname = \"a\"\npath = \"/b\"\n"),
+        &["test.toml:7:8", "routes[1].name", "duplicate route name \"a\""],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\npath = \"/a\"\n"),
+        &["routes[0].name", "needs a unique `name`"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a b\"\npath = \"/a\"\n"),
+        &["routes[0].name", "invalid route name"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\n"),
+        &["routes[0].path", "needs a `path`"],
+    );
+}
+
+#[test]
+fn methods_and_paths_are_checked() {
+    rejects(
+        &format!(
+            "{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nmethods = [\"POST\", \"P OST\"]\n"
+        ),
+        &["routes[0].methods", "invalid HTTP method \"P OST\""],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nmethods = []\n"),
+        &["lists no methods"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"a\"\n"),
+        &["routes[0].path", "must start with '/'"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a/{{x\"\n"),
+        &["is not a parameter"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a/*/b\"\n"),
+        &["whole last segment"],
+    );
+    // Lower-case methods are accepted and normalised.
+    let c = load(&format!(
+        "{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nmethods = [\"put\"]\n"
+    ))
+    .unwrap();
+    assert!(c.routes.find(&http::Method::PUT, "/a").is_some());
+}
+
+#[test]
+fn policy_values_are_checked() {
+    rejects(
+        &format!("{BASE}[defaults]\nkey = \"sometimes\"\n"),
+        &["defaults.key", "unknown variant `sometimes`"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nconcurrent = \"queue\"\n"),
+        &["defaults.concurrent"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nrelease_statuses = [700]\n"),
+        &["defaults.release_statuses", "invalid HTTP status 700"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nscope_headers = [\"bad header\"]\n"),
+        &["defaults.scope_headers", "invalid header name"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nmax_key_length = 0\n"),
+        &["defaults.max_key_length", "1..=4096"],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\npath = \"/x\"\n"),
+        &["defaults.path", "belongs in a [[routes]] entry"],
+    );
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nmode = \"audit\"\n"),
+        &["test.toml:6:8", "routes[0].mode"],
+    );
+}
+
+#[test]
+fn store_values_are_checked() {
+    rejects(
+        &format!("{BASE}[store]\nbackend = \"redis\"\nurl = \"http://x\"\n"),
+        &["store.url", "redis:// or rediss://"],
+    );
+    rejects(
+        &format!("{BASE}[store]\nbackend = \"postgres\"\n"),
+        &["store.backend"],
+    );
+    rejects(
+        &format!("{BASE}[store]\nkey_prefix = \"a b\"\n"),
+        &["store.key_prefix"],
+    );
+    rejects(
+        &format!("{BASE}[store]\nbackend = \"redis\"\nmode = \"cluster\"\n"),
+        &["store.nodes", "seed node"],
+    );
+}
+
+#[test]
+fn bad_toml_syntax_names_the_place() {
+    rejects(&format!("{BASE}[defaults\n"), &["test.toml:3:"]);
+}
+
+#[test]
+fn route_headers_are_lowercased_and_sorted() {
+    let c = load(&format!(
+        "{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nscope_headers = [\"X-Tenant\", \"Authorization\"]\n"
+    ))
+    .unwrap();
+    let r = c.routes.iter().next().unwrap();
+    let names: Vec<_> = r.policy.scope_headers.iter().map(|h| h.as_str()).collect();
+    assert_eq!(names, ["authorization", "x-tenant"]);
+}
+
+proptest! {
+    #[test]
+    fn any_duration_written_in_one_unit_roundtrips(n in 1u64..100_000, unit in 0usize..5) {
+        let (suffix, ms) = [("ms", 1u64), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000)][unit];
+        let d = HumanDuration::parse(&format!("{n}{suffix}")).unwrap();
+        prop_assert_eq!(d.0, Duration::from_millis(n * ms));
+        prop_assert_eq!(HumanDuration::parse(&d.to_string()).unwrap(), d);
+    }
+
+    #[test]
+    fn config_loader_never_panics(text in "\\PC{0,200}") {
+        let _ = load(&text);
+    }
+}

@@ -1,0 +1,184 @@
+//! What reaches Redis: round trips per request, key names, stored bytes.
+
+mod support;
+
+use support::*;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+/// A `MONITOR` connection: top-level commands as Redis sees them.
+struct Monitor {
+    lines: tokio::io::Lines<BufReader<TcpStream>>,
+    port: u16,
+}
+
+impl Monitor {
+    async fn start(redis: &RedisServer) -> Monitor {
+        let mut s = TcpStream::connect(("127.0.0.1", redis.port)).await.unwrap();
+        s.write_all(b"MONITOR\r\n").await.unwrap();
+        let mut lines = BufReader::new(s).lines();
+        let ok = lines.next_line().await.unwrap().unwrap();
+        assert_eq!(ok, "+OK");
+        Monitor {
+            lines,
+            port: redis.port,
+        }
+    }
+
+    /// The top-level commands (not those a script runs) that touched a record
+    /// key since the last call. A marker command closes the window, so nothing
+    /// is missed or counted twice.
+    async fn record_commands(&mut self, marker: &str) -> Vec<String> {
+        let mut c = TcpStream::connect(("127.0.0.1", self.port)).await.unwrap();
+        c.write_all(format!("ECHO {marker}\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        loop {
+            let line = tokio::time::timeout(DEADLINE, self.lines.next_line())
+                .await
+                .expect("monitor line")
+                .unwrap()
+                .unwrap();
+            if line.contains(marker) {
+                return out;
+            }
+            if line.contains("\"idemproxy:") && !line.contains("[0 lua]") {
+                out.push(line);
+            }
+        }
+    }
+}
+
+async fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]).await;
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_key_costs_two_round_trips_and_a_replay_one() {
+    let env = Env::start(Backend::Redis).await;
+    let redis = env.redis.as_ref().unwrap();
+    let mut monitor = Monitor::start(redis).await;
+    let url = env.url("/v1/payments");
+    let before = evalsha_calls(redis).await;
+
+    let first = Call::post(&url).key("k-rt").body("x").await;
+    assert_eq!(first.status, 201);
+    let cmds = monitor.record_commands("marker-new").await;
+    assert_eq!(
+        cmds.len(),
+        2,
+        "a new key: reserve and complete, nothing else: {cmds:#?}"
+    );
+    assert!(
+        cmds.iter()
+            .all(|c| c.to_ascii_lowercase().contains("\"evalsha\"")),
+        "{cmds:#?}"
+    );
+    let after_new = evalsha_calls(redis).await;
+    assert_eq!(after_new - before, 2);
+
+    let again = Call::post(&url).key("k-rt").body("x").await;
+    assert!(again.is_replay());
+    let cmds = monitor.record_commands("marker-replay").await;
+    assert_eq!(cmds.len(), 1, "a replay is one round trip: {cmds:#?}");
+    assert_eq!(evalsha_calls(redis).await - after_new, 1);
+
+    // A conflict and a mismatch are one round trip too.
+    Call::post(&url).key("k-rt").body("other").await;
+    assert_eq!(monitor.record_commands("marker-mismatch").await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_holds_neither_the_raw_key_nor_credentials() {
+    let env = Env::start(Backend::Redis).await;
+    let redis = env.redis.as_ref().unwrap();
+    let key = "raw-key-SHOULD-NOT-LEAK-4242";
+    let token = "Bearer tok-SECRET-9999";
+    let r = Call::post(&env.url("/v1/payments"))
+        .key(key)
+        .header("authorization", token)
+        .header("cookie", "sid=COOKIE-SECRET")
+        .header("x-test-body-bytes", "64")
+        .body("{\"amount\":1}")
+        .await;
+    assert_eq!(r.status, 201);
+    let keys = redis.keys().await;
+    assert_eq!(keys.len(), 1);
+    let name = &keys[0];
+    assert!(
+        !name.contains(key) && !name.contains("tok-SECRET"),
+        "{name}"
+    );
+    let id = name
+        .strip_prefix("idemproxy:")
+        .expect("the configured prefix");
+    assert_eq!(id.len(), 64);
+    assert!(id.chars().all(|c| c.is_ascii_hexdigit()));
+
+    let mut c = redis.conn().await.unwrap();
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(name)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&value);
+    for secret in [key, "tok-SECRET-9999", "COOKIE-SECRET", "secret-session"] {
+        assert!(!text.contains(secret), "stored record contains {secret:?}");
+    }
+    assert_eq!(value[0], 1, "records carry their format version");
+    assert_eq!(value[1], b'F', "finished");
+
+    // The record id in the log line names the store key.
+    let logs = env.proxy.logs();
+    assert!(
+        logs.iter().any(|l| l.contains(id)),
+        "the request log line carries the record id"
+    );
+    assert!(
+        !logs
+            .iter()
+            .any(|l| l.contains(key) || l.contains("tok-SECRET")),
+        "logs hold no key or secret"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservation_is_processing_with_the_lease_while_in_flight() {
+    let env = Env::start(Backend::Redis).await;
+    let redis = env.redis.as_ref().unwrap();
+    let url = env.url("/v1/payments");
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move {
+            Call::post(&url)
+                .key("k-lease")
+                .header("x-test-hold", "1")
+                .body("x")
+                .await
+        }
+    });
+    env.upstream.wait_hits(1).await;
+    let keys = redis.keys().await;
+    assert_eq!(keys.len(), 1);
+    let mut c = redis.conn().await.unwrap();
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&keys[0])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(value[1], b'P', "processing while the upstream works");
+    let pttl: i64 = redis.cmd(&["PTTL", &keys[0]]).await;
+    assert!(pttl > 0 && pttl <= 10_000, "the 10 s lease, got {pttl}");
+    env.upstream.release(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    let pttl: i64 = redis.cmd(&["PTTL", &keys[0]]).await;
+    assert!(
+        pttl > 10_000,
+        "after completion the 24 h TTL applies, got {pttl}"
+    );
+}
