@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
@@ -25,6 +26,10 @@ pub struct App {
     pub store_answered: AtomicBool,
     /// SIGTERM/SIGINT received: readiness is withdrawn.
     pub draining: AtomicBool,
+    /// `shutdown_grace` ran out: requests still waiting for the upstream stop waiting.
+    pub hard_stop: CancellationToken,
+    /// A protected request's body must arrive within this time.
+    pub body_read_timeout: std::time::Duration,
 }
 
 impl App {
@@ -44,6 +49,8 @@ impl App {
             accepting: AtomicBool::new(false),
             store_answered: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            hard_stop: CancellationToken::new(),
+            body_read_timeout: config.server.body_read_timeout,
         }))
     }
 

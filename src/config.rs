@@ -318,6 +318,10 @@ struct RawServer {
     admin_listen: Option<String>,
     upstream_timeout: Option<HumanDuration>,
     shutdown_grace: Option<HumanDuration>,
+    header_read_timeout: Option<HumanDuration>,
+    body_read_timeout: Option<HumanDuration>,
+    max_connections: Option<toml::Spanned<i64>>,
+    max_header_bytes: Option<ByteSize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -377,6 +381,14 @@ pub struct ServerConfig {
     pub admin_listen: String,
     pub upstream_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// Request headers must arrive within this time (slowloris defence).
+    pub header_read_timeout: Duration,
+    /// A protected request's body must arrive within this time (408 otherwise).
+    pub body_read_timeout: Duration,
+    /// Client connections open at once; beyond it new ones wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// The request line and headers together; larger → 431.
+    pub max_header_bytes: usize,
 }
 
 /// The upstream base URL, checked: `http://host[:port]` with an optional path prefix.
@@ -561,6 +573,32 @@ fn build(raw: RawFile, text: &str, file: &str, ov: &Overrides) -> Result<Config,
         .unwrap_or_else(|| "127.0.0.1:9901".to_string());
     check_addr(&admin_listen)
         .map_err(|m| at_key(file, text, "admin_listen", "server.admin_listen", m))?;
+    let max_connections = match &raw.server.max_connections {
+        None => 10_000,
+        Some(v) if (1..=1_000_000).contains(v.get_ref()) => *v.get_ref() as usize,
+        Some(v) => {
+            return Err(located(
+                file,
+                text,
+                v.span().start,
+                format!(
+                    "server.max_connections: invalid value {}: expected 1..=1000000",
+                    v.get_ref()
+                ),
+            ))
+        }
+    };
+    if let Some(b) = raw.server.max_header_bytes {
+        if !(8192..=1 << 20).contains(&b.0) {
+            return Err(at_key(
+                file,
+                text,
+                "max_header_bytes",
+                "server.max_header_bytes",
+                format!("invalid value {}: expected 8KiB..=1MiB", b.0),
+            ));
+        }
+    }
     let server = ServerConfig {
         listen,
         upstream,
@@ -573,6 +611,19 @@ fn build(raw: RawFile, text: &str, file: &str, ov: &Overrides) -> Result<Config,
             .server
             .shutdown_grace
             .map_or(Duration::from_secs(20), |d| d.0),
+        header_read_timeout: raw
+            .server
+            .header_read_timeout
+            .map_or(Duration::from_secs(10), |d| d.0),
+        body_read_timeout: raw
+            .server
+            .body_read_timeout
+            .map_or(Duration::from_secs(30), |d| d.0),
+        max_connections,
+        max_header_bytes: raw
+            .server
+            .max_header_bytes
+            .map_or(64 * 1024, |b| b.0 as usize),
     };
 
     // [store]

@@ -43,6 +43,10 @@ pub enum Problem {
     },
     /// The request body could not be read (the client went away or sent bad chunking).
     BodyUnreadable,
+    /// The request body did not arrive in time.
+    BodyTimeout {
+        after: Duration,
+    },
     ShuttingDown,
 }
 
@@ -53,6 +57,7 @@ impl Problem {
                 StatusCode::BAD_REQUEST
             }
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Problem::Conflict { .. } => StatusCode::CONFLICT,
             Problem::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::NotStored => StatusCode::GONE,
@@ -75,6 +80,7 @@ impl Problem {
             Problem::UpstreamUnreachable => "upstream-unreachable",
             Problem::UpstreamReset { .. } => "upstream-reset",
             Problem::BodyUnreadable => "request-body-unreadable",
+            Problem::BodyTimeout { .. } => "request-body-timeout",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
             Problem::ShuttingDown => "shutting-down",
         }
@@ -96,6 +102,7 @@ impl Problem {
                 "Upstream connection failed after the request was sent"
             }
             Problem::BodyUnreadable => "Request body could not be read",
+            Problem::BodyTimeout { .. } => "Request body did not arrive in time",
             Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
             Problem::ShuttingDown => "The proxy is shutting down",
         }
@@ -141,6 +148,10 @@ impl Problem {
                 if *released { "The key was released." } else { "Retries with this key get this answer." }
             ),
             Problem::BodyUnreadable => "The request body ended early or was malformed.".to_string(),
+            Problem::BodyTimeout { after } => format!(
+                "The request body did not arrive within {} ms; nothing was executed.",
+                after.as_millis()
+            ),
             Problem::ShuttingDown => "The proxy stopped before the request could be forwarded.".to_string(),
         }
     }

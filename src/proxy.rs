@@ -267,7 +267,22 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
 
     // 2. The body, capped before it is buffered.
     let (parts, body) = req.into_parts();
-    let body = match read_capped(body, policy.max_request_body).await {
+    let read = tokio::time::timeout(
+        app.body_read_timeout,
+        read_capped(body, policy.max_request_body),
+    );
+    let body = match read.await {
+        Err(_) => {
+            return problem(
+                Problem::BodyTimeout {
+                    after: app.body_read_timeout,
+                },
+                Outcome::BadRequest,
+            )
+        }
+        Ok(read) => read,
+    };
+    let body = match body {
         Ok(Capped::Whole(b)) => b,
         Ok(Capped::TooLarge(read, rest)) if shadow => {
             return forward_unprotected(

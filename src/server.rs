@@ -12,6 +12,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tracing::{error, info, warn};
 
 use crate::app::App;
@@ -19,8 +20,10 @@ use crate::config::Config;
 use crate::store::StoreSetupError;
 use crate::{admin, proxy};
 
-/// Headers must arrive within this time, or the connection is closed (slowloris).
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Admin requests' headers must arrive within this time.
+const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// After `shutdown_grace`, how long requests cut short get to record their outcome.
+const HARD_STOP_WINDOW: Duration = Duration::from_secs(2);
 /// How often the store is pinged once it has answered (faster before that).
 const PING_EVERY: Duration = Duration::from_secs(2);
 
@@ -112,9 +115,22 @@ impl Server {
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
 
         let graceful = GracefulShutdown::new();
+        let slots = Arc::new(Semaphore::new(config.server.max_connections));
+        let mut http = http1::Builder::new();
+        http.timer(TokioTimer::new())
+            .header_read_timeout(config.server.header_read_timeout)
+            .max_buf_size(config.server.max_header_bytes.max(8192));
         app.accepting.store(true, Ordering::Release);
         tokio::pin!(shutdown);
         loop {
+            // At the connection limit, stop accepting: new clients wait in the kernel's backlog.
+            let slot = tokio::select! {
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(s) => s,
+                    Err(_) => break,
+                },
+                () = &mut shutdown => break,
+            };
             tokio::select! {
                 accepted = listener.accept() => {
                     let (stream, peer) = match accepted {
@@ -132,13 +148,10 @@ impl Server {
                         let app = app.clone();
                         async move { Ok::<_, Infallible>(proxy::handle(app, req, peer).await) }
                     });
-                    let conn = http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(HEADER_READ_TIMEOUT)
-                        .serve_connection(TokioIo::new(stream), service);
-                    let conn = graceful.watch(conn);
+                    let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
                     tokio::spawn(async move {
                         let _ = conn.await;
+                        drop(slot);
                     });
                 }
                 () = &mut shutdown => break,
@@ -166,10 +179,22 @@ impl Server {
             .await
             .is_err()
         {
+            // Requests still waiting for the upstream are treated like an upstream
+            // timeout (`unknown_outcome` applies); they get a moment to record that.
             warn!(
-                tasks = app.tasks.len(),
-                "shutdown grace ran out with upstream calls in flight; their leases will expire"
+                requests = app.tasks.len(),
+                "shutdown grace ran out with requests in flight; cutting them short"
             );
+            app.hard_stop.cancel();
+            if tokio::time::timeout(HARD_STOP_WINDOW, app.tasks.wait())
+                .await
+                .is_err()
+            {
+                warn!(
+                    requests = app.tasks.len(),
+                    "requests did not record their outcome in time; their leases will free the keys"
+                );
+            }
         }
         pinger.abort();
         admin_task.abort();
@@ -217,7 +242,7 @@ async fn serve_admin(app: Arc<App>, listener: TcpListener) {
         tokio::spawn(async move {
             let _ = http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .header_read_timeout(ADMIN_HEADER_READ_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });

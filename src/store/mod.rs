@@ -117,6 +117,9 @@ impl Store {
         };
         // A decode error is an answer from a live store.
         let store_ok = !matches!(res, Err(StoreError::Timeout(_) | StoreError::Backend(_)));
+        if let Inner::Redis(r) = &self.inner {
+            r.note_timeout(matches!(res, Err(StoreError::Timeout(_))));
+        }
         self.metrics.store_op(op, start.elapsed(), store_ok);
         res
     }

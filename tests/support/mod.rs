@@ -641,6 +641,10 @@ pub struct Env {
     pub redis: Option<RedisServer>,
     pub upstream: TestUpstream,
     pub proxy: Proxy,
+    /// Between the proxy and Redis, when asked for.
+    pub redis_relay: Option<relay::Relay>,
+    /// Between the proxy and the upstream, when asked for.
+    pub upstream_relay: Option<relay::Relay>,
 }
 
 /// Routes most tests use (appended to the generated [server] and [store]).
@@ -684,29 +688,147 @@ pub fn store_section(backend: Backend, redis: Option<&RedisServer>) -> String {
 }
 
 pub fn config_text(upstream: &str, store: &str, routes: &str) -> String {
-    format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\nupstream_timeout = \"10s\"\nshutdown_grace = \"10s\"\n\n{store}\n{routes}"
-    )
+    config_with(upstream, "", store, routes)
 }
 
-impl Env {
-    pub async fn start(backend: Backend) -> Env {
-        Self::with_routes(backend, ROUTES).await
+/// A whole config; `server_extra` lines go into [server] (later keys of the same name are errors, so
+/// the defaults here are only the ones not given).
+pub fn config_with(upstream: &str, server_extra: &str, store: &str, routes: &str) -> String {
+    let mut server = format!("[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n");
+    for (key, default) in [
+        ("upstream_timeout", "\"10s\""),
+        ("shutdown_grace", "\"10s\""),
+    ] {
+        if !server_extra.contains(key) {
+            server.push_str(&format!("{key} = {default}\n"));
+        }
+    }
+    format!("{server}{server_extra}\n\n{store}\n{routes}")
+}
+
+/// Builds an [`Env`] with the parts a test needs.
+pub struct EnvBuilder {
+    backend: Backend,
+    routes: String,
+    server_extra: String,
+    store_extra: String,
+    redis_relay: bool,
+    upstream_relay: bool,
+    upstream_url: Option<String>,
+}
+
+impl EnvBuilder {
+    pub fn routes(mut self, routes: &str) -> Self {
+        self.routes = routes.to_string();
+        self
     }
 
-    pub async fn with_routes(backend: Backend, routes: &str) -> Env {
-        let redis = match backend {
+    /// Extra `key = value` lines for [server].
+    pub fn server(mut self, lines: &str) -> Self {
+        self.server_extra = lines.to_string();
+        self
+    }
+
+    /// Extra `key = value` lines for [store].
+    pub fn store(mut self, lines: &str) -> Self {
+        self.store_extra = lines.to_string();
+        self
+    }
+
+    /// Put a fault relay between the proxy and Redis.
+    pub fn redis_relay(mut self) -> Self {
+        self.redis_relay = true;
+        self
+    }
+
+    /// Put a fault relay between the proxy and the upstream.
+    pub fn upstream_relay(mut self) -> Self {
+        self.upstream_relay = true;
+        self
+    }
+
+    /// Send upstream traffic to this URL instead of the test upstream.
+    pub fn upstream_url(mut self, url: &str) -> Self {
+        self.upstream_url = Some(url.to_string());
+        self
+    }
+
+    pub fn config(
+        &self,
+        redis: Option<&RedisServer>,
+        redis_addr: Option<SocketAddr>,
+        upstream: &str,
+    ) -> String {
+        let store = match (
+            self.backend,
+            redis_addr.or(redis.map(|r| ([127, 0, 0, 1], r.port).into())),
+        ) {
+            (Backend::Redis, Some(addr)) => {
+                format!(
+                    "[store]\nbackend = \"redis\"\nurl = \"redis://{addr}/0\"\n{}\n",
+                    self.store_extra
+                )
+            }
+            _ => format!("[store]\nbackend = \"memory\"\n{}\n", self.store_extra),
+        };
+        config_with(upstream, &self.server_extra, &store, &self.routes)
+    }
+
+    pub async fn start(self) -> Env {
+        let redis = match self.backend {
             Backend::Redis => Some(RedisServer::start().await),
             Backend::Memory => None,
         };
+        let redis_relay = match (&redis, self.redis_relay) {
+            (Some(r), true) => Some(relay::Relay::start(([127, 0, 0, 1], r.port).into()).await),
+            _ => None,
+        };
         let upstream = TestUpstream::start().await;
-        let store = store_section(backend, redis.as_ref());
-        let proxy = Proxy::start(&config_text(&upstream.url(), &store, routes)).await;
+        let upstream_relay = if self.upstream_relay {
+            Some(relay::Relay::start(upstream.addr).await)
+        } else {
+            None
+        };
+        let upstream_url = match (&self.upstream_url, &upstream_relay) {
+            (Some(u), _) => u.clone(),
+            (None, Some(r)) => format!("http://{}", r.addr),
+            (None, None) => upstream.url(),
+        };
+        let text = self.config(
+            redis.as_ref(),
+            redis_relay.as_ref().map(|r| r.addr),
+            &upstream_url,
+        );
+        let proxy = Proxy::start(&text).await;
         Env {
             redis,
             upstream,
             proxy,
+            redis_relay,
+            upstream_relay,
         }
+    }
+}
+
+impl Env {
+    pub fn builder(backend: Backend) -> EnvBuilder {
+        EnvBuilder {
+            backend,
+            routes: ROUTES.to_string(),
+            server_extra: String::new(),
+            store_extra: String::new(),
+            redis_relay: false,
+            upstream_relay: false,
+            upstream_url: None,
+        }
+    }
+
+    pub async fn start(backend: Backend) -> Env {
+        Self::builder(backend).start().await
+    }
+
+    pub async fn with_routes(backend: Backend, routes: &str) -> Env {
+        Self::builder(backend).routes(routes).start().await
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -720,6 +842,26 @@ impl Env {
             None => None,
         }
     }
+
+    /// The value of one metric series from /metrics (0 when absent).
+    pub async fn metric(&self, series: &str) -> f64 {
+        metric(&self.proxy, series).await
+    }
+}
+
+/// The value of one metric series (name with its labels, as exposed) from /metrics; 0 when absent.
+pub async fn metric(proxy: &Proxy, series: &str) -> f64 {
+    let r = get(&proxy.admin_url("/metrics")).await.expect("metrics");
+    let text = String::from_utf8_lossy(&r.body);
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0)
 }
 
 /// Declares each scenario `async fn name(backend: Backend)` as a test on Redis and one on memory.
@@ -744,3 +886,4 @@ macro_rules! on_both_backends {
         }
     };
 }
+pub mod relay;
