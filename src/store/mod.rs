@@ -68,7 +68,7 @@ pub struct Inspected {
 
 enum Inner {
     Memory(MemoryStore),
-    Redis(RedisStore),
+    Redis(Box<RedisStore>),
 }
 
 /// The store used by the proxy: timing, timeouts and metrics around a backend.
@@ -83,7 +83,7 @@ impl Store {
     pub fn new(cfg: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, StoreSetupError> {
         let inner = match cfg.backend {
             Backend::Memory => Inner::Memory(MemoryStore::new()),
-            Backend::Redis => Inner::Redis(RedisStore::new(cfg)?),
+            Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg)?)),
         };
         Ok(Store {
             inner,
