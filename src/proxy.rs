@@ -522,13 +522,15 @@ impl Job {
             Ok::<_, UpstreamError>((parts, body))
         };
         let timeout = app.upstream.timeout;
-        let result = match self
-            .holding_lease(tokio::time::timeout(timeout, exchange))
-            .await
-        {
-            Ok(r) => r,
-            Err(_) => Err(UpstreamError::Timeout(timeout)),
+        // Cut short by the upstream timeout, or by the end of the shutdown grace:
+        // either way the outcome is unknown.
+        let bounded = async {
+            tokio::select! {
+                r = tokio::time::timeout(timeout, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
+                () = app.hard_stop.cancelled() => Err(UpstreamError::Timeout(timeout)),
+            }
         };
+        let result = self.holding_lease(bounded).await;
         match result {
             Ok((parts, Capped::Whole(body))) => {
                 let status = parts.status.as_u16();

@@ -662,3 +662,53 @@ async fn three_proxies_300_concurrent_same_key_requests_one_execution() {
         "exactly one execution across three processes"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_grace_running_out_stores_the_unknown_outcome_and_exits_0() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let store = store_section(Backend::Redis, Some(&redis));
+    let text = config_with(
+        &upstream.url(),
+        "shutdown_grace = \"500ms\"",
+        &store,
+        ROUTES,
+    );
+    let mut proxy = Proxy::start(&text).await;
+    let stuck = tokio::spawn({
+        let url = proxy.url("/v1/payments");
+        async move {
+            let req = http::Request::post(&url)
+                .header("idempotency-key", "k-stuck")
+                .header("x-test-hold", "1")
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"x")))
+                .unwrap();
+            send(req).await
+        }
+    });
+    upstream.wait_hits(1).await;
+    proxy.signal("TERM");
+    assert_eq!(
+        proxy.wait_exit().await,
+        Some(0),
+        "exit 0 even when the grace runs out"
+    );
+    let _ = stuck.await;
+    assert!(
+        proxy
+            .logs()
+            .iter()
+            .any(|l| l.contains("cutting them short")),
+        "a warning names what was cut short"
+    );
+    // The request cut short is treated like an upstream timeout: its 504 is stored.
+    let next = Proxy::start(&text).await;
+    let r = Call::post(&next.url("/v1/payments"))
+        .key("k-stuck")
+        .body("x")
+        .await;
+    assert_eq!(r.status, 504);
+    assert!(r.is_replay());
+    assert_eq!(upstream.hits(), 1);
+    upstream.release(1);
+}
