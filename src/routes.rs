@@ -163,6 +163,59 @@ impl RouteTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn segments() -> impl Strategy<Value = Vec<String>> {
+        proptest::collection::vec("[a-z0-9_.~-]{1,8}", 1..6)
+    }
+
+    proptest! {
+        #[test]
+        fn a_literal_path_matches_itself_only(segs in segments(), extra in "[a-z0-9]{1,8}") {
+            let path = format!("/{}", segs.join("/"));
+            let pat = PathPattern::parse(&path).unwrap();
+            prop_assert!(pat.matches(&path));
+            let with_slash = format!("{path}/");
+            let longer = format!("{path}/{extra}");
+            let shorter = format!("/{}", segs[..segs.len() - 1].join("/"));
+            prop_assert!(!pat.matches(&with_slash));
+            prop_assert!(!pat.matches(&longer));
+            prop_assert!(!pat.matches(&shorter) || shorter == path);
+        }
+
+        #[test]
+        fn a_param_stands_for_any_one_segment(segs in segments(), i in 0usize..6, value in "[a-zA-Z0-9%:@-]{1,12}") {
+            let i = i % segs.len();
+            let mut pattern = segs.clone();
+            pattern[i] = "{p}".to_string();
+            let pat = PathPattern::parse(&format!("/{}", pattern.join("/"))).unwrap();
+            let mut path = segs.clone();
+            path[i] = value;
+            let full = format!("/{}", path.join("/"));
+            prop_assert!(pat.matches(&full));
+            path[i] = String::new();
+            let empty = format!("/{}", path.join("/"));
+            prop_assert!(!pat.matches(&empty), "an empty segment is not a value: {}", empty);
+        }
+
+        #[test]
+        fn a_prefix_matches_everything_below_it(segs in segments(), rest in "[a-z0-9/]{0,20}") {
+            let base = format!("/{}", segs.join("/"));
+            let pat = PathPattern::parse(&format!("{base}/*")).unwrap();
+            let below = format!("{base}/{rest}");
+            let sibling = format!("{base}x/{rest}");
+            prop_assert!(pat.matches(&below));
+            prop_assert!(!pat.matches(&base));
+            prop_assert!(!pat.matches(&sibling));
+        }
+
+        #[test]
+        fn parsing_never_panics(text in "\\PC{0,40}", path in "\\PC{0,40}") {
+            if let Ok(p) = PathPattern::parse(&text) {
+                let _ = p.matches(&path);
+            }
+        }
+    }
 
     fn p(s: &str) -> PathPattern {
         PathPattern::parse(s).unwrap()

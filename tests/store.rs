@@ -182,3 +182,121 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
         "after completion the 24 h TTL applies, got {pttl}"
     );
 }
+
+/// The store's own contract, on both backends, through the library API:
+/// every operation is safe to send twice (the client re-sends after reconnects).
+async fn store_for(backend: Backend, redis: Option<&RedisServer>) -> idemproxy::store::Store {
+    let mut text = String::from("[server]\nupstream = \"http://127.0.0.1:1\"\n");
+    text.push_str(&store_section(backend, redis));
+    let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
+    idemproxy::store::Store::new(
+        &cfg.store,
+        std::sync::Arc::new(idemproxy::metrics::Metrics::new()),
+    )
+    .unwrap()
+}
+
+async fn operations_are_safe_to_send_twice(backend: Backend) {
+    use idemproxy::record::{Finished, Processing, Record, Token};
+    use idemproxy::store::{Completion, Reservation};
+    use std::time::Duration;
+
+    let redis = match backend {
+        Backend::Redis => Some(RedisServer::start().await),
+        Backend::Memory => None,
+    };
+    let store = store_for(backend, redis.as_ref()).await;
+    let key = store.key_for("abc");
+    let lease = Duration::from_secs(5);
+    let mine = Token::new();
+    let processing = |token| {
+        Record::Processing(Processing {
+            token,
+            fingerprint: [1; 32],
+            created_ms: 1,
+            route: "r".into(),
+        })
+        .encode()
+    };
+    // Reserve, twice: the second finds our own reservation.
+    for _ in 0..2 {
+        let r = store
+            .reserve(&key, processing(mine), mine, lease)
+            .await
+            .unwrap();
+        assert!(matches!(r, Reservation::Reserved), "{r:?}");
+    }
+    // Someone else finds it taken, with the lease left.
+    let other = Token::new();
+    match store
+        .reserve(&key, processing(other), other, lease)
+        .await
+        .unwrap()
+    {
+        Reservation::Existing { record, ttl } => {
+            assert_eq!(record.token(), mine);
+            assert!(ttl <= lease && ttl > Duration::from_secs(4));
+        }
+        r => panic!("{r:?}"),
+    }
+    // Renewal: ours yes, theirs no.
+    assert!(store.renew(&key, mine, lease).await.unwrap());
+    assert!(!store.renew(&key, other, lease).await.unwrap());
+    assert!(
+        !store.release(&key, other).await.unwrap(),
+        "a stranger cannot release"
+    );
+    // Complete, twice: the same record both times.
+    let finished = Record::Finished(Finished {
+        token: mine,
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+        completed_ms: 2,
+        status: 201,
+        body_stored: true,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"done"),
+    });
+    for _ in 0..2 {
+        let c = store
+            .complete(&key, mine, finished.encode(), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(c, Completion::Stored);
+    }
+    assert_eq!(store.get(&key).await.unwrap().unwrap().record, finished);
+    // A finished record is neither renewed nor released, and a stranger cannot overwrite it.
+    assert!(!store.renew(&key, mine, lease).await.unwrap());
+    assert!(!store.release(&key, mine).await.unwrap());
+    assert_eq!(
+        store
+            .complete(&key, other, processing(other), lease)
+            .await
+            .unwrap(),
+        Completion::Refused
+    );
+    // Release frees a reservation; a late completion then stores (nobody else holds the key).
+    let key2 = store.key_for("def");
+    store
+        .reserve(&key2, processing(mine), mine, lease)
+        .await
+        .unwrap();
+    assert!(store.release(&key2, mine).await.unwrap());
+    assert!(
+        !store.release(&key2, mine).await.unwrap(),
+        "releasing twice is harmless"
+    );
+    assert!(store.get(&key2).await.unwrap().is_none());
+    assert_eq!(
+        store
+            .complete(&key2, mine, finished.encode(), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Completion::StoredAfterExpiry
+    );
+    assert!(store.delete(&key2).await.unwrap());
+    assert!(!store.delete(&key2).await.unwrap());
+}
+
+on_both_backends!(operations_are_safe_to_send_twice);
