@@ -1,13 +1,52 @@
-//! The admin listener: liveness, readiness and metrics. Never exposed publicly.
+//! The admin listener: liveness, readiness, metrics, and the key admin API. Never exposed publicly.
+//!
+//! The key API (`/keys/...`) exists only when `IDEMPROXY_ADMIN_TOKEN` is set,
+//! and every call must carry it as `Authorization: Bearer <token>`.
 
 use std::sync::Arc;
 
-use http::header::{HeaderValue, CONTENT_TYPE};
+use bytes::Bytes;
+use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
 
 use crate::app::App;
 use crate::body::Body;
+use crate::key;
+use crate::record::{now_ms, Record};
+use crate::store::Inspected;
+
+/// The env var that switches the key API on and holds its bearer token.
+pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_ADMIN_TOKEN";
+/// A lookup request body is small; anything larger is refused.
+const MAX_LOOKUP_BODY: usize = 64 * 1024;
+
+/// The admin token, kept only as its SHA-256 so that the comparison takes the
+/// same time whatever the length or content of the guess.
+#[derive(Clone)]
+pub struct AdminToken([u8; 32]);
+
+impl AdminToken {
+    pub fn from_env() -> Option<AdminToken> {
+        std::env::var(ADMIN_TOKEN_ENV)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .map(|t| AdminToken(Sha256::digest(t.as_bytes()).into()))
+    }
+
+    /// Constant-time: every byte of the digests is compared.
+    fn accepts(&self, presented: &[u8]) -> bool {
+        let digest: [u8; 32] = Sha256::digest(presented).into();
+        digest
+            .iter()
+            .zip(self.0.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     let mut r = Response::new(Body::full(body));
@@ -19,11 +58,44 @@ fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     r
 }
 
+fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(Body::full(value.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    r
+}
+
+fn error(status: StatusCode, detail: &str) -> Response<Body> {
+    let mut r = json(
+        status,
+        &serde_json::json!({
+            "type": "admin-error",
+            "title": status.canonical_reason().unwrap_or("error"),
+            "status": status.as_u16(),
+            "detail": detail,
+        }),
+    );
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    r
+}
+
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    if path == "/keys" || path.starts_with("/keys/") {
+        return keys(&app, req, &path).await;
+    }
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
     }
-    match req.uri().path() {
+    match path.as_str() {
         "/healthz" => text(StatusCode::OK, "ok\n"),
         "/readyz" if app.is_ready() => text(StatusCode::OK, "ready\n"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
@@ -38,5 +110,150 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
             r
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+/// The key API: `GET /keys/{id}`, `DELETE /keys/{id}`, `POST /keys/lookup`.
+async fn keys(app: &App, req: Request<Incoming>, path: &str) -> Response<Body> {
+    // Switched off: indistinguishable from a path that does not exist.
+    let Some(token) = &app.admin_token else {
+        return text(StatusCode::NOT_FOUND, "not found\n");
+    };
+    let presented = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or_default();
+    if !token.accepts(presented) {
+        let mut r = error(StatusCode::UNAUTHORIZED, "a valid bearer token is required");
+        r.headers_mut().insert(
+            WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"idemproxy-admin\""),
+        );
+        return r;
+    }
+    let method = req.method().clone();
+    match (method, path.strip_prefix("/keys/")) {
+        (Method::POST, Some("lookup")) => lookup(app, req).await,
+        (Method::GET, Some(id)) if is_record_id(id) => match inspect(app, id).await {
+            Ok(Some(view)) => json(StatusCode::OK, &view),
+            Ok(None) => error(StatusCode::NOT_FOUND, "no record with this id"),
+            Err(r) => r,
+        },
+        (Method::DELETE, Some(id)) if is_record_id(id) => {
+            match app.store.delete(&app.store.key_for(id)).await {
+                Ok(true) => {
+                    info!(record_id = %id, "record deleted through the admin API");
+                    json(
+                        StatusCode::OK,
+                        &serde_json::json!({ "id": id, "deleted": true }),
+                    )
+                }
+                Ok(false) => error(StatusCode::NOT_FOUND, "no record with this id"),
+                Err(e) => store_failed(e),
+            }
+        }
+        (_, Some(id)) if is_record_id(id) || id == "lookup" => error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "use GET or DELETE /keys/{id}, POST /keys/lookup",
+        ),
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "record ids are 64 lower-case hex characters",
+        ),
+    }
+}
+
+fn is_record_id(id: &str) -> bool {
+    id.len() == 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn store_failed(e: crate::store::StoreError) -> Response<Body> {
+    warn!(error = %e, "admin API: store operation failed");
+    error(StatusCode::SERVICE_UNAVAILABLE, "the store did not answer")
+}
+
+/// The record as the admin API shows it; `Ok(None)` when there is none.
+async fn inspect(app: &App, id: &str) -> Result<Option<serde_json::Value>, Response<Body>> {
+    let found = app
+        .store
+        .get(&app.store.key_for(id))
+        .await
+        .map_err(store_failed)?;
+    Ok(found.map(|Inspected { record, ttl }| view(id, &record, ttl)))
+}
+
+fn view(id: &str, record: &Record, ttl: std::time::Duration) -> serde_json::Value {
+    let age_seconds = now_ms().saturating_sub(record.created_ms()) / 1000;
+    let mut v = serde_json::json!({
+        "id": id,
+        "route": record.route(),
+        "age_seconds": age_seconds,
+        "expires_in_seconds": ttl.as_millis().div_ceil(1000) as u64,
+    });
+    match record {
+        Record::Processing(_) => v["state"] = "processing".into(),
+        Record::Finished(f) => {
+            v["state"] = "finished".into();
+            v["status"] = f.status.into();
+            v["body_stored"] = f.body_stored.into();
+        }
+    }
+    v
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Lookup {
+    /// The decoded key, as the client meant it (no sf-string quotes).
+    key: String,
+    /// Scope header values by name, as the client sent them (e.g. `authorization`).
+    #[serde(default)]
+    scope: std::collections::BTreeMap<String, String>,
+}
+
+async fn lookup(app: &App, req: Request<Incoming>) -> Response<Body> {
+    let body: Bytes = match Limited::new(req.into_body(), MAX_LOOKUP_BODY)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the body is missing or larger than 64 KiB",
+            )
+        }
+    };
+    let lookup: Lookup =
+        match serde_json::from_slice(&body) {
+            Ok(l) => l,
+            Err(e) => return error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "expected {{\"key\": \"...\", \"scope\": {{\"authorization\": \"...\"}}}}: {e}"
+                ),
+            ),
+        };
+    // Names lower-cased, in name order, as the proxy does for a request.
+    let scope: std::collections::BTreeMap<String, String> = lookup
+        .scope
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect();
+    let id = key::record_id(
+        scope.iter().map(|(k, v)| (k.as_str(), v.as_bytes())),
+        &lookup.key,
+    );
+    match inspect(app, &id).await {
+        Ok(Some(view)) => json(StatusCode::OK, &view),
+        Ok(None) => json(
+            StatusCode::NOT_FOUND,
+            &serde_json::json!({ "id": id, "state": null }),
+        ),
+        Err(r) => r,
     }
 }

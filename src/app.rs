@@ -6,6 +6,7 @@ use std::sync::{Arc, RwLock};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::admin::AdminToken;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::routes::RouteTable;
@@ -30,6 +31,10 @@ pub struct App {
     pub hard_stop: CancellationToken,
     /// A protected request's body must arrive within this time.
     pub body_read_timeout: std::time::Duration,
+    /// The key admin API's token; `None` switches the API off.
+    pub admin_token: Option<AdminToken>,
+    /// What was loaded at start, to tell on reload which changes need a restart.
+    started_with: Config,
 }
 
 impl App {
@@ -51,6 +56,8 @@ impl App {
             draining: AtomicBool::new(false),
             hard_stop: CancellationToken::new(),
             body_read_timeout: config.server.body_read_timeout,
+            admin_token: AdminToken::from_env(),
+            started_with: config.clone(),
         }))
     }
 
@@ -63,6 +70,47 @@ impl App {
 
     pub fn set_routes(&self, routes: Arc<RouteTable>) {
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = routes;
+    }
+
+    /// Applies a re-read configuration: routes and their policies change at
+    /// once; listeners, the upstream and the store keep their start-up values
+    /// (a warning names each such change, which needs a restart).
+    pub fn reload(&self, new: &Config) {
+        let old = &self.started_with;
+        let mut restart_needed = Vec::new();
+        let s = (&old.server, &new.server);
+        if s.0.listen != s.1.listen {
+            restart_needed.push("server.listen");
+        }
+        if s.0.admin_listen != s.1.admin_listen {
+            restart_needed.push("server.admin_listen");
+        }
+        if s.0.upstream.to_string() != s.1.upstream.to_string() {
+            restart_needed.push("server.upstream");
+        }
+        if s.0.upstream_timeout != s.1.upstream_timeout
+            || s.0.shutdown_grace != s.1.shutdown_grace
+            || s.0.header_read_timeout != s.1.header_read_timeout
+            || s.0.body_read_timeout != s.1.body_read_timeout
+            || s.0.max_connections != s.1.max_connections
+            || s.0.max_header_bytes != s.1.max_header_bytes
+        {
+            restart_needed.push("server timeouts and limits");
+        }
+        if format!("{:?}", old.store) != format!("{:?}", new.store) {
+            restart_needed.push("[store]");
+        }
+        self.set_routes(new.routes.clone());
+        tracing::info!(
+            routes = new.routes.len(),
+            "configuration reloaded: routes and policies applied"
+        );
+        if !restart_needed.is_empty() {
+            tracing::warn!(
+                changed = %restart_needed.join(", "),
+                "these settings changed in the file but apply only after a restart"
+            );
+        }
     }
 
     /// `/readyz`: the listener accepts, the store has answered once, and we are not draining.

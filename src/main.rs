@@ -103,7 +103,13 @@ fn main() -> ExitCode {
                 return ExitCode::from(EXIT_START);
             }
         };
+        let reloader = tokio::spawn(reload_on_sighup(
+            server.app(),
+            cli.config.clone(),
+            overrides,
+        ));
         server.run(shutdown_signal()).await;
+        reloader.abort();
         ExitCode::SUCCESS
     })
 }
@@ -133,6 +139,27 @@ fn print_check(config: &Config) {
     }
     if config.routes.is_empty() {
         println!("no routes: every request is passed through unprotected");
+    }
+}
+
+/// SIGHUP re-reads the configuration file; an invalid file keeps the current configuration.
+async fn reload_on_sighup(
+    app: std::sync::Arc<idemproxy::app::App>,
+    path: Option<PathBuf>,
+    overrides: Overrides,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; configuration reload is off");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        match Config::load(path.as_deref(), &overrides) {
+            Ok(new) => app.reload(&new),
+            Err(e) => {
+                tracing::error!(error = %e, "configuration reload failed; keeping the current configuration")
+            }
+        }
     }
 }
 

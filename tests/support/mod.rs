@@ -486,6 +486,27 @@ impl Proxy {
         self.logs.lock().unwrap().clone()
     }
 
+    /// Waits for a log line containing `text` and returns it parsed (JSON logs).
+    pub async fn wait_log(&self, text: &str) -> serde_json::Value {
+        let logs = self.logs.clone();
+        let text = text.to_string();
+        eventually(&format!("a log line with {text:?}"), DEADLINE, || {
+            let found = logs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|l| l.contains(&text))
+                .cloned();
+            async move { found.map(|l| serde_json::from_str(&l).expect("JSON log line")) }
+        })
+        .await
+    }
+
+    /// Replaces the configuration file (for SIGHUP reload tests).
+    pub fn rewrite_config(&self, text: &str) {
+        std::fs::write(self._config.path(), text).expect("rewrite config");
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
