@@ -228,16 +228,17 @@ async fn lookup(app: &App, req: Request<Incoming>) -> Response<Body> {
             )
         }
     };
-    let lookup: Lookup =
-        match serde_json::from_slice(&body) {
-            Ok(l) => l,
-            Err(e) => return error(
+    let lookup: Lookup = match serde_json::from_slice(&body) {
+        Ok(l) => l,
+        Err(e) => {
+            return error(
                 StatusCode::BAD_REQUEST,
                 &format!(
                     "expected {{\"key\": \"...\", \"scope\": {{\"authorization\": \"...\"}}}}: {e}"
                 ),
-            ),
-        };
+            )
+        }
+    };
     // Names lower-cased, in name order, as the proxy does for a request.
     let scope: std::collections::BTreeMap<String, String> = lookup
         .scope

@@ -348,3 +348,39 @@ proptest! {
         let _ = load(&text);
     }
 }
+
+/// The TOML inside the Kubernetes ConfigMap loads, and the pod's termination
+/// grace covers the preStop sleep plus `shutdown_grace`.
+#[test]
+fn kubernetes_configmap_holds_a_valid_config_aligned_with_the_pod() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/kubernetes");
+    let cm = std::fs::read_to_string(format!("{dir}/configmap.yaml")).unwrap();
+    let toml: String = cm
+        .lines()
+        .skip_while(|l| !l.contains("idemproxy.toml: |"))
+        .skip(1)
+        .map(|l| l.strip_prefix("    ").unwrap_or(l.trim()))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let c = Config::from_toml(&toml, "configmap.yaml", &Overrides::default()).unwrap();
+    assert!(c.routes.len() >= 1);
+    assert!(
+        c.server.admin_listen.starts_with("0.0.0.0:"),
+        "kubelet probes reach the pod IP"
+    );
+    let deployment = std::fs::read_to_string(format!("{dir}/deployment.yaml")).unwrap();
+    let number_after = |key: &str| -> u64 {
+        let line = deployment
+            .lines()
+            .find(|l| l.trim_start().starts_with(key))
+            .unwrap();
+        line.split(':').nth(1).unwrap().trim().parse().unwrap()
+    };
+    let grace = number_after("terminationGracePeriodSeconds:");
+    let pre_stop = number_after("seconds:");
+    assert!(
+        grace >= pre_stop + c.server.shutdown_grace.as_secs() + 5,
+        "terminationGracePeriodSeconds {grace} must cover preStop {pre_stop} s + shutdown_grace {:?} + margin",
+        c.server.shutdown_grace
+    );
+}
