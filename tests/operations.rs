@@ -107,7 +107,7 @@ async fn metrics_follow_the_requests(backend: Backend) {
                 .await
         }
     });
-    env.upstream.wait_hits(2).await;
+    env.upstream.wait_hits(3).await;
     assert_eq!(m("idemproxy_inflight").await, 1.0);
     Call::post(&url).key("m3").body("x").await;
     assert_eq!(
