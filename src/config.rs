@@ -688,15 +688,7 @@ fn build(raw: RawFile, text: &str, file: &str, ov: &Overrides) -> Result<Config,
                     "mode = \"sentinel\" needs `sentinels` and `master_name`",
                 ));
             }
-            RedisMode::Cluster | RedisMode::Sentinel => {
-                return Err(at_key(
-                    file,
-                    text,
-                    "mode",
-                    "store.mode",
-                    "cluster and sentinel modes are not available in this build yet; use \"standalone\"".into(),
-                ));
-            }
+            RedisMode::Cluster | RedisMode::Sentinel => {}
         }
     }
 

@@ -23,7 +23,7 @@ use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::Route;
-use crate::store::{Completion, Reservation};
+use crate::store::{Completion, Reservation, StoreError};
 use crate::upstream::UpstreamError;
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -345,7 +345,9 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
             Ok(Reservation::Reserved) => break,
             Err(e) => {
                 warn!(request_id = %ctx.request_id, record_id = %record_id, error = %e, "store unavailable while reserving");
-                if shadow || policy.on_store_error == OnStoreError::Pass {
+                // Too few replicas acknowledged the reservation: never forward.
+                let replicated = !matches!(e, StoreError::NotReplicated { .. });
+                if replicated && (shadow || policy.on_store_error == OnStoreError::Pass) {
                     let outcome = if shadow {
                         Outcome::Passthrough
                     } else {

@@ -25,6 +25,12 @@ pub enum StoreError {
     Timeout(Duration),
     #[error("store error: {0}")]
     Backend(String),
+    /// The connection is broken, refused, or reaches a master that is no longer one.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// `wait_replicas` was not met: the reservation was withdrawn.
+    #[error("reservation reached {acked} of {wanted} replicas in time")]
+    NotReplicated { wanted: u32, acked: u32 },
     #[error(transparent)]
     Decode(#[from] DecodeError),
 }
@@ -38,6 +44,11 @@ pub enum StoreSetupError {
     },
     #[error("invalid Redis configuration: {0}")]
     Redis(String),
+    #[error("cannot read the Redis CA file {path}: {source}")]
+    CaFile {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// What `reserve` found.
@@ -116,9 +127,15 @@ impl Store {
             Err(_) => Err(StoreError::Timeout(self.op_timeout)),
         };
         // A decode error is an answer from a live store.
-        let store_ok = !matches!(res, Err(StoreError::Timeout(_) | StoreError::Backend(_)));
+        let store_ok = !matches!(
+            res,
+            Err(StoreError::Timeout(_) | StoreError::Backend(_) | StoreError::Unavailable(_))
+        );
         if let Inner::Redis(r) = &self.inner {
-            r.note_timeout(matches!(res, Err(StoreError::Timeout(_))));
+            r.note_result(matches!(
+                res,
+                Err(StoreError::Timeout(_) | StoreError::Unavailable(_))
+            ));
         }
         self.metrics.store_op(op, start.elapsed(), store_ok);
         res

@@ -1,15 +1,20 @@
-//! The Redis store: a multiplexed, reconnecting connection and four small Lua scripts beside this file.
+//! The Redis store: standalone, Sentinel or Cluster behind one connection type,
+//! and four small Lua scripts beside this file. Every operation touches one key.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{LazyLock, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{IntoConnectionInfo, Script};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Script, TlsCertificates, Value};
+use tracing::{info, warn};
 
 use super::{Completion, StoreError, StoreSetupError};
-use crate::config::StoreConfig;
+use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
 
 static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("reserve.lua")));
@@ -20,100 +25,321 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("re
 /// The env var that carries the Redis password (wins over `password_file`).
 pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
 
-/// After this many store timeouts in a row the connection is replaced: a
-/// blackholed TCP connection (a partition, a failover without a reset) never
-/// errors by itself, and the client only reconnects on I/O errors.
-const TIMEOUTS_BEFORE_RECONNECT: u32 = 2;
+/// After this many store failures in a row (timeouts, broken or refused
+/// connections, a demoted master) the connection is dropped and made anew: a
+/// blackholed TCP connection never errors by itself, the client reconnects
+/// only on I/O errors, and after a Sentinel failover the master has moved.
+const FAILURES_BEFORE_RECONNECT: u32 = 2;
+
+/// One connection type for the three modes, so the store code is the same.
+#[derive(Clone)]
+enum Conn {
+    /// Standalone or Sentinel: a multiplexed connection that reconnects on I/O errors.
+    Single(ConnectionManager),
+    /// Cluster: follows MOVED/ASK and the slot map by itself.
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Where connections come from.
+enum Source {
+    Standalone {
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+    },
+    /// The master is asked of the sentinels on every (re)connect.
+    Sentinel {
+        sentinel: tokio::sync::Mutex<SentinelClient>,
+        config: ConnectionManagerConfig,
+    },
+    Cluster {
+        client: redis::cluster::ClusterClient,
+    },
+}
 
 pub struct RedisStore {
-    client: redis::Client,
-    config: ConnectionManagerConfig,
-    conn: RwLock<ConnectionManager>,
-    timeouts_in_a_row: AtomicU32,
+    source: Source,
+    /// `None` until the first operation, and after a connection was given up.
+    conn: RwLock<Option<Conn>>,
+    /// One connect at a time; the others wait for its result.
+    connecting: tokio::sync::Mutex<()>,
+    failures_in_a_row: AtomicU32,
     op_timeout: Duration,
+    wait_replicas: u32,
+    wait_timeout: Duration,
+    /// The durability check ran (it runs once, after the first answer).
+    checked: AtomicBool,
+}
+
+fn setup(e: impl std::fmt::Display) -> StoreSetupError {
+    StoreSetupError::Redis(e.to_string())
 }
 
 fn ms(d: Duration) -> u64 {
     (d.as_millis() as u64).max(1)
 }
 
+/// The password: `IDEMPROXY_REDIS_PASSWORD`, else `password_file`, else none (a URL may carry one).
+fn password(cfg: &StoreConfig) -> Result<Option<String>, StoreSetupError> {
+    match (std::env::var(PASSWORD_ENV), &cfg.password_file) {
+        (Ok(p), _) if !p.is_empty() => Ok(Some(p)),
+        (_, Some(path)) => std::fs::read_to_string(path)
+            .map(|p| Some(p.trim_end_matches(['\r', '\n']).to_string()))
+            .map_err(|source| StoreSetupError::PasswordFile {
+                path: path.clone(),
+                source,
+            }),
+        _ => Ok(None),
+    }
+}
+
+fn tls_certs(cfg: &StoreConfig) -> Result<Option<TlsCertificates>, StoreSetupError> {
+    match &cfg.tls_ca_file {
+        None => Ok(None),
+        Some(path) => std::fs::read(path)
+            .map(|pem| {
+                Some(TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                })
+            })
+            .map_err(|source| StoreSetupError::CaFile {
+                path: path.clone(),
+                source,
+            }),
+    }
+}
+
+/// Connection info for one URL with the configured user and password applied.
+fn connection_info(
+    url: &str,
+    user: Option<&str>,
+    password: Option<&str>,
+) -> Result<redis::ConnectionInfo, StoreSetupError> {
+    let info = url
+        .into_connection_info()
+        .map_err(|e| setup(format!("invalid Redis URL: {e}")))?;
+    let mut settings = info.redis_settings().clone();
+    if let Some(u) = user {
+        settings = settings.set_username(u);
+    }
+    if let Some(p) = password {
+        settings = settings.set_password(p);
+    }
+    Ok(info.set_redis_settings(settings))
+}
+
+/// The cluster slot of a key (CRC16/XMODEM of the key or its `{hash tag}`, mod 16384).
+fn slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&n| n > 0)
+                .map(|n| &rest[..n])
+        })
+        .unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &b in tagged {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
 impl RedisStore {
     /// Builds the client without connecting: an unreachable store is not a start-up failure.
     pub fn new(cfg: &StoreConfig) -> Result<Self, StoreSetupError> {
-        let mut info = cfg
-            .url
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| StoreSetupError::Redis(format!("invalid Redis URL: {e}")))?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(user) = &cfg.username {
-            settings = settings.set_username(user);
-        }
-        let password = match (std::env::var(PASSWORD_ENV), &cfg.password_file) {
-            (Ok(p), _) if !p.is_empty() => Some(p),
-            (_, Some(path)) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|source| StoreSetupError::PasswordFile {
-                        path: path.clone(),
-                        source,
-                    })?
-                    .trim_end_matches(['\r', '\n'])
-                    .to_string(),
-            ),
-            _ => None,
-        };
-        if let Some(p) = password {
-            settings = settings.set_password(p);
-        }
-        info = info.set_redis_settings(settings);
-        let client =
-            redis::Client::open(info).map_err(|e| StoreSetupError::Redis(e.to_string()))?;
-        let config = ConnectionManagerConfig::new()
+        // rustls needs a process-wide crypto provider; a second install is a no-op error.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let password = password(cfg)?;
+        let certs = tls_certs(cfg)?;
+        let user = cfg.username.as_deref();
+        let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(cfg.op_timeout))
             .set_response_timeout(Some(cfg.op_timeout))
             .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
-            .map_err(|e| StoreSetupError::Redis(e.to_string()))?;
+        let source = match cfg.mode {
+            RedisMode::Standalone => {
+                let info = connection_info(&cfg.url, user, password.as_deref())?;
+                let client = match certs {
+                    Some(c) => redis::Client::build_with_tls(info, c),
+                    None => redis::Client::open(info),
+                }
+                .map_err(setup)?;
+                Source::Standalone {
+                    client,
+                    config: manager_config,
+                }
+            }
+            RedisMode::Sentinel => {
+                let master = cfg
+                    .master_name
+                    .clone()
+                    .ok_or_else(|| setup("sentinel mode needs master_name"))?;
+                // The master's own settings (user, password, db) come from `url`.
+                let master_info = connection_info(&cfg.url, user, password.as_deref())?;
+                let node = SentinelNodeConnectionInfo::default()
+                    .set_redis_connection_info(master_info.redis_settings().clone());
+                let sentinels: Vec<redis::ConnectionInfo> = cfg
+                    .sentinels
+                    .iter()
+                    .map(|u| connection_info(u, None, None))
+                    .collect::<Result<_, _>>()?;
+                let sentinel = SentinelClient::build(
+                    sentinels,
+                    master,
+                    Some(node),
+                    SentinelServerType::Master,
+                )
+                .map_err(setup)?;
+                Source::Sentinel {
+                    sentinel: tokio::sync::Mutex::new(sentinel),
+                    config: manager_config,
+                }
+            }
+            RedisMode::Cluster => {
+                let nodes: Vec<redis::ConnectionInfo> = cfg
+                    .nodes
+                    .iter()
+                    .map(|u| connection_info(u, user, password.as_deref()))
+                    .collect::<Result<_, _>>()?;
+                let mut builder = redis::cluster::ClusterClient::builder(nodes)
+                    .connection_timeout(cfg.op_timeout)
+                    .response_timeout(cfg.op_timeout)
+                    .retries(3);
+                if let Some(c) = certs {
+                    builder = builder.certs(c);
+                }
+                Source::Cluster {
+                    client: builder.build().map_err(setup)?,
+                }
+            }
+        };
         Ok(RedisStore {
-            client,
-            config,
-            conn: RwLock::new(conn),
-            timeouts_in_a_row: AtomicU32::new(0),
+            source,
+            conn: RwLock::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            failures_in_a_row: AtomicU32::new(0),
             op_timeout: cfg.op_timeout,
+            wait_replicas: cfg.wait_replicas,
+            wait_timeout: cfg.wait_timeout,
+            checked: AtomicBool::new(false),
         })
     }
 
     /// A client error as a store error; the client's own response timeout counts as a timeout.
     /// (The crate's messages can carry addresses: callers log them, problems never show them.)
     fn backend(&self, e: redis::RedisError) -> StoreError {
+        use redis::{ErrorKind, ServerErrorKind};
+        let broken = e.is_io_error()
+            || e.is_connection_refusal()
+            || e.is_connection_dropped()
+            || matches!(
+                e.kind(),
+                ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+            );
         if e.is_timeout() {
             StoreError::Timeout(self.op_timeout)
+        } else if broken {
+            StoreError::Unavailable(e.to_string())
         } else {
             StoreError::Backend(e.to_string())
         }
     }
 
-    /// The shared multiplexed connection (a cheap handle).
-    fn conn(&self) -> ConnectionManager {
-        self.conn.read().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The shared connection (a cheap handle), connecting first when there is none.
+    async fn conn(&self) -> Result<Conn, StoreError> {
+        if let Some(c) = self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            return Ok(c.clone());
+        }
+        let _one_at_a_time = self.connecting.lock().await;
+        if let Some(c) = self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            return Ok(c.clone());
+        }
+        let fresh = match &self.source {
+            Source::Standalone { client, config } => Conn::Single(
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                    .map_err(|e| self.backend(e))?,
+            ),
+            Source::Sentinel { sentinel, config } => {
+                let client = sentinel
+                    .lock()
+                    .await
+                    .async_get_client()
+                    .await
+                    .map_err(|e| self.backend(e))?;
+                info!(master = ?client.get_connection_info().addr(), "sentinel named the master");
+                Conn::Single(
+                    ConnectionManager::new_lazy_with_config(client, config.clone())
+                        .map_err(|e| self.backend(e))?,
+                )
+            }
+            Source::Cluster { client } => Conn::Cluster(
+                client
+                    .get_async_connection()
+                    .await
+                    .map_err(|e| self.backend(e))?,
+            ),
+        };
+        *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
+        Ok(fresh)
     }
 
-    /// Told after every operation whether it timed out; replaces a connection that keeps timing out.
-    pub fn note_timeout(&self, timed_out: bool) {
-        if !timed_out {
-            self.timeouts_in_a_row.store(0, Ordering::Relaxed);
+    /// Told after every operation whether the store failed; gives up a connection that keeps failing.
+    pub fn note_result(&self, failed: bool) {
+        if !failed {
+            self.failures_in_a_row.store(0, Ordering::Relaxed);
             return;
         }
-        if self.timeouts_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 < TIMEOUTS_BEFORE_RECONNECT {
+        if self.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 < FAILURES_BEFORE_RECONNECT {
             return;
         }
-        self.timeouts_in_a_row.store(0, Ordering::Relaxed);
-        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
-            Ok(fresh) => {
-                tracing::warn!("store keeps timing out; replacing the connection");
-                *self.conn.write().unwrap_or_else(|e| e.into_inner()) = fresh;
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot replace the store connection"),
+        self.failures_in_a_row.store(0, Ordering::Relaxed);
+        if self
+            .conn
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .is_some()
+        {
+            warn!("store keeps failing; the connection will be made anew");
         }
     }
 
@@ -123,7 +349,7 @@ impl RedisStore {
         value: Bytes,
         lease: Duration,
     ) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let found: Option<(Vec<u8>, i64)> = RESERVE
             .key(key)
             .arg(value.as_ref())
@@ -131,7 +357,42 @@ impl RedisStore {
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
+        if found.is_none() && self.wait_replicas > 0 {
+            self.wait_for_replicas(&mut conn, key).await?;
+        }
         Ok(found.map(|(v, pttl)| (Bytes::from(v), Duration::from_millis(pttl.max(0) as u64))))
+    }
+
+    /// `WAIT n timeout` on the key's node: fewer acknowledgements → the reservation is
+    /// released and the request refused (503), never forwarded on a write a failover could lose.
+    async fn wait_for_replicas(&self, conn: &mut Conn, key: &str) -> Result<(), StoreError> {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(self.wait_replicas).arg(ms(self.wait_timeout));
+        let acked: i64 = match conn {
+            Conn::Single(c) => wait.query_async(c).await.map_err(|e| self.backend(e))?,
+            Conn::Cluster(c) => {
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                    Route::new(slot(key.as_bytes()), SlotAddr::Master),
+                ));
+                let v = c
+                    .route_command(wait, route)
+                    .await
+                    .map_err(|e| self.backend(e))?;
+                redis::from_redis_value(v).map_err(|e| StoreError::Backend(e.to_string()))?
+            }
+        };
+        if acked < i64::from(self.wait_replicas) {
+            let _: i64 = redis::cmd("DEL")
+                .arg(key)
+                .query_async(conn)
+                .await
+                .map_err(|e| self.backend(e))?;
+            return Err(StoreError::NotReplicated {
+                wanted: self.wait_replicas,
+                acked: acked.max(0) as u32,
+            });
+        }
+        Ok(())
     }
 
     pub async fn complete(
@@ -141,7 +402,7 @@ impl RedisStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<Completion, StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let n: i64 = COMPLETE
             .key(key)
             .arg(&token.0[..])
@@ -163,7 +424,7 @@ impl RedisStore {
         token: Token,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let n: i64 = RENEW
             .key(key)
             .arg(&token.0[..])
@@ -175,7 +436,7 @@ impl RedisStore {
     }
 
     pub async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let n: i64 = RELEASE
             .key(key)
             .arg(&token.0[..])
@@ -185,8 +446,9 @@ impl RedisStore {
         Ok(n == 1)
     }
 
+    /// GET and PTTL of one key (two commands on the same key and slot, one round trip).
     pub async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let (value, pttl): (Option<Vec<u8>>, i64) = redis::pipe()
             .get(key)
             .pttl(key)
@@ -197,7 +459,7 @@ impl RedisStore {
     }
 
     pub async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let n: i64 = redis::cmd("DEL")
             .arg(key)
             .query_async(&mut conn)
@@ -206,24 +468,23 @@ impl RedisStore {
         Ok(n > 0)
     }
 
-    /// PING, then make sure the scripts are loaded (after a Redis restart they are gone).
+    /// PING, then make sure the scripts are loaded (after a restart or failover they
+    /// are gone; on a cluster SCRIPT goes to every master), then, once, the durability check.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await?;
         let _: String = redis::cmd("PING")
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let hashes = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE].map(|s| s.get_hash().to_string());
+        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE];
+        let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")
             .arg(&hashes[..])
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        for (script, present) in [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE]
-            .into_iter()
-            .zip(loaded)
-        {
+        for (script, present) in scripts.into_iter().zip(loaded) {
             if !present {
                 script
                     .prepare_invoke()
@@ -232,6 +493,71 @@ impl RedisStore {
                     .map_err(|e| self.backend(e))?;
             }
         }
+        if !self.checked.swap(true, Ordering::Relaxed) {
+            self.check_durability(&mut conn).await;
+        }
         Ok(())
+    }
+
+    /// Warns loudly when the store would lose reservations: an evicting memory
+    /// policy, or no persistence. Managed Redis often refuses CONFIG: say so once.
+    async fn check_durability(&self, conn: &mut Conn) {
+        let get = |name: &'static str| {
+            let mut c = conn.clone();
+            async move {
+                let pair: Result<Vec<String>, _> = redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg(name)
+                    .query_async(&mut c)
+                    .await;
+                pair.map(|p| p.get(1).cloned().unwrap_or_default())
+            }
+        };
+        let (policy, aof, save) = (
+            get("maxmemory-policy").await,
+            get("appendonly").await,
+            get("save").await,
+        );
+        match (policy, aof, save) {
+            (Ok(policy), Ok(aof), Ok(save)) => {
+                if policy != "noeviction" {
+                    warn!(
+                        maxmemory_policy = %policy,
+                        "the store may evict records: set maxmemory-policy noeviction, or reservations can vanish and a retry execute twice"
+                    );
+                }
+                if aof != "yes" && save.trim().is_empty() {
+                    warn!("the store has no persistence (appendonly no, no save points): a restart forgets every record");
+                } else if aof != "yes" {
+                    warn!("the store persists by snapshots only: a crash loses the records since the last one; appendonly yes is safer");
+                }
+                if policy == "noeviction" && aof == "yes" {
+                    info!("store durability check: maxmemory-policy noeviction, appendonly yes");
+                }
+            }
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => warn!(
+                error = %e,
+                "the store refused CONFIG GET, so its eviction policy and persistence cannot be checked; make sure of noeviction and AOF"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slot;
+
+    #[test]
+    fn cluster_slots_match_redis() {
+        // Values from CLUSTER KEYSLOT.
+        assert_eq!(slot(b"foo"), 12182);
+        assert_eq!(slot(b"bar"), 5061);
+        assert_eq!(slot(b"{user1000}.following"), slot(b"user1000"));
+        assert_eq!(
+            slot(b"foo{}{bar}"),
+            slot(b"foo{}{bar}"),
+            "an empty tag hashes the whole key"
+        );
+        assert_eq!(slot(b"123456789"), 12739);
     }
 }

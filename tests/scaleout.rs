@@ -1,0 +1,773 @@
+//! Scale-out: a real 3-master Redis Cluster, Sentinel failover, TLS with an ACL
+//! user, replicated reservations, and the start-up durability check — all on loopback.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// A port that is free, and whose +10000 (the cluster bus) is free too.
+fn free_port_with_bus() -> u16 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A redis-server (or sentinel) process with its own directory; killed on drop.
+struct Node {
+    child: Option<Child>,
+    port: u16,
+}
+
+impl Node {
+    fn spawn(dir: &Path, args: &[String]) -> Child {
+        Command::new("redis-server")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server")
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let mut c = client.get_multiplexed_async_connection().await?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query_async(&mut c).await
+}
+
+async fn wait_pong(port: u16) {
+    eventually(&format!("redis on {port}"), DEADLINE, || async move {
+        redis_cmd(port, &["PING"]).await.ok().map(|_| ())
+    })
+    .await;
+}
+
+fn text(v: redis::Value) -> String {
+    redis::from_redis_value::<String>(v).unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------
+// Redis Cluster
+
+struct Cluster {
+    nodes: Vec<Node>,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let port = free_port_with_bus();
+            let sub = dir.path().join(port.to_string());
+            std::fs::create_dir(&sub).unwrap();
+            let args: Vec<String> = [
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            nodes.push(Node {
+                child: Some(Node::spawn(&sub, &args)),
+                port,
+            });
+        }
+        for n in &nodes {
+            wait_pong(n.port).await;
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        for n in &nodes {
+            let port = n.port;
+            eventually("cluster_state:ok", DEADLINE, || async move {
+                let info = text(redis_cmd(port, &["CLUSTER", "INFO"]).await.ok()?);
+                info.contains("cluster_state:ok").then_some(())
+            })
+            .await;
+        }
+        Cluster { nodes, _dir: dir }
+    }
+
+    /// How many record keys each master holds.
+    async fn keys_per_node(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for n in &self.nodes {
+            let keys: Vec<String> =
+                redis::from_redis_value(redis_cmd(n.port, &["KEYS", "idemproxy:*"]).await.unwrap())
+                    .unwrap();
+            out.push(keys.len());
+        }
+        out
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn core_behaviour_on_a_three_master_cluster() {
+    let cluster = Cluster::start().await;
+    let upstream = TestUpstream::start().await;
+    // Seed with one node only: the client discovers the others and follows MOVED.
+    let one_seed = format!(
+        "[store]\nbackend = \"redis\"\nmode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{}\"]\n",
+        cluster.nodes[0].port
+    );
+    let text = config_text(&upstream.url(), &one_seed, ROUTES);
+    let proxies = [
+        Proxy::start(&text).await,
+        Proxy::start(&text).await,
+        Proxy::start(&text).await,
+    ];
+    let url = |i: usize, path: &str| proxies[i % 3].url(path);
+
+    // Replay across processes, byte for byte.
+    let first = Call::post(&url(0, "/v1/payments"))
+        .key("c-replay")
+        .body("x")
+        .await;
+    assert_eq!(first.status, 201);
+    let again = Call::post(&url(1, "/v1/payments"))
+        .key("c-replay")
+        .body("x")
+        .await;
+    assert!(again.is_replay());
+    assert_eq!(again.body, first.body);
+    // 422 for a different request.
+    assert_eq!(
+        Call::post(&url(2, "/v1/payments"))
+            .key("c-replay")
+            .body("y")
+            .await
+            .status,
+        422
+    );
+    // 409 while in flight.
+    let held = tokio::spawn({
+        let u = url(0, "/v1/payments");
+        async move {
+            Call::post(&u)
+                .key("c-busy")
+                .header("x-test-hold", "1")
+                .body("x")
+                .await
+        }
+    });
+    upstream.wait_hits(2).await;
+    assert_eq!(
+        Call::post(&url(1, "/v1/payments"))
+            .key("c-busy")
+            .body("x")
+            .await
+            .status,
+        409
+    );
+    upstream.release(1);
+    assert_eq!(held.await.unwrap().status, 201);
+    // Scoping.
+    let alice = Call::post(&url(0, "/v1/payments"))
+        .key("c-scope")
+        .header("authorization", "A")
+        .body("x")
+        .await;
+    let bob = Call::post(&url(1, "/v1/payments"))
+        .key("c-scope")
+        .header("authorization", "B")
+        .body("x")
+        .await;
+    assert!(!bob.is_replay());
+    assert_ne!(alice.body, bob.body);
+    // TTL.
+    Call::post(&url(2, "/v1/short"))
+        .key("c-ttl")
+        .body("x")
+        .await;
+    let short = url(0, "/v1/short");
+    eventually("the cluster record to expire", DEADLINE, || {
+        let short = short.clone();
+        async move { (!Call::post(&short).key("c-ttl").body("x").await.is_replay()).then_some(()) }
+    })
+    .await;
+    let executed_so_far = upstream.hits();
+
+    // A storm through three proxies: exactly one execution.
+    let mut tasks = Vec::new();
+    for i in 0..150 {
+        let u = url(i, "/v1/payments");
+        tasks.push(tokio::spawn(async move {
+            Call::post(&u)
+                .key("c-storm")
+                .header("x-test-delay-ms", "200")
+                .body("x")
+                .await
+        }));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert!(r.status == 201 || r.status == 409, "{}", r.status);
+    }
+    assert_eq!(upstream.hits(), executed_so_far + 1);
+
+    // Many keys land on every master: routing by slot works, and no operation spans two slots.
+    for i in 0..30 {
+        Call::post(&url(i, "/v1/payments"))
+            .key(&format!("c-spread-{i}"))
+            .body("x")
+            .await;
+    }
+    let spread = cluster.keys_per_node().await;
+    assert!(
+        spread.iter().all(|&n| n > 0),
+        "records on every master: {spread:?}"
+    );
+    for p in &proxies {
+        assert!(!p.logs().iter().any(|l| l.contains("CROSSSLOT")));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Sentinel
+
+struct SentinelSetup {
+    master: Node,
+    replica: Node,
+    sentinels: Vec<Node>,
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelSetup {
+    async fn start() -> SentinelSetup {
+        let dir = tempfile::tempdir().unwrap();
+        let base = |port: u16| -> Vec<String> {
+            [
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+        };
+        let mp = free_port();
+        let master = Node {
+            child: Some(Node::spawn(dir.path(), &base(mp))),
+            port: mp,
+        };
+        wait_pong(mp).await;
+        let rp = free_port();
+        let mut args = base(rp);
+        args.extend([
+            "--replicaof".to_string(),
+            "127.0.0.1".to_string(),
+            mp.to_string(),
+        ]);
+        let replica = Node {
+            child: Some(Node::spawn(dir.path(), &args)),
+            port: rp,
+        };
+        wait_pong(rp).await;
+        let mut sentinels = Vec::new();
+        for i in 0..3 {
+            let sp = free_port();
+            let conf = dir.path().join(format!("sentinel-{i}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {sp}\nbind 127.0.0.1\nsentinel monitor mymaster 127.0.0.1 {mp} 2\n\
+                     sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n\
+                     sentinel parallel-syncs mymaster 1\n"
+                ),
+            )
+            .unwrap();
+            let args = vec![conf.display().to_string(), "--sentinel".to_string()];
+            sentinels.push(Node {
+                child: Some(Node::spawn(dir.path(), &args)),
+                port: sp,
+            });
+        }
+        for s in &sentinels {
+            let port = s.port;
+            eventually(
+                "sentinels to know the replica and each other",
+                DEADLINE,
+                || async move {
+                    let v = redis_cmd(port, &["SENTINEL", "CKQUORUM", "mymaster"])
+                        .await
+                        .ok()?;
+                    let replicas: Vec<redis::Value> = redis::from_redis_value(
+                        redis_cmd(port, &["SENTINEL", "REPLICAS", "mymaster"])
+                            .await
+                            .ok()?,
+                    )
+                    .ok()?;
+                    let master: Vec<redis::Value> = redis::from_redis_value(
+                        redis_cmd(port, &["SENTINEL", "MASTER", "mymaster"])
+                            .await
+                            .ok()?,
+                    )
+                    .ok()?;
+                    let others = master
+                        .chunks(2)
+                        .find(|kv| text(kv[0].clone()) == "num-other-sentinels")
+                        .map(|kv| text(kv[1].clone()));
+                    (text(v).starts_with("OK")
+                        && !replicas.is_empty()
+                        && others.as_deref() == Some("2"))
+                    .then_some(())
+                },
+            )
+            .await;
+        }
+        SentinelSetup {
+            master,
+            replica,
+            sentinels,
+            _dir: dir,
+        }
+    }
+
+    fn store(&self) -> String {
+        let s: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|n| format!("\"redis://127.0.0.1:{}\"", n.port))
+            .collect();
+        format!(
+            "[store]\nbackend = \"redis\"\nmode = \"sentinel\"\nsentinels = [{}]\nmaster_name = \"mymaster\"\nop_timeout = \"300ms\"\n",
+            s.join(", ")
+        )
+    }
+
+    async fn master_port(&self) -> Option<u16> {
+        let v = redis_cmd(
+            self.sentinels[0].port,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
+        )
+        .await
+        .ok()?;
+        let addr: Vec<String> = redis::from_redis_value(v).ok()?;
+        addr.get(1)?.parse().ok()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_recovers_without_restarting_the_proxy() {
+    let mut setup = SentinelSetup::start().await;
+    let upstream = TestUpstream::start().await;
+    let proxy = Proxy::start(&config_text(&upstream.url(), &setup.store(), ROUTES)).await;
+    let url = proxy.url("/v1/payments");
+    let before = Call::post(&url).key("s-before").body("x").await;
+    assert_eq!(before.status, 201);
+    // The record reaches the replica before the master dies.
+    let rp = setup.replica.port;
+    eventually("replication of the record", DEADLINE, || async move {
+        let n: i64 = redis::from_redis_value(redis_cmd(rp, &["DBSIZE"]).await.ok()?).ok()?;
+        (n >= 1).then_some(())
+    })
+    .await;
+
+    // Traffic runs while the master is killed.
+    let killed_at = Instant::now();
+    setup.master.kill();
+    let mut unavailable = Duration::ZERO;
+    let mut first_503: Option<Instant> = None;
+    let mut i = 0;
+    let recovered = loop {
+        i += 1;
+        let r = Call::post(&url)
+            .key(&format!("s-during-{i}"))
+            .body("x")
+            .await;
+        match r.status {
+            201 => break Instant::now(),
+            503 => {
+                first_503.get_or_insert_with(Instant::now);
+            }
+            other => panic!("unexpected status {other} during failover"),
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(60),
+            "no recovery within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await; // steady traffic, not synchronisation
+    };
+    if let Some(start) = first_503 {
+        unavailable = recovered - start;
+    }
+    eprintln!(
+        "sentinel failover: protected routes answered 503 for {:.1} s (master killed {:.1} s before recovery, {i} requests)",
+        unavailable.as_secs_f64(),
+        (recovered - killed_at).as_secs_f64()
+    );
+    assert_eq!(
+        setup.master_port().await,
+        Some(setup.replica.port),
+        "the replica was promoted"
+    );
+    // What was stored before the failover is still replayed from the new master.
+    let replay = Call::post(&url).key("s-before").body("x").await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, before.body);
+    assert!(proxy
+        .logs()
+        .iter()
+        .any(|l| l.contains("sentinel named the master")));
+}
+
+// ---------------------------------------------------------------------------
+// Replicated reservations (store.wait_replicas)
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |port: u16| -> Vec<String> {
+        [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let mp = free_port();
+    let _master = Node {
+        child: Some(Node::spawn(dir.path(), &args(mp))),
+        port: mp,
+    };
+    wait_pong(mp).await;
+    let rp = free_port();
+    let mut rargs = args(rp);
+    rargs.extend(["--replicaof".into(), "127.0.0.1".into(), mp.to_string()]);
+    let mut replica = Node {
+        child: Some(Node::spawn(dir.path(), &rargs)),
+        port: rp,
+    };
+    eventually("the replica to sync", DEADLINE, || async move {
+        let info = text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
+        info.contains("master_link_status:up").then_some(())
+    })
+    .await;
+    let upstream = TestUpstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{mp}/0\"\nwait_replicas = 1\nwait_timeout = \"100ms\"\n"
+    );
+    let routes =
+        "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\non_store_error = \"pass\"\n";
+    let proxy = Proxy::start(&config_text(&upstream.url(), &store, routes)).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("w-ok").body("x").await.status, 201);
+    assert!(Call::post(&url).key("w-ok").body("x").await.is_replay());
+    assert_eq!(upstream.hits(), 1);
+
+    replica.kill();
+    eventually(
+        "the master to notice the replica is gone",
+        DEADLINE,
+        || async move {
+            let info = text(redis_cmd(mp, &["INFO", "replication"]).await.ok()?);
+            info.contains("connected_slaves:0").then_some(())
+        },
+    )
+    .await;
+    let r = Call::post(&url).key("w-lost").body("x").await;
+    assert_eq!(
+        r.status, 503,
+        "never forwarded on an unreplicated reservation, even with on_store_error = pass"
+    );
+    assert_eq!(upstream.hits(), 1);
+    let keys: Vec<String> =
+        redis::from_redis_value(redis_cmd(mp, &["KEYS", "*"]).await.unwrap()).unwrap();
+    assert_eq!(
+        keys.len(),
+        1,
+        "the unreplicated reservation was withdrawn: {keys:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// TLS and an ACL user limited to idemproxy's prefix and commands
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA and a server certificate for 127.0.0.1, made now.
+fn make_certs(dir: &Path) {
+    openssl(
+        dir,
+        &[
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            "ca.key",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=idemproxy-test-ca",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            "server.key",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-new",
+            "-key",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+    );
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    );
+}
+
+/// The ACL line from docs/operations.md, so the documentation cannot rot.
+fn documented_acl(password: &str) -> String {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    let line = doc
+        .lines()
+        .find(|l| l.starts_with("ACL SETUSER idemproxy"))
+        .expect("the ACL line in docs/operations.md");
+    line.trim_start_matches("ACL SETUSER ")
+        .replace(">LONG-RANDOM-PASSWORD", &format!(">{password}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
+    let dir = tempfile::tempdir().unwrap();
+    make_certs(dir.path());
+    let port = free_port();
+    let admin_port = free_port();
+    let conf = dir.path().join("redis.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "port {admin_port}\nbind 127.0.0.1\ntls-port {port}\ntls-cert-file server.pem\ntls-key-file server.key\n\
+             tls-ca-cert-file ca.pem\ntls-auth-clients no\nsave \"\"\nappendonly no\nuser {}\n",
+            documented_acl("idem-pw")
+        ),
+    )
+    .unwrap();
+    let _redis = Node {
+        child: Some(Node::spawn(dir.path(), &[conf.display().to_string()])),
+        port,
+    };
+    wait_pong(admin_port).await; // the plain port is for the test's own checks
+    let upstream = TestUpstream::start().await;
+    let ca = dir.path().join("ca.pem");
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurl = \"rediss://127.0.0.1:{port}/0\"\nusername = \"idemproxy\"\ntls_ca_file = \"{}\"\n",
+        ca.display()
+    );
+    let text = config_text(&upstream.url(), &store, ROUTES);
+    let proxy = Proxy::start_with_env(&text, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
+    let url = proxy.url("/v1/payments");
+    let first = Call::post(&url).key("t-1").body("x").await;
+    assert_eq!(first.status, 201);
+    let again = Call::post(&url).key("t-1").body("x").await;
+    assert!(
+        again.is_replay(),
+        "reserve, complete and replay work over TLS with the ACL user"
+    );
+    // Renew and release too: a slow call and a released key.
+    let released = Call::post(&url)
+        .key("t-2")
+        .header("x-test-status", "503")
+        .body("x")
+        .await;
+    assert_eq!(released.status, 503);
+    assert!(!Call::post(&url).key("t-2").body("x").await.is_replay());
+    let keys: Vec<String> =
+        redis::from_redis_value(redis_cmd(admin_port, &["KEYS", "*"]).await.unwrap()).unwrap();
+    assert!(
+        keys.iter().all(|k| k.starts_with("idemproxy:")) && keys.len() == 2,
+        "{keys:?}"
+    );
+    // The ACL user refused CONFIG: the durability check says so instead of guessing.
+    proxy.wait_log("refused CONFIG GET").await;
+
+    // Without the CA, the server's certificate is not trusted: never ready.
+    let no_ca = config_text(
+        &upstream.url(),
+        &format!("[store]\nbackend = \"redis\"\nurl = \"rediss://127.0.0.1:{port}/0\"\nusername = \"idemproxy\"\nop_timeout = \"300ms\"\n"),
+        ROUTES,
+    );
+    let untrusting = Proxy::spawn(&no_ca, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
+    untrusting.wait_log("store ping failed").await;
+    assert_eq!(
+        get(&untrusting.admin_url("/readyz")).await.unwrap().status,
+        503
+    );
+    // A wrong password is refused too.
+    let wrong = Proxy::spawn(&text, &[("IDEMPROXY_REDIS_PASSWORD", "nope")]).await;
+    wrong.wait_log("store ping failed").await;
+    assert_eq!(get(&wrong.admin_url("/readyz")).await.unwrap().status, 503);
+}
+
+// ---------------------------------------------------------------------------
+// The durability check at start-up
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_check_warns_about_eviction_and_missing_persistence() {
+    let upstream = TestUpstream::start().await;
+    let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]).await;
+    let proxy = Proxy::start(&config_text(
+        &upstream.url(),
+        &store_section(Backend::Redis, Some(&evicting)),
+        ROUTES,
+    ))
+    .await;
+    let line = proxy.wait_log("set maxmemory-policy noeviction").await;
+    assert_eq!(line["level"], "WARN");
+    assert_eq!(line["maxmemory_policy"], "allkeys-lru");
+    proxy.wait_log("no persistence").await;
+
+    let durable = RedisServer::start_with(&["--appendonly", "yes"]).await;
+    let proxy = Proxy::start(&config_text(
+        &upstream.url(),
+        &store_section(Backend::Redis, Some(&durable)),
+        ROUTES,
+    ))
+    .await;
+    proxy.wait_log("store durability check").await;
+    assert!(!proxy
+        .logs()
+        .iter()
+        .any(|l| l.contains("no persistence") || l.contains("may evict")));
+}
