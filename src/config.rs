@@ -758,7 +758,7 @@ fn build(raw: RawFile, text: &str, file: &str, ov: &Overrides) -> Result<Config,
         };
         let policy = apply_policy(defaults.clone(), r, text, file, &format!("routes[{i}]"))?;
         routes.push(Route {
-            name,
+            name: crate::routes::RouteName::new(&name),
             methods,
             path,
             policy: Arc::new(policy),

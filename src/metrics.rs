@@ -9,6 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::routes::RouteName;
+
 /// What became of a request; the `outcome` label of `idemproxy_requests_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -52,7 +54,7 @@ impl Outcome {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteOutcome {
-    route: String,
+    route: RouteName,
     outcome: &'static str,
 }
 
@@ -63,7 +65,7 @@ struct OpLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabel {
-    route: String,
+    route: RouteName,
 }
 
 /// Every metric idemproxy exports; cheap to share (the handles are reference-counted).
@@ -149,19 +151,19 @@ impl Metrics {
         }
     }
 
-    pub fn request(&self, route: &str, outcome: Outcome) {
+    pub fn request(&self, route: &RouteName, outcome: Outcome) {
         self.requests
             .get_or_create(&RouteOutcome {
-                route: route.to_string(),
+                route: route.clone(),
                 outcome: outcome.as_str(),
             })
             .inc();
     }
 
-    pub fn shadow(&self, route: &str, outcome: Outcome) {
+    pub fn shadow(&self, route: &RouteName, outcome: Outcome) {
         self.shadow_outcomes
             .get_or_create(&RouteOutcome {
-                route: route.to_string(),
+                route: route.clone(),
                 outcome: outcome.as_str(),
             })
             .inc();
@@ -181,10 +183,10 @@ impl Metrics {
         self.store_up.set(i64::from(ok));
     }
 
-    pub fn lease_lost(&self, route: &str) {
+    pub fn lease_lost(&self, route: &RouteName) {
         self.lease_lost
             .get_or_create(&RouteLabel {
-                route: route.to_string(),
+                route: route.clone(),
             })
             .inc();
     }

@@ -22,11 +22,15 @@ use crate::key::{self, KeyError};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
-use crate::routes::Route;
+use crate::routes::{Route, RouteName};
 use crate::store::{Completion, Reservation, StoreError};
 use crate::upstream::UpstreamError;
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The `route` label of requests that no route protects.
+static UNPROTECTED: std::sync::LazyLock<RouteName> =
+    std::sync::LazyLock::new(|| RouteName::new(""));
 
 /// What the handler did, for the metrics and the log line.
 struct Handled {
@@ -89,9 +93,10 @@ pub async fn handle(app: Arc<App>, mut req: Request<Incoming>, peer: SocketAddr)
         request_id,
     };
     let method = req.method().clone();
-    let path = req.uri().path().to_string();
+    // A cheap clone (shared bytes), kept for the log line.
+    let uri = req.uri().clone();
     let routes = app.routes();
-    let route = routes.find(&method, &path);
+    let route = routes.find(&method, uri.path());
     let handled = match route {
         None => {
             let (parts, body) = req.into_parts();
@@ -99,14 +104,14 @@ pub async fn handle(app: Arc<App>, mut req: Request<Incoming>, peer: SocketAddr)
         }
         Some(route) => protected(&ctx, route, req).await,
     };
-    let route_name = route.map_or("", |r| r.name.as_str());
+    let route_name = route.map_or(&*UNPROTECTED, |r| &r.name);
     app.metrics.request(route_name, handled.outcome);
     info!(
         target: "idemproxy::access",
         request_id = %request_id,
         method = %method,
-        path = %path,
-        route = route_name,
+        path = uri.path(),
+        route = route_name.as_str(),
         outcome = handled.outcome.as_str(),
         status = handled.response.status().as_u16(),
         duration_ms = start.elapsed().as_secs_f64() * 1000.0,
@@ -331,7 +336,7 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
         token,
         fingerprint,
         created_ms,
-        route: route.name.clone(),
+        route: route.name.to_string(),
     })
     .encode();
     let wait_until = Instant::now() + policy.wait_timeout;
@@ -500,7 +505,7 @@ async fn release(app: &App, store_key: &str, token: Token) {
 /// The forward-and-store work of one reserved request.
 struct Job {
     app: Arc<App>,
-    route_name: String,
+    route_name: RouteName,
     policy: Arc<Policy>,
     store_key: String,
     token: Token,
@@ -646,7 +651,7 @@ impl Job {
             token: self.token,
             fingerprint: self.fingerprint,
             created_ms: self.created_ms,
-            route: self.route_name.clone(),
+            route: self.route_name.to_string(),
             completed_ms: now_ms(),
             status,
             body_stored,
