@@ -241,11 +241,7 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
             let (parts, body) = req.into_parts();
             return forward_unprotected(ctx, parts, Body::Stream(body), Outcome::Passthrough).await;
         }
-        Ok(None) if shadow => {
-            app.metrics.shadow(&route.name, Outcome::MissingKey);
-            let (parts, body) = req.into_parts();
-            return forward_unprotected(ctx, parts, Body::Stream(body), Outcome::Passthrough).await;
-        }
+        Ok(None) if shadow => return shadow_forward(ctx, route, Outcome::MissingKey, req).await,
         Ok(None) => {
             return problem(
                 Problem::MissingKey {
@@ -254,11 +250,7 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
                 Outcome::MissingKey,
             )
         }
-        Err(_) if shadow => {
-            app.metrics.shadow(&route.name, Outcome::InvalidKey);
-            let (parts, body) = req.into_parts();
-            return forward_unprotected(ctx, parts, Body::Stream(body), Outcome::Passthrough).await;
-        }
+        Err(_) if shadow => return shadow_forward(ctx, route, Outcome::InvalidKey, req).await,
         Err(why) => {
             return problem(
                 Problem::InvalidKey {
@@ -453,6 +445,18 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
             Outcome::UpstreamError,
         )),
     }
+}
+
+/// Shadow mode: count what enforcement would have answered, and forward as if the proxy were absent.
+async fn shadow_forward(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    would_be: Outcome,
+    req: Request<Incoming>,
+) -> Handled {
+    ctx.app.metrics.shadow(&route.name, would_be);
+    let (parts, body) = req.into_parts();
+    forward_unprotected(ctx, parts, Body::Stream(body), Outcome::Passthrough).await
 }
 
 fn header_display(lower: &str) -> String {

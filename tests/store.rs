@@ -65,32 +65,61 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
     let mut monitor = Monitor::start(redis).await;
     let url = env.url("/v1/payments");
     let before = evalsha_calls(redis).await;
+    let command = |line: &str| {
+        line.split("] \"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .map(str::to_ascii_lowercase)
+            .unwrap_or_default()
+    };
 
     let first = Call::post(&url).key("k-rt").body("x").await;
     assert_eq!(first.status, 201);
     let cmds = monitor.record_commands("marker-new").await;
+    let names: Vec<String> = cmds.iter().map(|c| command(c)).collect();
     assert_eq!(
-        cmds.len(),
-        2,
-        "a new key: reserve and complete, nothing else: {cmds:#?}"
-    );
-    assert!(
-        cmds.iter()
-            .all(|c| c.to_ascii_lowercase().contains("\"evalsha\"")),
-        "{cmds:#?}"
+        names,
+        ["set", "evalsha"],
+        "a new key: reserve (SET NX PX GET) and complete (script), nothing else: {cmds:#?}"
     );
     let after_new = evalsha_calls(redis).await;
-    assert_eq!(after_new - before, 2);
+    assert_eq!(after_new - before, 1, "one script call: the completion");
 
     let again = Call::post(&url).key("k-rt").body("x").await;
     assert!(again.is_replay());
     let cmds = monitor.record_commands("marker-replay").await;
-    assert_eq!(cmds.len(), 1, "a replay is one round trip: {cmds:#?}");
-    assert_eq!(evalsha_calls(redis).await - after_new, 1);
+    let names: Vec<String> = cmds.iter().map(|c| command(c)).collect();
+    assert_eq!(names, ["set"], "a replay is one round trip: {cmds:#?}");
+    assert_eq!(evalsha_calls(redis).await, after_new);
 
-    // A conflict and a mismatch are one round trip too.
+    // A mismatch is one round trip too.
     Call::post(&url).key("k-rt").body("other").await;
     assert_eq!(monitor.record_commands("marker-mismatch").await.len(), 1);
+
+    // A conflict asks for the remaining lease as well (for Retry-After): two.
+    let held = tokio::spawn({
+        let url = url.clone();
+        async move {
+            Call::post(&url)
+                .key("k-rt2")
+                .header("x-test-hold", "1")
+                .body("x")
+                .await
+        }
+    });
+    env.upstream.wait_hits(2).await;
+    monitor.record_commands("marker-held").await;
+    let conflict = Call::post(&url).key("k-rt2").body("x").await;
+    assert_eq!(conflict.status, 409);
+    let names: Vec<String> = monitor
+        .record_commands("marker-conflict")
+        .await
+        .iter()
+        .map(|c| command(c))
+        .collect();
+    assert_eq!(names, ["set", "pttl"]);
+    env.upstream.release(1);
+    held.await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,7 +56,8 @@ pub enum StoreSetupError {
 pub enum Reservation {
     /// The key is ours now.
     Reserved,
-    /// Somebody's record holds the key; `ttl` is what is left of its lease or TTL.
+    /// Somebody's record holds the key; `ttl` is what is left of its lease (for a
+    /// record in flight; zero for a finished one when the store did not say).
     Existing { record: Record, ttl: Duration },
 }
 
@@ -152,22 +153,42 @@ impl Store {
         let found = self
             .timed("reserve", async {
                 match &self.inner {
-                    Inner::Memory(m) => Ok(m.reserve(key, processing, lease)),
-                    Inner::Redis(r) => r.reserve(key, processing, lease).await,
+                    Inner::Memory(m) => Ok(m
+                        .reserve(key, processing, lease)
+                        .map(|(v, ttl)| (v, Some(ttl)))),
+                    Inner::Redis(r) => {
+                        Ok(r.reserve(key, processing, lease).await?.map(|v| (v, None)))
+                    }
                 }
             })
             .await?;
-        match found {
-            None => Ok(Reservation::Reserved),
-            Some((value, ttl)) => {
-                let record = Record::decode(value)?;
-                // A re-sent reserve finds our own reservation.
-                if matches!(&record, Record::Processing(p) if p.token == token) {
-                    return Ok(Reservation::Reserved);
-                }
-                Ok(Reservation::Existing { record, ttl })
-            }
+        let Some((value, ttl)) = found else {
+            return Ok(Reservation::Reserved);
+        };
+        let record = Record::decode(value)?;
+        // A re-sent reserve finds our own reservation.
+        if matches!(&record, Record::Processing(p) if p.token == token) {
+            return Ok(Reservation::Reserved);
         }
+        // Only a request in flight needs the remaining lease (for Retry-After):
+        // replays and mismatches stay at one round trip.
+        let ttl = match (ttl, &record) {
+            (Some(ttl), _) => ttl,
+            (None, Record::Processing(_)) => self.pttl(key).await?,
+            (None, Record::Finished(_)) => Duration::ZERO,
+        };
+        Ok(Reservation::Existing { record, ttl })
+    }
+
+    /// The remaining lease or TTL of a key.
+    async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
+        self.timed("pttl", async {
+            match &self.inner {
+                Inner::Memory(m) => Ok(m.get(key).map_or(Duration::ZERO, |(_, ttl)| ttl)),
+                Inner::Redis(r) => r.pttl(key).await,
+            }
+        })
+        .await
     }
 
     pub async fn complete(

@@ -1,5 +1,6 @@
-//! The Redis store: standalone, Sentinel or Cluster behind one connection type,
-//! and four small Lua scripts beside this file. Every operation touches one key.
+//! The Redis store: standalone, Sentinel or Cluster behind one connection type.
+//! Reserving is a native `SET NX PX GET`; the compare-and-set operations are
+//! three small Lua scripts beside this file. Every operation touches one key.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{LazyLock, RwLock};
@@ -17,7 +18,6 @@ use super::{Completion, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
 
-static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("reserve.lua")));
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -343,24 +343,41 @@ impl RedisStore {
         }
     }
 
+    /// `SET key value NX PX lease GET` (Redis >= 7.0): reserves, or returns what holds
+    /// the key, in one native command — cheaper for Redis than a script. Sent twice,
+    /// the second returns the caller's own reservation, recognised by its token.
     pub async fn reserve(
         &self,
         key: &str,
         value: Bytes,
         lease: Duration,
-    ) -> Result<Option<(Bytes, Duration)>, StoreError> {
+    ) -> Result<Option<Bytes>, StoreError> {
         let mut conn = self.conn().await?;
-        let found: Option<(Vec<u8>, i64)> = RESERVE
-            .key(key)
+        let found: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(key)
             .arg(value.as_ref())
+            .arg("NX")
+            .arg("PX")
             .arg(ms(lease))
-            .invoke_async(&mut conn)
+            .arg("GET")
+            .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
         if found.is_none() && self.wait_replicas > 0 {
             self.wait_for_replicas(&mut conn, key).await?;
         }
-        Ok(found.map(|(v, pttl)| (Bytes::from(v), Duration::from_millis(pttl.max(0) as u64))))
+        Ok(found.map(Bytes::from))
+    }
+
+    /// What is left of a key's lease or TTL (for `Retry-After`); zero when it is gone.
+    pub async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
+        let mut conn = self.conn().await?;
+        let ms: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(Duration::from_millis(ms.max(0) as u64))
     }
 
     /// `WAIT n timeout` on the key's node: fewer acknowledgements → the reservation is
@@ -476,7 +493,7 @@ impl RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE];
+        let scripts = [&*COMPLETE, &*RENEW, &*RELEASE];
         let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")
