@@ -160,18 +160,10 @@ path = "/v1/payments"
 # ---------------------------------------------------------------------------
 # Load generators
 
-NEWKEY_LUA = r"""
--- A key no one used before, per request: "<run tag>-<thread>-<counter>".
-local counter, threads, prefix = 0, 0, ""
-threads_list = {}
+# Counts answers by status in every thread and prints them at the end ("STATUSES 200=...,409=...").
+STATUS_LUA = r"""
 statuses = {}
-function setup(thread) threads = threads + 1; thread:set("id", threads); table.insert(threads_list, thread) end
-function init(args) prefix = "%s-" .. tostring(id) .. "-" end
-request = function()
-  counter = counter + 1
-  return wrk.format("POST", "/v1/payments",
-    {["Idempotency-Key"] = prefix .. counter, ["Content-Type"] = "application/json"}, '{"amount":4200}')
-end
+threads_list = {}
 response = function(status, headers, body)
   statuses[status] = (statuses[status] or 0) + 1
 end
@@ -187,28 +179,25 @@ function done(summary, latency, requests)
 end
 """
 
-KEYS_LUA = r"""
+NEWKEY_LUA = STATUS_LUA + r"""
+-- A key no one used before, per request: "<run tag>-<thread>-<counter>".
+local counter, threads, prefix = 0, 0, ""
+function setup(thread) threads = threads + 1; thread:set("id", threads); table.insert(threads_list, thread) end
+function init(args) prefix = "%s-" .. tostring(id) .. "-" end
+request = function()
+  counter = counter + 1
+  return wrk.format("POST", "/v1/payments",
+    {["Idempotency-Key"] = prefix .. counter, ["Content-Type"] = "application/json"}, '{"amount":4200}')
+end
+"""
+
+KEYS_LUA = STATUS_LUA + r"""
 -- Keys drawn from a fixed set: replays (set stored first) or a duplicate storm (few keys).
-statuses = {}
 function setup(thread) table.insert(threads_list, thread) end
-threads_list = {}
 request = function()
   local k = math.random(1, %d)
   return wrk.format("POST", "/v1/payments",
     {["Idempotency-Key"] = "%s-" .. k, ["Content-Type"] = "application/json"}, '{"amount":4200}')
-end
-response = function(status, headers, body)
-  statuses[status] = (statuses[status] or 0) + 1
-end
-function done(summary, latency, requests)
-  local total = {}
-  for _, t in ipairs(threads_list) do
-    local s = t:get("statuses")
-    if s then for k, v in pairs(s) do total[k] = (total[k] or 0) + v end end
-  end
-  local parts = {}
-  for k, v in pairs(total) do table.insert(parts, k .. "=" .. v) end
-  io.write("STATUSES " .. table.concat(parts, ",") .. "\n")
 end
 """
 
@@ -432,7 +421,7 @@ def main():
 
         # Latency at a fixed rate, open loop.
         lat = {}
-        for which in ("idemproxy", "nginx"):
+        for which in ("idemproxy", "nginx", "direct"):
             lat[f"pt_{which}"] = oha(stack.url(which), args.rate, 10)
         lat["replay"] = oha(stack.url("idemproxy", "/v1/payments"), args.rate, 10, method="POST",
                             headers=("Idempotency-Key: replay-1", "Content-Type: application/json"),
@@ -461,11 +450,14 @@ def main():
         print(f"{r[0]:42} {r[1]:24} {r[2]:24} {r[3]:16} {r[4]}")
     print()
     print(f"latency at {args.rate} req/s (oha, open loop, latency-corrected), ms:")
-    for k, label in (("pt_idemproxy", "pass-through, idemproxy"), ("pt_nginx", "pass-through, nginx"),
-                     ("replay", "replay, idemproxy")):
+    for k, label in (("pt_direct", "upstream directly"), ("pt_idemproxy", "pass-through, idemproxy"),
+                     ("pt_nginx", "pass-through, nginx"), ("replay", "replay, idemproxy")):
         v = lat[k]
         print(f"  {label:28} p50 {v['p50_ms']:.3f}  p99 {v['p99_ms']:.3f}  p99.9 {v['p999_ms']:.3f}  "
               f"({v['rps']:.0f} req/s, success {v['success']:.3f})")
+    added = {w: lat[f"pt_{w}"]["p50_ms"] - lat["pt_direct"]["p50_ms"] for w in ("idemproxy", "nginx")}
+    print(f"  p50 added over the upstream directly: idemproxy {added['idemproxy']:+.3f} ms, "
+          f"nginx {added['nginx']:+.3f} ms (target: idemproxy's <= nginx's)")
     print(f"RSS idle {idle_rss / 1024:.1f} MiB; with 1,000 open connections {conn_rss / 1024:.1f} MiB (target <= 40 MiB)")
     print(f"store round trips per request (MONITOR): new key {rt_new:.2f}, replay {rt_replay:.2f} (target 2 / 1)")
     print(f"storm answers (status=count per repetition): {'; '.join(storm_statuses)}")

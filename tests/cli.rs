@@ -191,16 +191,10 @@ async fn sigterm_lets_the_request_in_flight_finish_and_exits_0() {
     let store = store_section(Backend::Redis, Some(&redis));
     let mut proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
     let url = proxy.url("/v1/payments");
-    let in_flight = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-term")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let in_flight = Call::post(&url)
+        .key("k-term")
+        .header("x-test-hold", "1")
+        .spawn("x");
     upstream.wait_hits(1).await;
     proxy.signal("TERM");
     let admin = proxy.admin_url("/readyz");

@@ -75,16 +75,10 @@ async fn lease_renewal_keeps_a_slow_call_to_one_execution(backend: Backend) {
     let env = env(backend).start().await;
     let url = env.url("/v1/slow");
     // The upstream takes five leases; the owner renews, so no retry may steal the key.
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-slow")
-                .header("x-test-delay-ms", "1500")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-slow")
+        .header("x-test-delay-ms", "1500")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     let mut retries = 0;
     while !first.is_finished() {
@@ -270,21 +264,12 @@ async fn response_too_large_to_store_is_relayed_and_retries_get_410(backend: Bac
 async fn wait_mode_replays_the_first_answer(backend: Backend) {
     let env = env(backend).start().await;
     let url = env.url("/v1/wait");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-wait")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-wait")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
-    let second = tokio::spawn({
-        let url = url.clone();
-        async move { Call::post(&url).key("k-wait").body("x").await }
-    });
+    let second = Call::post(&url).key("k-wait").spawn("x");
     env.upstream.release(1);
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
     assert_eq!(first.status, 201);
@@ -300,22 +285,13 @@ async fn wait_mode_replays_the_first_answer(backend: Backend) {
 async fn wait_mode_executes_when_the_first_releases_the_key(backend: Backend) {
     let env = env(backend).start().await;
     let url = env.url("/v1/wait");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-wait-rel")
-                .header("x-test-hold", "1")
-                .header("x-test-status", "503")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-wait-rel")
+        .header("x-test-hold", "1")
+        .header("x-test-status", "503")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
-    let second = tokio::spawn({
-        let url = url.clone();
-        async move { Call::post(&url).key("k-wait-rel").body("x").await }
-    });
+    let second = Call::post(&url).key("k-wait-rel").spawn("x");
     env.upstream.release(1);
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
     assert_eq!(first.status, 503);
@@ -330,16 +306,10 @@ async fn wait_mode_executes_when_the_first_releases_the_key(backend: Backend) {
 async fn wait_mode_gives_409_after_wait_timeout(backend: Backend) {
     let env = env(backend).start().await;
     let url = env.url("/v1/wait-short");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-wait-to")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-wait-to")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     let second = Call::post(&url).key("k-wait-to").body("x").await;
     assert_eq!(second.status, 409);
@@ -500,16 +470,10 @@ async fn completion_failure_still_answers_the_client_and_is_counted() {
         .start()
         .await;
     let url = env.url("/v1/payments");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-nocomplete")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-nocomplete")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     env.redis_relay.as_ref().unwrap().set(Fault::Blackhole);
     env.upstream.release(1);
@@ -535,16 +499,10 @@ async fn lost_lease_the_late_finisher_does_not_overwrite() {
     let env = env(Backend::Redis).start().await;
     let redis = env.redis.as_ref().unwrap();
     let url = env.url("/v1/payments");
-    let a = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-stolen")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let a = Call::post(&url)
+        .key("k-stolen")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     // The reservation vanishes (an operator, an eviction, a failover)...
     let keys = redis.keys().await;
@@ -637,14 +595,12 @@ async fn three_proxies_300_concurrent_same_key_requests_one_execution() {
     ];
     let mut tasks = Vec::new();
     for i in 0..300 {
-        let url = proxies[i % 3].url("/v1/payments");
-        tasks.push(tokio::spawn(async move {
-            Call::post(&url)
+        tasks.push(
+            Call::post(&proxies[i % 3].url("/v1/payments"))
                 .key("k-fleet")
                 .header("x-test-delay-ms", "300")
-                .body("pay")
-                .await
-        }));
+                .spawn("pay"),
+        );
     }
     let mut fresh = 0;
     for t in tasks {

@@ -97,16 +97,10 @@ async fn metrics_follow_the_requests(backend: Backend) {
         1.0
     );
     // In flight while the upstream holds a request.
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("m3")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let held = Call::post(&url)
+        .key("m3")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(3).await;
     assert_eq!(m("idemproxy_inflight").await, 1.0);
     Call::post(&url).key("m3").body("x").await;
@@ -197,17 +191,11 @@ async fn admin_api_inspects_and_deletes_records(backend: Backend) {
     let env = env_with_token(backend).await;
     let p = &env.proxy;
     let url = env.url("/v1/payments");
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("\"order-77\"")
-                .header("authorization", "Bearer alice")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let held = Call::post(&url)
+        .key("\"order-77\"")
+        .header("authorization", "Bearer alice")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     let lookup = r#"{"key": "order-77", "scope": {"Authorization": "Bearer alice"}}"#;
     let r = admin(p, "POST", "/keys/lookup", Some(TOKEN), lookup).await;

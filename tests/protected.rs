@@ -92,16 +92,10 @@ async fn replay_is_byte_exact_with_status_and_headers(backend: Backend) {
 async fn retry_in_flight_gets_409_with_retry_after(backend: Backend) {
     let env = Env::start(backend).await;
     let url = env.url("/v1/payments");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-busy")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-busy")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     let retry = Call::post(&url)
         .key("k-busy")
@@ -377,14 +371,12 @@ async fn storm_of_50_same_key_requests_executes_once(backend: Backend) {
     let url = env.url("/v1/payments");
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let url = url.clone();
-        tasks.push(tokio::spawn(async move {
+        tasks.push(
             Call::post(&url)
                 .key("k-storm")
                 .header("x-test-delay-ms", "200")
-                .body("pay")
-                .await
-        }));
+                .spawn("pay"),
+        );
     }
     let mut fresh = 0;
     let mut replays = 0;

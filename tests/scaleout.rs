@@ -202,16 +202,10 @@ async fn core_behaviour_on_a_three_master_cluster() {
         422
     );
     // 409 while in flight.
-    let held = tokio::spawn({
-        let u = url(0, "/v1/payments");
-        async move {
-            Call::post(&u)
-                .key("c-busy")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let held = Call::post(&url(0, "/v1/payments"))
+        .key("c-busy")
+        .header("x-test-hold", "1")
+        .spawn("x");
     upstream.wait_hits(2).await;
     assert_eq!(
         Call::post(&url(1, "/v1/payments"))
@@ -252,14 +246,12 @@ async fn core_behaviour_on_a_three_master_cluster() {
     // A storm through three proxies: exactly one execution.
     let mut tasks = Vec::new();
     for i in 0..150 {
-        let u = url(i, "/v1/payments");
-        tasks.push(tokio::spawn(async move {
-            Call::post(&u)
+        tasks.push(
+            Call::post(&url(i, "/v1/payments"))
                 .key("c-storm")
                 .header("x-test-delay-ms", "200")
-                .body("x")
-                .await
-        }));
+                .spawn("x"),
+        );
     }
     for t in tasks {
         let r = t.await.unwrap();

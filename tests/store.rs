@@ -97,16 +97,10 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
     assert_eq!(monitor.record_commands("marker-mismatch").await.len(), 1);
 
     // A conflict asks for the remaining lease as well (for Retry-After): two.
-    let held = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-rt2")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let held = Call::post(&url)
+        .key("k-rt2")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(2).await;
     monitor.record_commands("marker-held").await;
     let conflict = Call::post(&url).key("k-rt2").body("x").await;
@@ -181,16 +175,10 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
     let env = Env::start(Backend::Redis).await;
     let redis = env.redis.as_ref().unwrap();
     let url = env.url("/v1/payments");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            Call::post(&url)
-                .key("k-lease")
-                .header("x-test-hold", "1")
-                .body("x")
-                .await
-        }
-    });
+    let first = Call::post(&url)
+        .key("k-lease")
+        .header("x-test-hold", "1")
+        .spawn("x");
     env.upstream.wait_hits(1).await;
     let keys = redis.keys().await;
     assert_eq!(keys.len(), 1);

@@ -629,6 +629,12 @@ impl Call {
     pub async fn send(self) -> Resp {
         self.body(Bytes::new()).await
     }
+
+    /// Sends it in a task of its own (a request the test holds in flight).
+    pub fn spawn(self, body: impl Into<Bytes>) -> tokio::task::JoinHandle<Resp> {
+        let body = body.into();
+        tokio::spawn(self.body(body))
+    }
 }
 
 /// Sends raw bytes and reads the answer until the server closes (send `Connection: close`).
