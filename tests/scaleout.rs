@@ -80,6 +80,45 @@ fn text(v: redis::Value) -> String {
     redis::from_redis_value::<String>(v).unwrap_or_default()
 }
 
+/// A master and a replica of it (no persistence), the replica in sync.
+async fn master_and_replica(dir: &Path) -> (Node, Node) {
+    let args = |port: u16| -> Vec<String> {
+        let port = port.to_string();
+        [
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let mp = free_port();
+    let master = Node {
+        child: Some(Node::spawn(dir, &args(mp))),
+        port: mp,
+    };
+    wait_pong(mp).await;
+    let rp = free_port();
+    let mut replica_args = args(rp);
+    replica_args.extend(["--replicaof".into(), "127.0.0.1".into(), mp.to_string()]);
+    let replica = Node {
+        child: Some(Node::spawn(dir, &replica_args)),
+        port: rp,
+    };
+    eventually("the replica to sync", DEADLINE, || async move {
+        let info = text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
+        info.contains("master_link_status:up").then_some(())
+    })
+    .await;
+    (master, replica)
+}
+
 // ---------------------------------------------------------------------------
 // Redis Cluster
 
@@ -289,39 +328,8 @@ struct SentinelSetup {
 impl SentinelSetup {
     async fn start() -> SentinelSetup {
         let dir = tempfile::tempdir().unwrap();
-        let base = |port: u16| -> Vec<String> {
-            [
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-        };
-        let mp = free_port();
-        let master = Node {
-            child: Some(Node::spawn(dir.path(), &base(mp))),
-            port: mp,
-        };
-        wait_pong(mp).await;
-        let rp = free_port();
-        let mut args = base(rp);
-        args.extend([
-            "--replicaof".to_string(),
-            "127.0.0.1".to_string(),
-            mp.to_string(),
-        ]);
-        let replica = Node {
-            child: Some(Node::spawn(dir.path(), &args)),
-            port: rp,
-        };
-        wait_pong(rp).await;
+        let (master, replica) = master_and_replica(dir.path()).await;
+        let mp = master.port;
         let mut sentinels = Vec::new();
         for i in 0..3 {
             let sp = free_port();
@@ -476,39 +484,8 @@ async fn sentinel_failover_recovers_without_restarting_the_proxy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge() {
     let dir = tempfile::tempdir().unwrap();
-    let args = |port: u16| -> Vec<String> {
-        [
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
-    let mp = free_port();
-    let _master = Node {
-        child: Some(Node::spawn(dir.path(), &args(mp))),
-        port: mp,
-    };
-    wait_pong(mp).await;
-    let rp = free_port();
-    let mut rargs = args(rp);
-    rargs.extend(["--replicaof".into(), "127.0.0.1".into(), mp.to_string()]);
-    let mut replica = Node {
-        child: Some(Node::spawn(dir.path(), &rargs)),
-        port: rp,
-    };
-    eventually("the replica to sync", DEADLINE, || async move {
-        let info = text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
-        info.contains("master_link_status:up").then_some(())
-    })
-    .await;
+    let (master, mut replica) = master_and_replica(dir.path()).await;
+    let mp = master.port;
     let upstream = TestUpstream::start().await;
     let store = format!(
         "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{mp}/0\"\nwait_replicas = 1\nwait_timeout = \"100ms\"\n"
