@@ -47,7 +47,6 @@ pub enum Problem {
     BodyTimeout {
         after: Duration,
     },
-    ShuttingDown,
 }
 
 impl Problem {
@@ -61,7 +60,7 @@ impl Problem {
             Problem::Conflict { .. } => StatusCode::CONFLICT,
             Problem::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::NotStored => StatusCode::GONE,
-            Problem::StoreUnavailable | Problem::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Problem::UpstreamUnreachable | Problem::UpstreamReset { .. } => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -82,7 +81,6 @@ impl Problem {
             Problem::BodyUnreadable => "request-body-unreadable",
             Problem::BodyTimeout { .. } => "request-body-timeout",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
-            Problem::ShuttingDown => "shutting-down",
         }
     }
 
@@ -104,7 +102,6 @@ impl Problem {
             Problem::BodyUnreadable => "Request body could not be read",
             Problem::BodyTimeout { .. } => "Request body did not arrive in time",
             Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
-            Problem::ShuttingDown => "The proxy is shutting down",
         }
     }
 
@@ -152,17 +149,15 @@ impl Problem {
                 "The request body did not arrive within {} ms; nothing was executed.",
                 after.as_millis()
             ),
-            Problem::ShuttingDown => "The proxy stopped before the request could be forwarded.".to_string(),
         }
     }
 
     /// Can a client usefully send the same request again?
     pub fn retryable(&self) -> bool {
         match self {
-            Problem::Conflict { .. }
-            | Problem::StoreUnavailable
-            | Problem::UpstreamUnreachable
-            | Problem::ShuttingDown => true,
+            Problem::Conflict { .. } | Problem::StoreUnavailable | Problem::UpstreamUnreachable => {
+                true
+            }
             Problem::UpstreamReset { released } | Problem::UpstreamTimeout { released, .. } => {
                 *released
             }
@@ -173,7 +168,7 @@ impl Problem {
     fn retry_after(&self) -> Option<u64> {
         match self {
             Problem::Conflict { retry_after } => Some(retry_secs(*retry_after)),
-            Problem::StoreUnavailable | Problem::ShuttingDown => Some(1),
+            Problem::StoreUnavailable => Some(1),
             _ => None,
         }
     }
