@@ -66,26 +66,21 @@ struct Ctx<'a> {
 }
 
 /// Handles one request from a client.
-pub async fn handle(app: Arc<App>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
     let start = Instant::now();
     app.metrics.inflight.inc();
     let _inflight = InflightGuard(&app);
 
-    // An incoming X-Request-Id that is a UUID names the request; otherwise we make one and pass it on.
+    // An incoming X-Request-Id that is a UUID names the request; otherwise we make one.
+    // (It is sent upstream only on protected routes: pass-through changes nothing
+    // but the X-Forwarded-* headers.)
     let request_id = match req
         .headers()
         .get(X_REQUEST_ID)
         .map(|v| v.to_str().map(Uuid::parse_str))
     {
         Some(Ok(Ok(id))) => id,
-        Some(_) => Uuid::new_v4(),
-        None => {
-            let id = Uuid::new_v4();
-            if let Ok(v) = HeaderValue::from_str(&id.to_string()) {
-                req.headers_mut().insert(X_REQUEST_ID, v);
-            }
-            id
-        }
+        _ => Uuid::new_v4(),
     };
     let ctx = Ctx {
         app: &app,
@@ -403,6 +398,13 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
 
     // 5. Forward and complete in a task of its own: a client that goes away
     //    does not cancel the upstream exchange, and the record is still stored.
+    //    The upstream learns the request id, to match its logs with the record.
+    let mut parts = parts;
+    if !parts.headers.contains_key(X_REQUEST_ID) {
+        if let Ok(v) = HeaderValue::from_str(&ctx.request_id.to_string()) {
+            parts.headers.insert(X_REQUEST_ID, v);
+        }
+    }
     let request = match app.upstream.prepare(parts, Body::full(body), ctx.peer) {
         Ok(r) => r,
         Err(e) => {

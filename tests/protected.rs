@@ -540,7 +540,14 @@ async fn key_is_forwarded_and_forwarding_headers_added(backend: Backend) {
     let passthrough = &seen[1].headers;
     assert_eq!(passthrough["x-forwarded-for"], "127.0.0.1");
     assert_eq!(passthrough["x-forwarded-proto"], "http");
-    assert!(passthrough.contains_key("x-request-id"));
+    assert!(
+        !passthrough.contains_key("x-request-id"),
+        "pass-through changes nothing but X-Forwarded-*"
+    );
+    assert!(
+        protected.contains_key("x-request-id"),
+        "a protected request carries its request id upstream"
+    );
 }
 
 async fn problems_are_rfc9457(backend: Backend) {
