@@ -337,9 +337,10 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
             Ok(Reservation::Reserved) => break,
             Err(e) => {
                 warn!(request_id = %ctx.request_id, record_id = %record_id, error = %e, "store unavailable while reserving");
-                // Too few replicas acknowledged the reservation: never forward.
+                // Too few replicas acknowledged the reservation: never forward
+                // (unless in shadow mode, which forwards everything by definition).
                 let replicated = !matches!(e, StoreError::NotReplicated { .. });
-                if replicated && (shadow || policy.on_store_error == OnStoreError::Pass) {
+                if shadow || (replicated && policy.on_store_error == OnStoreError::Pass) {
                     let outcome = if shadow {
                         Outcome::Passthrough
                     } else {
