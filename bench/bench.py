@@ -359,7 +359,7 @@ def svg_chart(rows, path):
 
     thr = [(r["label"], r.get("idem_rps"), r.get("nginx_rps")) for r in rows if r.get("idem_rps") or r.get("nginx_rps")]
     lat = [(r["label"], r.get("idem_p99"), r.get("nginx_p99")) for r in rows if r.get("idem_p99")]
-    panel(pad, "throughput, k req/s (blue: idemproxy, grey: nginx)", [(l, a and a / 1000, b and b / 1000) for l, a, b in thr], "k")
+    panel(pad, "throughput, k req/s (blue: idemproxy, grey: nginx; "upstream": no proxy)", [(l, a and a / 1000, b and b / 1000) for l, a, b in thr], "k")
     panel(2 * pad + panel_w, "p99 latency at a fixed rate, ms", lat, "")
     parts.append("</svg>")
     with open(path, "w") as f:
@@ -474,7 +474,7 @@ def main():
         {"label": "new keys", "idem_rps": med("newkey"), "nginx_rps": None},
         {"label": "replay", "idem_rps": med("replay"), "nginx_rps": None, "idem_p99": lat["replay"]["p99_ms"], "nginx_p99": None},
         {"label": "storm", "idem_rps": med("storm"), "nginx_rps": None},
-        {"label": "direct", "idem_rps": None, "nginx_rps": med("direct")},
+        {"label": "upstream", "idem_rps": None, "nginx_rps": med("direct")},
     ]
     svg_chart(chart_rows, args.svg)
     print(f"chart: {args.svg}")
