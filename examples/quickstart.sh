@@ -6,11 +6,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --bins
 ./target/release/demo-upstream --listen 127.0.0.1:3000 &
+demo=$!
 ./target/release/idemproxy --config config/quickstart.toml &
-trap 'kill $(jobs -p) 2>/dev/null' EXIT INT TERM
+proxy=$!
+trap 'kill $demo $proxy 2>/dev/null' EXIT INT TERM
 for _ in $(seq 100); do
-  curl -fs http://127.0.0.1:9901/readyz >/dev/null 2>&1 && break
+  for pid in $demo $proxy; do
+    kill -0 "$pid" 2>/dev/null || { echo "quickstart: a process exited (is port 3000, 8080 or 9901 taken?)" >&2; exit 1; }
+  done
+  if curl -fs http://127.0.0.1:9901/readyz >/dev/null 2>&1; then
+    echo "idemproxy is ready on http://127.0.0.1:8080 (Ctrl-C to stop)"
+    wait
+    exit 0
+  fi
   sleep 0.1
 done
-echo "idemproxy is ready on http://127.0.0.1:8080 (Ctrl-C to stop)"
-wait
+echo "quickstart: idemproxy did not become ready" >&2
+exit 1
