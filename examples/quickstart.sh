@@ -14,7 +14,7 @@ for _ in $(seq 100); do
   for pid in $demo $proxy; do
     kill -0 "$pid" 2>/dev/null || { echo "quickstart: a process exited (is port 3000, 8080 or 9901 taken?)" >&2; exit 1; }
   done
-  if curl -fs http://127.0.0.1:9901/readyz >/dev/null 2>&1; then
+  if curl -fs --max-time 1 http://127.0.0.1:9901/readyz >/dev/null 2>&1; then
     echo "idemproxy is ready on http://127.0.0.1:8080 (Ctrl-C to stop)"
     wait
     exit 0
