@@ -16,6 +16,16 @@ fn idemproxy() -> Command {
     c
 }
 
+/// Asserts the exit code, showing stderr when it differs.
+fn assert_exit(out: &std::process::Output, code: i32) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn check_prints_the_resolved_routes_and_exits_0() {
     let out = idemproxy()
@@ -26,12 +36,7 @@ fn check_prints_the_resolved_routes_and_exits_0() {
         ])
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_exit(&out, 0);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let routes: Vec<&str> = stdout.lines().filter(|l| l.starts_with("route ")).collect();
     assert_eq!(routes.len(), 3, "{stdout}");
@@ -59,12 +64,7 @@ fn check_reads_no_secrets_and_contacts_no_store() {
         .arg("--check")
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_exit(&out, 0);
     // Starting for real needs the secret: exit 1, naming the file.
     let out = idemproxy()
         .arg("--config")
@@ -120,12 +120,7 @@ fn env_vars_stand_in_for_flags() {
         .arg("--check")
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_exit(&out, 0);
     assert!(String::from_utf8_lossy(&out.stdout).contains("http://127.0.0.1:4444"));
 }
 

@@ -46,10 +46,7 @@ impl Node {
     }
 
     fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        kill_child(&mut self.child);
     }
 }
 
@@ -526,9 +523,11 @@ async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge(
 // ---------------------------------------------------------------------------
 // TLS and an ACL user limited to idemproxy's prefix and commands
 
-fn openssl(dir: &Path, args: &[&str]) {
+/// Runs openssl with whitespace-separated arguments (none of them contains a space).
+fn openssl(dir: &Path, args: &str) {
+    let args: Vec<&str> = args.split_whitespace().collect();
     let out = Command::new("openssl")
-        .args(args)
+        .args(&args)
         .current_dir(dir)
         .output()
         .expect("openssl");
@@ -541,62 +540,19 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A CA and a server certificate for 127.0.0.1, made now.
 fn make_certs(dir: &Path) {
+    openssl(dir, "ecparam -name prime256v1 -genkey -noout -out ca.key");
     openssl(
         dir,
-        &[
-            "ecparam",
-            "-name",
-            "prime256v1",
-            "-genkey",
-            "-noout",
-            "-out",
-            "ca.key",
-        ],
+        "req -x509 -new -key ca.key -out ca.pem -days 2 -subj /CN=idemproxy-test-ca \
+         -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign",
     );
     openssl(
         dir,
-        &[
-            "req",
-            "-x509",
-            "-new",
-            "-key",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=idemproxy-test-ca",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ],
+        "ecparam -name prime256v1 -genkey -noout -out server.key",
     );
     openssl(
         dir,
-        &[
-            "ecparam",
-            "-name",
-            "prime256v1",
-            "-genkey",
-            "-noout",
-            "-out",
-            "server.key",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-new",
-            "-key",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
+        "req -new -key server.key -out server.csr -subj /CN=127.0.0.1",
     );
     std::fs::write(
         dir.join("ext.cnf"),
@@ -605,23 +561,7 @@ fn make_certs(dir: &Path) {
     .unwrap();
     openssl(
         dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-        ],
+        "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf",
     );
 }
 

@@ -42,6 +42,14 @@ where
     }
 }
 
+/// Kills a child process (SIGKILL) and reaps it; nothing when it is gone already.
+pub fn kill_child(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -146,10 +154,7 @@ impl RedisServer {
 
     /// Stops the server (SIGKILL: nothing is saved).
     pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        kill_child(&mut self.child);
     }
 
     /// Starts it again on the same port.
@@ -528,10 +533,7 @@ impl Proxy {
     }
 
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        kill_child(&mut self.child);
     }
 }
 
