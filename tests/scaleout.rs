@@ -79,22 +79,7 @@ fn text(v: redis::Value) -> String {
 
 /// A master and a replica of it (no persistence), the replica in sync.
 async fn master_and_replica(dir: &Path) -> (Node, Node) {
-    let args = |port: u16| -> Vec<String> {
-        let port = port.to_string();
-        [
-            "--port",
-            &port,
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let args = |port: u16| redis_args(port, &[]);
     let mp = free_port();
     let master = Node {
         child: Some(Node::spawn(dir, &args(mp))),
@@ -132,25 +117,17 @@ impl Cluster {
             let port = free_port_with_bus();
             let sub = dir.path().join(port.to_string());
             std::fs::create_dir(&sub).unwrap();
-            let args: Vec<String> = [
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                "2000",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+            let args = redis_args(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            );
             nodes.push(Node {
                 child: Some(Node::spawn(&sub, &args)),
                 port,

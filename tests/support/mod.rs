@@ -42,6 +42,25 @@ where
     }
 }
 
+/// Arguments for a test redis-server: loopback only, no persistence, then `extra`.
+pub fn redis_args(port: u16, extra: &[&str]) -> Vec<String> {
+    let port = port.to_string();
+    [
+        "--port",
+        &port,
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// Kills a child process (SIGKILL) and reaps it; nothing when it is gone already.
 pub fn kill_child(child: &mut Option<Child>) {
     if let Some(mut c) = child.take() {
@@ -92,16 +111,7 @@ impl RedisServer {
     /// Starts the server on its port; false when it did not come up (port taken).
     async fn spawn(&mut self) -> bool {
         let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+            .args(redis_args(self.port, &[]))
             .args(["--dir", &self.dir.path().display().to_string()])
             .args(&self.extra)
             .stdout(Stdio::null())
