@@ -16,6 +16,7 @@ use tracing::{info, warn};
 use crate::app::App;
 use crate::body::Body;
 use crate::key;
+use crate::problem;
 use crate::record::{now_ms, Record};
 use crate::store::Inspected;
 
@@ -70,21 +71,13 @@ fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
     r
 }
 
+/// An admin API error: a problem document, rendered as the proxy's own problems are.
 fn error(status: StatusCode, detail: &str) -> Response<Body> {
-    let mut r = json(
+    let title = status.canonical_reason().unwrap_or("error");
+    problem::response(
         status,
-        &serde_json::json!({
-            "type": "admin-error",
-            "title": status.canonical_reason().unwrap_or("error"),
-            "status": status.as_u16(),
-            "detail": detail,
-        }),
-    );
-    r.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    r
+        &problem::document(status, "admin-error", title, detail),
+    )
 }
 
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {

@@ -1,12 +1,18 @@
 //! RFC 9457 problem details: every answer the proxy makes itself, from one kind → status mapping.
+//!
+//! A [`Problem`] knows its status, its `type`, its metric [`Outcome`] and how
+//! to render itself; the admin API renders its errors with the same [`document`].
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, Response, StatusCode};
 
+use crate::body::Body;
 use crate::key::KeyError;
+use crate::metrics::Outcome;
+use crate::upstream::UpstreamError;
 
 /// Every answer the proxy makes on its own.
 #[derive(Debug, Clone)]
@@ -50,6 +56,36 @@ pub enum Problem {
 }
 
 impl Problem {
+    /// The one mapping of an upstream failure to an answer. `released`: the key
+    /// was freed rather than the problem stored (always so on pass-through).
+    pub fn from_upstream(e: &UpstreamError, released: bool) -> Problem {
+        match e {
+            UpstreamError::Connect(_) => Problem::UpstreamUnreachable,
+            UpstreamError::Exchange(_) => Problem::UpstreamReset { released },
+            UpstreamError::Timeout(after) => Problem::UpstreamTimeout {
+                after: *after,
+                released,
+            },
+        }
+    }
+
+    /// The `outcome` label this answer is counted under.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Problem::MissingKey { .. } => Outcome::MissingKey,
+            Problem::InvalidKey { .. } => Outcome::InvalidKey,
+            Problem::BodyTooLarge { .. } => Outcome::TooLarge,
+            Problem::Conflict { .. } => Outcome::Conflict,
+            Problem::Mismatch => Outcome::Mismatch,
+            Problem::NotStored => Outcome::NotStored,
+            Problem::StoreUnavailable => Outcome::StoreError,
+            Problem::UpstreamUnreachable
+            | Problem::UpstreamReset { .. }
+            | Problem::UpstreamTimeout { .. } => Outcome::UpstreamError,
+            Problem::BodyUnreadable | Problem::BodyTimeout { .. } => Outcome::BadRequest,
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             Problem::MissingKey { .. } | Problem::InvalidKey { .. } | Problem::BodyUnreadable => {
@@ -174,31 +210,60 @@ impl Problem {
     }
 
     /// Status, headers and body of the answer; `request_id` becomes `instance`.
+    /// (Also what `unknown_outcome = "store"` keeps in the record.)
     pub fn render(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap, Bytes) {
         let status = self.status();
-        let mut body = serde_json::json!({
-            "type": self.kind(),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-            "instance": format!("urn:uuid:{request_id}"),
-            "retryable": self.retryable(),
-        });
+        let mut body = document(status, self.kind(), self.title(), &self.detail());
+        body["instance"] = format!("urn:uuid:{request_id}").into();
+        body["retryable"] = self.retryable().into();
         if let Problem::MissingKey { header } | Problem::InvalidKey { header, .. } = self {
             body["idempotency_key"] = serde_json::json!({ "header": header });
         }
-        let mut headers = HeaderMap::with_capacity(3);
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(secs) = self.retry_after() {
-            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
-        }
-        let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        (status, headers, Bytes::from(bytes))
+        let (headers, bytes) = rendered(&body, self.retry_after());
+        (status, headers, bytes)
     }
+
+    /// The answer as a response.
+    pub fn response(&self, request_id: &uuid::Uuid) -> Response<Body> {
+        let (status, headers, body) = self.render(request_id);
+        let mut resp = Response::new(Body::full(body));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
+        resp
+    }
+}
+
+/// The RFC 9457 members every problem has.
+pub fn document(status: StatusCode, kind: &str, title: &str, detail: &str) -> serde_json::Value {
+    serde_json::json!({
+        "type": kind,
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    })
+}
+
+/// A problem document as a response (the admin API's errors).
+pub fn response(status: StatusCode, document: &serde_json::Value) -> Response<Body> {
+    let (headers, body) = rendered(document, None);
+    let mut resp = Response::new(Body::full(body));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    resp
+}
+
+fn rendered(document: &serde_json::Value, retry_after: Option<u64>) -> (HeaderMap, Bytes) {
+    let mut headers = HeaderMap::with_capacity(3);
+    headers.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if let Some(secs) = retry_after {
+        headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    let bytes = serde_json::to_vec(document).unwrap_or_default();
+    (headers, Bytes::from(bytes))
 }
 
 /// Whole seconds, rounded up, at least 1.
