@@ -1,10 +1,12 @@
-//! One body type for both directions: buffered bytes, a stream passed through, or a buffered prefix then the stream.
+//! One body type for both directions (buffered bytes, a stream passed through, or a buffered prefix
+//! then the stream), and reading a body into memory up to a limit.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 /// A body the proxy sends, to the client or to the upstream. An enum rather
@@ -22,10 +24,6 @@ impl Body {
     pub fn full(bytes: impl Into<Bytes>) -> Self {
         let b = bytes.into();
         Body::Full(if b.is_empty() { None } else { Some(b) })
-    }
-
-    pub fn empty() -> Self {
-        Body::Full(None)
     }
 }
 
@@ -69,6 +67,123 @@ impl http_body::Body for Body {
                 }
                 out
             }
+        }
+    }
+}
+
+/// A body read up to a limit.
+#[derive(Debug)]
+pub enum Capped<B> {
+    Whole(Bytes),
+    /// Over the limit: what was read, and the rest still to come.
+    TooLarge(Bytes, B),
+}
+
+/// Reads a body into memory, refusing more than `limit` bytes: the declared
+/// length is checked before anything is read, the bytes counted as they come.
+/// Trailers are skipped: they are part of neither the fingerprint nor the record.
+pub async fn read_capped<B>(mut body: B, limit: u64) -> Result<Capped<B>, B::Error>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    if body.size_hint().lower() > limit {
+        return Ok(Capped::TooLarge(Bytes::new(), body));
+    }
+    // A body in one frame (the common case) is kept as it came, without a copy.
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
+    let mut total: u64 = 0;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        total += data.len() as u64;
+        match first.take() {
+            None if buf.is_empty() => first = Some(data),
+            Some(f) => {
+                buf.extend_from_slice(&f);
+                buf.extend_from_slice(&data);
+            }
+            None => buf.extend_from_slice(&data),
+        }
+        if total > limit {
+            let read = first.take().unwrap_or_else(|| buf.split().freeze());
+            return Ok(Capped::TooLarge(read, body));
+        }
+    }
+    Ok(Capped::Whole(first.unwrap_or_else(|| buf.freeze())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// Data frames served one by one, with the exact length declared or not.
+    struct Frames {
+        frames: VecDeque<Bytes>,
+        declared: Option<u64>,
+    }
+
+    impl Frames {
+        fn new(parts: &[&'static [u8]], declared: Option<u64>) -> Self {
+            let frames = parts.iter().map(|p| Bytes::from_static(p)).collect();
+            Frames { frames, declared }
+        }
+    }
+
+    impl http_body::Body for Frames {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(
+                self.get_mut()
+                    .frames
+                    .pop_front()
+                    .map(|b| Ok(Frame::data(b))),
+            )
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            self.declared
+                .map_or_else(SizeHint::new, SizeHint::with_exact)
+        }
+    }
+
+    async fn read(parts: &[&'static [u8]], declared: Option<u64>, limit: u64) -> Capped<Frames> {
+        let Ok(c) = read_capped(Frames::new(parts, declared), limit).await;
+        c
+    }
+
+    #[tokio::test]
+    async fn whole_bodies_are_joined() {
+        let c = read(&[b"ab", b"cd", b"e"], None, 5).await;
+        assert!(matches!(c, Capped::Whole(b) if b == "abcde"));
+        let c = read(&[], None, 5).await;
+        assert!(matches!(c, Capped::Whole(b) if b.is_empty()));
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_over_the_limit_is_refused_before_reading() {
+        let c = read(&[b"abcdef"], Some(6), 5).await;
+        assert!(
+            matches!(c, Capped::TooLarge(read, rest) if read.is_empty() && rest.frames.len() == 1)
+        );
+    }
+
+    #[tokio::test]
+    async fn an_undeclared_body_stops_at_the_first_frame_over_the_limit() {
+        let c = read(&[b"abc", b"def", b"gh"], None, 5).await;
+        match c {
+            Capped::TooLarge(read, rest) => {
+                assert_eq!(read, "abcdef");
+                assert_eq!(rest.frames, [Bytes::from_static(b"gh")]);
+            }
+            Capped::Whole(_) => panic!("over the limit"),
         }
     }
 }

@@ -1,30 +1,35 @@
-//! The request path. Unprotected requests stream through; a protected one goes
-//! phase by phase — key → body cap → fingerprint and scope → reserve → forward
-//! → complete → answer — and each phase may answer early.
+//! The request path. Unprotected requests stream through. A protected one goes
+//! phase by phase — key → body → fingerprint and scope → reserve and verdict →
+//! forward and complete — and any phase may stop it with a [`Stop`], a value
+//! that says what enforcement answers; shadow mode turns every stop into a
+//! plain forward in one place ([`stopped`]).
+
+mod job;
+mod verdict;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
-use http::header::{HeaderValue, CONTENT_LENGTH, DATE, SET_COOKIE};
-use http::{HeaderMap, HeaderName, Request, Response, StatusCode};
-use http_body_util::BodyExt;
+use bytes::Bytes;
+use http::header::HeaderValue;
+use http::{HeaderMap, HeaderName, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 use uuid::Uuid;
 
+use self::job::Job;
+use self::verdict::{replay, Verdict};
 use crate::app::App;
-use crate::body::Body;
-use crate::config::{Concurrent, KeyMode, Mode, OnStoreError, Policy, UnknownOutcome};
+use crate::body::{read_capped, Body, Capped};
+use crate::config::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::key::{self, KeyError};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
-use crate::store::{Completion, Reservation, StoreError};
-use crate::upstream::UpstreamError;
+use crate::store::{Reservation, StoreError};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -65,27 +70,21 @@ struct Ctx<'a> {
     request_id: Uuid,
 }
 
+impl Ctx<'_> {
+    fn problem(&self, p: &Problem) -> Handled {
+        Handled::new(p.response(&self.request_id), p.outcome())
+    }
+}
+
 /// Handles one request from a client.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
     let start = Instant::now();
     app.metrics.inflight.inc();
     let _inflight = InflightGuard(&app);
-
-    // An incoming X-Request-Id that is a UUID names the request; otherwise we make one.
-    // (It is sent upstream only on protected routes: pass-through changes nothing
-    // but the X-Forwarded-* headers.)
-    let request_id = match req
-        .headers()
-        .get(X_REQUEST_ID)
-        .map(|v| v.to_str().map(Uuid::parse_str))
-    {
-        Some(Ok(Ok(id))) => id,
-        _ => Uuid::new_v4(),
-    };
     let ctx = Ctx {
         app: &app,
         peer,
-        request_id,
+        request_id: request_id(req.headers()),
     };
     let method = req.method().clone();
     // A cheap clone (shared bytes), kept for the log line.
@@ -95,7 +94,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
     let handled = match route {
         None => {
             let (parts, body) = req.into_parts();
-            forward_unprotected(&ctx, parts, Body::Stream(body), Outcome::Passthrough).await
+            forward(&ctx, parts, Body::Stream(body), Outcome::Passthrough).await
         }
         Some(route) => protected(&ctx, route, req).await,
     };
@@ -103,7 +102,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
     app.metrics.request(route_name, handled.outcome);
     info!(
         target: "idemproxy::access",
-        request_id = %request_id,
+        request_id = %ctx.request_id,
         method = %method,
         path = uri.path(),
         route = route_name.as_str(),
@@ -116,16 +115,19 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
     handled.response
 }
 
-fn problem_response(p: &Problem, request_id: &Uuid) -> Response<Body> {
-    let (status, headers, body) = p.render(request_id);
-    let mut resp = Response::new(Body::full(body));
-    *resp.status_mut() = status;
-    *resp.headers_mut() = headers;
-    resp
+/// An incoming `X-Request-Id` that is a UUID names the request; otherwise we make one.
+/// (It is sent upstream only on protected routes: pass-through changes nothing
+/// but the X-Forwarded-* headers.)
+fn request_id(headers: &HeaderMap) -> Uuid {
+    headers
+        .get(X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| Uuid::parse_str(v).ok())
+        .unwrap_or_else(Uuid::new_v4)
 }
 
 /// Forwards without protection, streaming both ways.
-async fn forward_unprotected(
+async fn forward(
     ctx: &Ctx<'_>,
     parts: http::request::Parts,
     body: Body,
@@ -140,267 +142,293 @@ async fn forward_unprotected(
         Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
         Err(e) => {
             warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
-            let p = match e {
-                UpstreamError::Connect(_) => Problem::UpstreamUnreachable,
-                UpstreamError::Exchange(_) => Problem::UpstreamReset { released: true },
-                UpstreamError::Timeout(after) => Problem::UpstreamTimeout {
-                    after,
-                    released: true,
-                },
-            };
-            Handled::new(
-                problem_response(&p, &ctx.request_id),
-                Outcome::UpstreamError,
-            )
+            ctx.problem(&Problem::from_upstream(&e, true))
         }
     }
 }
 
-/// Reads the key header: `Ok(None)` when absent.
-fn read_key(headers: &HeaderMap, policy: &Policy) -> Result<Option<String>, KeyError> {
-    let mut values = headers.get_all(&policy.header).iter();
-    match (values.next(), values.next()) {
-        (None, _) => Ok(None),
-        (Some(_), Some(_)) => Err(KeyError::Repeated),
-        (Some(v), None) => key::parse_key(v.as_bytes(), policy.max_key_length).map(Some),
-    }
+/// Why a protected request left the protected path before it was forwarded.
+enum Stop {
+    /// Enforcement answers with this problem; shadow mode forwards the request.
+    Refuse(Problem),
+    /// The request cannot be forwarded either (its body was lost): answered in any mode.
+    Broken(Problem),
+    /// The stored answer of the same request (boxed: it is the large one).
+    Replay(Box<Finished>),
+    /// Forwarded without protection (an optional route without a key).
+    Unprotected,
+    /// The store failed; `may_pass`: `on_store_error = "pass"` may forward it
+    /// (never when too few replicas acknowledged the reservation).
+    StoreDown { may_pass: bool },
 }
 
-/// A body read up to a limit.
-enum Capped {
-    Whole(Bytes),
-    /// Over the limit: what was read, and the rest still to come.
-    TooLarge(Bytes, Incoming),
-}
-
-/// Reads a body into memory, refusing more than `limit` bytes (Content-Length first).
-async fn read_capped(mut body: Incoming, limit: u64) -> Result<Capped, hyper::Error> {
-    if http_body::Body::size_hint(&body).lower() > limit {
-        return Ok(Capped::TooLarge(Bytes::new(), body));
-    }
-    let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
-    let mut total: u64 = 0;
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
-            continue; // trailers are not part of the fingerprint or the record
-        };
-        total += data.len() as u64;
-        match first.take() {
-            None if buf.is_empty() => first = Some(data),
-            Some(f) => {
-                buf.extend_from_slice(&f);
-                buf.extend_from_slice(&data);
-            }
-            None => buf.extend_from_slice(&data),
-        }
-        if total > limit {
-            let read = first.take().unwrap_or_else(|| buf.split().freeze());
-            return Ok(Capped::TooLarge(read, body));
-        }
-    }
-    Ok(Capped::Whole(first.unwrap_or_else(|| buf.freeze())))
-}
-
-/// What the stored record says about a request with the same key.
-enum Verdict {
-    Replay(Finished),
-    NotStored,
-    InFlight(Duration),
-    Mismatch,
-}
-
-impl Verdict {
-    fn outcome(&self) -> Outcome {
+impl Stop {
+    /// What shadow mode counts: the answer enforcement would have given about
+    /// the key and its record. (A body too large, or a store down, is not counted.)
+    fn shadow_outcome(&self) -> Option<Outcome> {
         match self {
-            Verdict::Replay(_) => Outcome::Replayed,
-            Verdict::NotStored => Outcome::NotStored,
-            Verdict::InFlight(_) => Outcome::Conflict,
-            Verdict::Mismatch => Outcome::Mismatch,
+            Stop::Replay(_) => Some(Outcome::Replayed),
+            Stop::Refuse(p) => match p {
+                Problem::MissingKey { .. }
+                | Problem::InvalidKey { .. }
+                | Problem::Conflict { .. }
+                | Problem::Mismatch
+                | Problem::NotStored => Some(p.outcome()),
+                _ => None,
+            },
+            _ => None,
         }
     }
 }
 
+/// A protected request as far as the phases have read it: enough to forward it unprotected.
+struct Pending {
+    parts: http::request::Parts,
+    /// The body still to be sent: streaming, read whole, or a read prefix then the rest.
+    body: Body,
+    record_id: Option<String>,
+}
+
+/// The protected path: the phases, and what becomes of a request they stop.
 async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Handled {
-    let policy = &route.policy;
-    let shadow = policy.mode == Mode::Shadow;
-    let app = ctx.app;
-    let problem =
-        |p: Problem, outcome: Outcome| Handled::new(problem_response(&p, &ctx.request_id), outcome);
-
-    // 1. The key: present, one line, valid.
-    let header = policy.header.as_str();
-    let key = match read_key(req.headers(), policy) {
-        Ok(Some(k)) => k,
-        Ok(None) if policy.key == KeyMode::Optional => {
-            let (parts, body) = req.into_parts();
-            return forward_unprotected(ctx, parts, Body::Stream(body), Outcome::Passthrough).await;
-        }
-        Ok(None) if shadow => return shadow_forward(ctx, route, Outcome::MissingKey, req).await,
-        Ok(None) => {
-            return problem(
-                Problem::MissingKey {
-                    header: header_display(header),
-                },
-                Outcome::MissingKey,
-            )
-        }
-        Err(_) if shadow => return shadow_forward(ctx, route, Outcome::InvalidKey, req).await,
-        Err(why) => {
-            return problem(
-                Problem::InvalidKey {
-                    header: header_display(header),
-                    why,
-                },
-                Outcome::InvalidKey,
-            )
-        }
-    };
-
-    // 2. The body, capped before it is buffered.
     let (parts, body) = req.into_parts();
-    let read = tokio::time::timeout(
-        app.body_read_timeout,
-        read_capped(body, policy.max_request_body),
-    );
-    let body = match read.await {
-        Err(_) => {
-            return problem(
-                Problem::BodyTimeout {
-                    after: app.body_read_timeout,
-                },
-                Outcome::BadRequest,
-            )
-        }
-        Ok(read) => read,
+    let pending = Pending {
+        parts,
+        body: Body::Stream(body),
+        record_id: None,
     };
-    let body = match body {
-        Ok(Capped::Whole(b)) => b,
-        Ok(Capped::TooLarge(read, rest)) if shadow => {
-            return forward_unprotected(
-                ctx,
-                parts,
-                Body::Prefixed(Some(read), rest),
-                Outcome::Passthrough,
-            )
-            .await;
-        }
-        Ok(Capped::TooLarge(..)) => {
-            return problem(
-                Problem::BodyTooLarge {
-                    limit: policy.max_request_body,
-                },
-                Outcome::TooLarge,
-            )
-        }
-        Err(e) => {
-            warn!(request_id = %ctx.request_id, error = %e, "request body could not be read");
-            return problem(Problem::BodyUnreadable, Outcome::BadRequest);
-        }
-    };
+    match enforce(ctx, route, pending).await {
+        Ok(handled) => handled,
+        Err((stop, pending)) => stopped(ctx, route, stop, pending).await,
+    }
+}
 
-    // 3. Fingerprint and scope.
-    let fingerprint = key::fingerprint(
-        &parts.method,
-        parts.uri.path(),
-        parts.uri.query(),
-        &parts.headers,
-        &policy.fingerprint_headers,
-        &body,
-        policy.fingerprint_body,
-    );
-    let record_id = key::request_record_id(&parts.headers, &policy.scope_headers, &key);
-    let store_key = app.store.key_for(&record_id);
-    let with_id = |mut h: Handled| {
-        h.record_id = Some(record_id.clone());
-        h
+/// `Ok(v)` goes on; `Err(stop)` leaves the phases with the request as read so far.
+macro_rules! phase {
+    ($result:expr, $pending:ident) => {
+        match $result {
+            Ok(v) => v,
+            Err(stop) => return Err((stop, $pending)),
+        }
     };
+}
 
-    // 4. Reserve, or learn what holds the key.
+/// The phases, in the contract's check order: key (400) → body (413) → store → upstream.
+async fn enforce(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    mut req: Pending,
+) -> Result<Handled, (Stop, Pending)> {
+    let policy = &route.policy;
+    let key = phase!(read_key(&req.parts.headers, policy), req);
+    let body = phase!(read_body(ctx.app, policy, &mut req.body).await, req);
+    let id = Identity::of(ctx.app, policy, &req.parts, &key, &body);
+    req.record_id = Some(id.record_id.clone());
+    let reserved = phase!(reserve(ctx, route, &id).await, req);
+    let Pending {
+        parts, record_id, ..
+    } = req;
+    let mut handled = forward_reserved(ctx, route, id, reserved, parts, body).await;
+    handled.record_id = record_id;
+    Ok(handled)
+}
+
+/// A stopped request: shadow mode counts what enforcement would have answered
+/// and forwards it as if the proxy were absent; enforcement answers.
+async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Handled {
+    let policy = &route.policy;
+    let mut handled = match stop {
+        Stop::Broken(p) => ctx.problem(&p),
+        stop if policy.mode == Mode::Shadow => {
+            if let Some(would_be) = stop.shadow_outcome() {
+                ctx.app.metrics.shadow(&route.name, would_be);
+            }
+            forward(ctx, req.parts, req.body, Outcome::Passthrough).await
+        }
+        Stop::Refuse(p) => refusal(ctx, policy, &p),
+        Stop::Replay(f) => Handled::new(replay(*f, &policy.replayed_header), Outcome::Replayed),
+        Stop::Unprotected => forward(ctx, req.parts, req.body, Outcome::Passthrough).await,
+        Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
+            forward(ctx, req.parts, req.body, Outcome::StoreBypass).await
+        }
+        Stop::StoreDown { .. } => ctx.problem(&Problem::StoreUnavailable),
+    };
+    handled.record_id = req.record_id;
+    handled
+}
+
+/// A refusal as enforcement answers it; a retry of an answer too large to keep is marked as a replay.
+fn refusal(ctx: &Ctx<'_>, policy: &Policy, p: &Problem) -> Handled {
+    let mut handled = ctx.problem(p);
+    if matches!(p, Problem::NotStored) {
+        let h = handled.response.headers_mut();
+        h.insert(
+            policy.replayed_header.clone(),
+            HeaderValue::from_static("true"),
+        );
+    }
+    handled
+}
+
+/// Phase 1, the key: present, one line, valid.
+fn read_key(headers: &HeaderMap, policy: &Policy) -> Result<String, Stop> {
+    let header = || header_display(policy.header.as_str());
+    let mut values = headers.get_all(&policy.header).iter();
+    let parsed = match (values.next(), values.next()) {
+        (None, _) if policy.key == KeyMode::Optional => return Err(Stop::Unprotected),
+        (None, _) => return Err(Stop::Refuse(Problem::MissingKey { header: header() })),
+        (Some(_), Some(_)) => Err(KeyError::Repeated),
+        (Some(v), None) => key::parse_key(v.as_bytes(), policy.max_key_length),
+    };
+    parsed.map_err(|why| {
+        Stop::Refuse(Problem::InvalidKey {
+            header: header(),
+            why,
+        })
+    })
+}
+
+fn header_display(lower: &str) -> String {
+    if lower == "idempotency-key" {
+        "Idempotency-Key".to_string()
+    } else {
+        lower.to_string()
+    }
+}
+
+/// Phase 2, the body: read into memory up to the route's limit, within the
+/// body timeout. `body` is left as what would be forwarded from here on.
+async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<Bytes, Stop> {
+    let Body::Stream(incoming) = std::mem::replace(body, Body::Full(None)) else {
+        return Err(Stop::Broken(Problem::BodyUnreadable));
+    };
+    let after = app.body_read_timeout;
+    let read = tokio::time::timeout(after, read_capped(incoming, policy.max_request_body));
+    match read.await {
+        Err(_) => Err(Stop::Broken(Problem::BodyTimeout { after })),
+        Ok(Ok(Capped::Whole(bytes))) => {
+            *body = Body::full(bytes.clone());
+            Ok(bytes)
+        }
+        Ok(Ok(Capped::TooLarge(read, rest))) => {
+            *body = Body::Prefixed(Some(read), rest);
+            let limit = policy.max_request_body;
+            Err(Stop::Refuse(Problem::BodyTooLarge { limit }))
+        }
+        Ok(Err(e)) => {
+            warn!(error = %e, "request body could not be read");
+            Err(Stop::Broken(Problem::BodyUnreadable))
+        }
+    }
+}
+
+/// Phase 3: what identifies the operation (the fingerprint) and whose it is (the record id).
+struct Identity {
+    fingerprint: [u8; 32],
+    record_id: String,
+    store_key: String,
+}
+
+impl Identity {
+    fn of(
+        app: &App,
+        policy: &Policy,
+        parts: &http::request::Parts,
+        key: &str,
+        body: &[u8],
+    ) -> Self {
+        let fingerprint = key::fingerprint(
+            &parts.method,
+            parts.uri.path(),
+            parts.uri.query(),
+            &parts.headers,
+            &policy.fingerprint_headers,
+            body,
+            policy.fingerprint_body,
+        );
+        let record_id = key::request_record_id(&parts.headers, &policy.scope_headers, key);
+        let store_key = app.store.key_for(&record_id);
+        Identity {
+            fingerprint,
+            record_id,
+            store_key,
+        }
+    }
+}
+
+/// Phase 4's result: the key is ours under this token.
+struct Reserved {
+    token: Token,
+    created_ms: u64,
+}
+
+/// Phase 4: reserve the key, or learn what holds it. With `concurrent = "wait"`
+/// a duplicate of a request in flight polls until it finishes or is released.
+async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved, Stop> {
+    let (app, policy) = (ctx.app, &route.policy);
     let token = Token::new();
     let created_ms = now_ms();
     let processing = Record::Processing(Processing {
         token,
-        fingerprint,
+        fingerprint: id.fingerprint,
         created_ms,
         route: route.name.to_string(),
     })
     .encode();
+    // Shadow mode never delays a request to wait for another.
+    let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
     let wait_until = Instant::now() + policy.wait_timeout;
-    let mut backoff = Duration::from_millis(5);
+    let mut pause = Duration::from_millis(5);
     loop {
-        let verdict = match app
+        let store_down = |e| store_down(ctx, id, e);
+        let found = app
             .store
-            .reserve(&store_key, processing.clone(), token, policy.lease)
-            .await
-        {
-            Ok(Reservation::Reserved) => break,
-            Err(e) => {
-                warn!(request_id = %ctx.request_id, record_id = %record_id, error = %e, "store unavailable while reserving");
-                // Too few replicas acknowledged the reservation: never forward
-                // (unless in shadow mode, which forwards everything by definition).
-                let replicated = !matches!(e, StoreError::NotReplicated { .. });
-                if shadow || (replicated && policy.on_store_error == OnStoreError::Pass) {
-                    let outcome = if shadow {
-                        Outcome::Passthrough
-                    } else {
-                        Outcome::StoreBypass
-                    };
-                    return with_id(
-                        forward_unprotected(ctx, parts, Body::full(body), outcome).await,
-                    );
-                }
-                return with_id(problem(Problem::StoreUnavailable, Outcome::StoreError));
-            }
-            Ok(Reservation::Existing { record, ttl }) => {
-                if record.fingerprint() != &fingerprint {
-                    Verdict::Mismatch
-                } else {
-                    match record {
-                        Record::Finished(f) if f.body_stored => Verdict::Replay(f),
-                        Record::Finished(_) => Verdict::NotStored,
-                        Record::Processing(_) => Verdict::InFlight(ttl),
-                    }
-                }
-            }
+            .reserve(&id.store_key, processing.clone(), policy.lease);
+        let (record, ttl) = match found.await.map_err(store_down)? {
+            Reservation::Reserved => return Ok(Reserved { token, created_ms }),
+            Reservation::Existing { record, ttl } => (record, ttl),
         };
-        if shadow {
-            app.metrics.shadow(&route.name, verdict.outcome());
-            return with_id(
-                forward_unprotected(ctx, parts, Body::full(body), Outcome::Passthrough).await,
-            );
+        let ttl = match Verdict::of(record, token, &id.fingerprint) {
+            Verdict::Ours => return Ok(Reserved { token, created_ms }),
+            Verdict::Replay(f) => return Err(Stop::Replay(Box::new(f))),
+            Verdict::NotStored => return Err(Stop::Refuse(Problem::NotStored)),
+            Verdict::Mismatch => return Err(Stop::Refuse(Problem::Mismatch)),
+            Verdict::InFlight => ttl,
+        };
+        let now = Instant::now();
+        if waits && now < wait_until {
+            // Back off, so as not to hammer the store; a released key is then reserved by us.
+            tokio::time::sleep(pause.min(wait_until - now)).await;
+            pause = (pause * 2).min(Duration::from_millis(250));
+            continue;
         }
-        let outcome = verdict.outcome();
-        let handled = match verdict {
-            Verdict::Mismatch => problem(Problem::Mismatch, outcome),
-            Verdict::Replay(f) => Handled::new(replay(f, policy), outcome),
-            Verdict::NotStored => {
-                let mut h = problem(Problem::NotStored, outcome);
-                h.response.headers_mut().insert(
-                    policy.replayed_header.clone(),
-                    HeaderValue::from_static("true"),
-                );
-                h
-            }
-            Verdict::InFlight(ttl) => {
-                let now = Instant::now();
-                if policy.concurrent == Concurrent::Wait && now < wait_until {
-                    // Wait for the first request to finish, or for its key to be released
-                    // (then reserve it ourselves); back off so as not to hammer the store.
-                    tokio::time::sleep(backoff.min(wait_until - now)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(250));
-                    continue;
-                }
-                problem(Problem::Conflict { retry_after: ttl }, outcome)
-            }
+        // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
+        let retry_after = match ttl {
+            Some(ttl) => ttl,
+            None => app.store.pttl(&id.store_key).await.map_err(store_down)?,
         };
-        return with_id(handled);
+        return Err(Stop::Refuse(Problem::Conflict { retry_after }));
     }
+}
 
-    // 5. Forward and complete in a task of its own: a client that goes away
-    //    does not cancel the upstream exchange, and the record is still stored.
-    //    The upstream learns the request id, to match its logs with the record.
-    let mut parts = parts;
+fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
+    warn!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "store unavailable while reserving");
+    Stop::StoreDown {
+        may_pass: !matches!(e, StoreError::NotReplicated { .. }),
+    }
+}
+
+/// Phase 5: forward and complete in a task of its own (see [`Job`]). The
+/// upstream learns the request id, to match its logs with the record.
+async fn forward_reserved(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    id: Identity,
+    reserved: Reserved,
+    mut parts: http::request::Parts,
+    body: Bytes,
+) -> Handled {
+    let app = ctx.app;
     if !parts.headers.contains_key(X_REQUEST_ID) {
         if let Ok(v) = HeaderValue::from_str(&ctx.request_id.to_string()) {
             parts.headers.insert(X_REQUEST_ID, v);
@@ -410,21 +438,18 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
         Ok(r) => r,
         Err(e) => {
             warn!(request_id = %ctx.request_id, error = %e, "cannot build the upstream request");
-            release(app, &store_key, token).await;
-            return with_id(problem(
-                Problem::UpstreamUnreachable,
-                Outcome::UpstreamError,
-            ));
+            job::release(app, &id.store_key, reserved.token).await;
+            return ctx.problem(&Problem::UpstreamUnreachable);
         }
     };
     let job = Job {
         app: app.clone(),
         route_name: route.name.clone(),
-        policy: policy.clone(),
-        store_key,
-        token,
-        fingerprint,
-        created_ms,
+        policy: route.policy.clone(),
+        store_key: id.store_key,
+        token: reserved.token,
+        fingerprint: id.fingerprint,
+        created_ms: reserved.created_ms,
         request_id: ctx.request_id,
     };
     let (tx, rx) = oneshot::channel();
@@ -441,258 +466,8 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
         }
     });
     match rx.await {
-        Ok((response, outcome)) => with_id(Handled::new(response, outcome)),
+        Ok((response, outcome)) => Handled::new(response, outcome),
         // The task panicked: nothing sensible was stored; the lease frees the key.
-        Err(_) => with_id(problem(
-            Problem::UpstreamReset { released: true },
-            Outcome::UpstreamError,
-        )),
-    }
-}
-
-/// Shadow mode: count what enforcement would have answered, and forward as if the proxy were absent.
-async fn shadow_forward(
-    ctx: &Ctx<'_>,
-    route: &Route,
-    would_be: Outcome,
-    req: Request<Incoming>,
-) -> Handled {
-    ctx.app.metrics.shadow(&route.name, would_be);
-    let (parts, body) = req.into_parts();
-    forward_unprotected(ctx, parts, Body::Stream(body), Outcome::Passthrough).await
-}
-
-fn header_display(lower: &str) -> String {
-    if lower == "idempotency-key" {
-        "Idempotency-Key".to_string()
-    } else {
-        lower.to_string()
-    }
-}
-
-/// The stored answer, byte for byte, marked as a replay. `Date` and `Content-Length` are recomputed.
-fn replay(f: Finished, policy: &Policy) -> Response<Body> {
-    let mut resp = Response::new(Body::full(f.body));
-    *resp.status_mut() = StatusCode::from_u16(f.status).unwrap_or(StatusCode::OK);
-    let headers = resp.headers_mut();
-    headers.reserve(f.headers.len() + 1);
-    for (name, value) in f.headers {
-        headers.append(name, value);
-    }
-    headers.insert(
-        policy.replayed_header.clone(),
-        HeaderValue::from_static("true"),
-    );
-    resp
-}
-
-/// The end-to-end headers that may be replayed: hop-by-hop ones are already gone;
-/// `Set-Cookie` must not be handed out again; `Date` and `Content-Length` are recomputed.
-fn storable_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
-    headers
-        .iter()
-        .filter(|(n, _)| **n != SET_COOKIE && **n != DATE && **n != CONTENT_LENGTH)
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect()
-}
-
-/// Releases a reservation, retrying briefly; if it cannot be released, the lease frees it.
-async fn release(app: &App, store_key: &str, token: Token) {
-    for attempt in 0..3u32 {
-        match app.store.release(store_key, token).await {
-            Ok(_) => return,
-            Err(e) => {
-                warn!(error = %e, attempt, "releasing a reservation failed");
-                tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
-            }
-        }
-    }
-}
-
-/// The forward-and-store work of one reserved request.
-struct Job {
-    app: Arc<App>,
-    route_name: RouteName,
-    policy: Arc<Policy>,
-    store_key: String,
-    token: Token,
-    fingerprint: [u8; 32],
-    created_ms: u64,
-    request_id: Uuid,
-}
-
-impl Job {
-    async fn run(&self, request: Request<Body>) -> (Response<Body>, Outcome) {
-        let app = &self.app;
-        let policy = &self.policy;
-        let exchange = async {
-            let sent = Instant::now();
-            let resp = app.upstream.send(request).await?;
-            app.metrics.upstream(sent.elapsed());
-            let (parts, body) = resp.into_parts();
-            let body = read_capped(body, policy.max_response_body)
-                .await
-                .map_err(|e| UpstreamError::Exchange(format!("response body cut off: {e}")))?;
-            Ok::<_, UpstreamError>((parts, body))
-        };
-        let timeout = app.upstream.timeout;
-        // Cut short by the upstream timeout, or by the end of the shutdown grace:
-        // either way the outcome is unknown.
-        let bounded = async {
-            tokio::select! {
-                r = tokio::time::timeout(timeout, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
-                () = app.hard_stop.cancelled() => Err(UpstreamError::Timeout(timeout)),
-            }
-        };
-        let result = self.holding_lease(bounded).await;
-        match result {
-            Ok((parts, Capped::Whole(body))) => {
-                let status = parts.status.as_u16();
-                if policy.release_statuses.contains(&status) {
-                    release(app, &self.store_key, self.token).await;
-                    return (
-                        Response::from_parts(parts, Body::full(body)),
-                        Outcome::Released,
-                    );
-                }
-                self.complete(status, storable_headers(&parts.headers), body.clone(), true)
-                    .await;
-                (
-                    Response::from_parts(parts, Body::full(body)),
-                    Outcome::Forwarded,
-                )
-            }
-            Ok((parts, Capped::TooLarge(read, rest))) => {
-                // Relay it, and keep a record that says the operation happened.
-                warn!(
-                    request_id = %self.request_id,
-                    route = %self.route_name,
-                    limit = policy.max_response_body,
-                    "response too large to store; retries will get 410"
-                );
-                self.complete(
-                    parts.status.as_u16(),
-                    storable_headers(&parts.headers),
-                    Bytes::new(),
-                    false,
-                )
-                .await;
-                (
-                    Response::from_parts(parts, Body::Prefixed(Some(read), rest)),
-                    Outcome::Forwarded,
-                )
-            }
-            Err(UpstreamError::Connect(e)) => {
-                warn!(request_id = %self.request_id, error = %e, "upstream unreachable; key released");
-                release(app, &self.store_key, self.token).await;
-                (
-                    problem_response(&Problem::UpstreamUnreachable, &self.request_id),
-                    Outcome::UpstreamError,
-                )
-            }
-            Err(e) => {
-                let released = policy.unknown_outcome == UnknownOutcome::Release;
-                warn!(request_id = %self.request_id, error = %e, released, "upstream outcome unknown");
-                let p = match e {
-                    UpstreamError::Timeout(after) => Problem::UpstreamTimeout { after, released },
-                    _ => Problem::UpstreamReset { released },
-                };
-                let (status, headers, body) = p.render(&self.request_id);
-                if released {
-                    release(app, &self.store_key, self.token).await;
-                } else {
-                    let stored: Vec<_> = headers
-                        .iter()
-                        .map(|(n, v)| (n.clone(), v.clone()))
-                        .collect();
-                    self.complete(status.as_u16(), stored, body.clone(), true)
-                        .await;
-                }
-                let mut resp = Response::new(Body::full(body));
-                *resp.status_mut() = status;
-                *resp.headers_mut() = headers;
-                (resp, Outcome::UpstreamError)
-            }
-        }
-    }
-
-    /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.
-    async fn holding_lease<F: std::future::Future>(&self, fut: F) -> F::Output {
-        tokio::pin!(fut);
-        let period = (self.policy.lease / 3).max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut held = true;
-        loop {
-            tokio::select! {
-                biased;
-                out = &mut fut => return out,
-                _ = tick.tick(), if held => {
-                    match self.app.store.renew(&self.store_key, self.token, self.policy.lease).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            held = false;
-                            self.app.metrics.lease_lost(&self.route_name);
-                            warn!(
-                                request_id = %self.request_id,
-                                route = %self.route_name,
-                                "lease lost while the upstream was working; a retry may execute again"
-                            );
-                        }
-                        Err(e) => warn!(request_id = %self.request_id, error = %e, "lease renewal failed"),
-                    }
-                }
-            }
-        }
-    }
-
-    /// Stores the finished record, retrying briefly; the client gets its answer either way.
-    async fn complete(
-        &self,
-        status: u16,
-        headers: Vec<(HeaderName, HeaderValue)>,
-        body: Bytes,
-        body_stored: bool,
-    ) {
-        let record = Record::Finished(Finished {
-            token: self.token,
-            fingerprint: self.fingerprint,
-            created_ms: self.created_ms,
-            route: self.route_name.to_string(),
-            completed_ms: now_ms(),
-            status,
-            body_stored,
-            headers,
-            body,
-        })
-        .encode();
-        for attempt in 0..3u32 {
-            match self
-                .app
-                .store
-                .complete(&self.store_key, self.token, record.clone(), self.policy.ttl)
-                .await
-            {
-                Ok(Completion::Stored) => return,
-                Ok(Completion::StoredAfterExpiry) => {
-                    warn!(request_id = %self.request_id, route = %self.route_name, "lease had expired before completion; nobody else held the key, record stored");
-                    return;
-                }
-                Ok(Completion::Refused) => {
-                    self.app.metrics.lease_lost(&self.route_name);
-                    warn!(request_id = %self.request_id, route = %self.route_name, "completion refused: another request owns the key now");
-                    return;
-                }
-                Err(e) => {
-                    warn!(request_id = %self.request_id, error = %e, attempt, "storing the record failed");
-                    tokio::time::sleep(Duration::from_millis(25 << attempt)).await;
-                }
-            }
-        }
-        tracing::error!(
-            request_id = %self.request_id,
-            route = %self.route_name,
-            "record could not be stored; a retry with this key will execute again"
-        );
+        Err(_) => ctx.problem(&Problem::UpstreamReset { released: true }),
     }
 }

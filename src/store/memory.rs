@@ -3,10 +3,12 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
+use super::{Completion, Held, Operations, StoreError};
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
 struct Entry {
@@ -87,42 +89,61 @@ impl MemoryStore {
         // (every change is a single insert or remove), so a poisoned lock is usable.
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
 
-    pub fn reserve(&self, key: &str, value: Bytes, lease: Duration) -> Option<(Bytes, Duration)> {
+/// Each operation takes the lock once: it is as atomic as the Redis command or script it mirrors.
+impl Operations for MemoryStore {
+    async fn reserve(
+        &self,
+        key: &str,
+        value: Bytes,
+        lease: Duration,
+    ) -> Result<Option<Held>, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
         if let Some(e) = map.live(key, now) {
-            return Some((e.value.clone(), e.expires - now));
+            return Ok(Some(Held {
+                value: e.value.clone(),
+                ttl: Some(e.expires - now),
+            }));
         }
         map.put(key, value, now + lease, now);
-        None
+        Ok(None)
     }
 
-    pub fn complete(
+    async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
+        let now = Instant::now();
+        Ok(self
+            .lock()
+            .live(key, now)
+            .map_or(Duration::ZERO, |e| e.expires - now))
+    }
+
+    async fn complete(
         &self,
         key: &str,
         token: Token,
         value: Bytes,
         ttl: Duration,
-    ) -> super::Completion {
+    ) -> Result<Completion, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
         let existed = match map.live(key, now) {
             Some(e) if e.value.get(TOKEN_RANGE) != Some(&token.0[..]) => {
-                return super::Completion::Refused
+                return Ok(Completion::Refused)
             }
             Some(_) => true,
             None => false,
         };
         map.put(key, value, now + ttl, now);
-        if existed {
-            super::Completion::Stored
+        Ok(if existed {
+            Completion::Stored
         } else {
-            super::Completion::StoredAfterExpiry
-        }
+            Completion::StoredAfterExpiry
+        })
     }
 
-    pub fn renew(&self, key: &str, token: Token, lease: Duration) -> bool {
+    async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
         let owned = map
@@ -131,32 +152,37 @@ impl MemoryStore {
         if owned {
             map.extend(key, now + lease, now);
         }
-        owned
+        Ok(owned)
     }
 
-    pub fn release(&self, key: &str, token: Token) -> bool {
+    async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
         match map.live(key, now) {
             Some(e) if owned_processing(&e.value, token) => {
                 map.entries.remove(key);
-                true
+                Ok(true)
             }
-            _ => false,
+            _ => Ok(false),
         }
     }
 
-    pub fn get(&self, key: &str) -> Option<(Bytes, Duration)> {
+    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let now = Instant::now();
-        let mut map = self.lock();
-        map.live(key, now)
-            .map(|e| (e.value.clone(), e.expires - now))
+        Ok(self
+            .lock()
+            .live(key, now)
+            .map(|e| (e.value.clone(), e.expires - now)))
     }
 
-    pub fn delete(&self, key: &str) -> bool {
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
-        map.live(key, now).is_some() && map.entries.remove(key).is_some()
+        Ok(map.live(key, now).is_some() && map.entries.remove(key).is_some())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
     }
 }
 
@@ -164,50 +190,80 @@ impl MemoryStore {
 mod tests {
     use super::*;
 
-    #[test]
-    fn expired_records_are_cleared_by_later_writes_without_a_scan() {
+    fn v() -> Bytes {
+        Bytes::from_static(b"v")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_records_are_cleared_by_later_writes_without_a_scan() {
         let store = MemoryStore::new();
         let short = Duration::from_millis(1);
         for i in 0..100 {
             assert!(store
-                .reserve(&format!("k{i}"), Bytes::from_static(b"v"), short)
+                .reserve(&format!("k{i}"), v(), short)
+                .await
+                .unwrap()
                 .is_none());
         }
-        std::thread::sleep(Duration::from_millis(5)); // the subject here is time itself
-                                                      // Each later write clears a few of the expired ones.
+        tokio::time::advance(Duration::from_millis(5)).await;
+        // Each later write clears a few of the expired ones.
         for i in 0..10 {
-            store.reserve(
-                &format!("new{i}"),
-                Bytes::from_static(b"v"),
-                Duration::from_secs(60),
-            );
+            let _ = store
+                .reserve(&format!("new{i}"), v(), Duration::from_secs(60))
+                .await;
         }
         let map = store.lock();
         assert_eq!(map.entries.len(), 10 + 100 - 10 * EXPIRE_PER_WRITE);
     }
 
-    #[test]
-    fn a_renewed_reservation_survives_its_first_expiry() {
+    #[tokio::test(start_paused = true)]
+    async fn a_renewed_reservation_survives_its_first_expiry() {
         let store = MemoryStore::new();
         let token = Token::new();
         let mut value = vec![1u8, STATE_PROCESSING];
         value.extend_from_slice(&token.0);
         let value = Bytes::from(value);
+        let reserved = store.reserve("k", value, Duration::from_millis(2)).await;
+        assert!(reserved.unwrap().is_none());
         assert!(store
-            .reserve("k", value, Duration::from_millis(2))
-            .is_none());
-        assert!(store.renew("k", token, Duration::from_secs(60)));
-        std::thread::sleep(Duration::from_millis(5)); // past the first expiry
+            .renew("k", token, Duration::from_secs(60))
+            .await
+            .unwrap());
+        tokio::time::advance(Duration::from_millis(5)).await; // past the first expiry
         for i in 0..10 {
-            store.reserve(
-                &format!("other{i}"),
-                Bytes::from_static(b"v"),
-                Duration::from_secs(60),
-            );
+            let _ = store
+                .reserve(&format!("other{i}"), v(), Duration::from_secs(60))
+                .await;
         }
         assert!(
-            store.get("k").is_some(),
+            store.get("k").await.unwrap().is_some(),
             "the stale expiry entry must not remove the renewed record"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reserve_reports_what_holds_the_key_and_its_time_left() {
+        let store = MemoryStore::new();
+        assert!(store
+            .reserve("k", v(), Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_none());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let held = store
+            .reserve("k", v(), Duration::from_secs(30))
+            .await
+            .unwrap();
+        let held = held.expect("the key is taken");
+        assert_eq!(held.value, v());
+        assert_eq!(held.ttl, Some(Duration::from_secs(20)));
+        assert_eq!(store.pttl("k").await.unwrap(), Duration::from_secs(20));
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert_eq!(store.pttl("k").await.unwrap(), Duration::ZERO);
+        assert!(store
+            .reserve("k", v(), Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_none());
     }
 }

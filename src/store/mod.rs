@@ -54,11 +54,15 @@ pub enum StoreSetupError {
 /// What `reserve` found.
 #[derive(Debug)]
 pub enum Reservation {
-    /// The key is ours now.
+    /// The key was free and is ours now.
     Reserved,
-    /// Somebody's record holds the key; `ttl` is what is left of its lease (for a
-    /// record in flight; zero for a finished one when the store did not say).
-    Existing { record: Record, ttl: Duration },
+    /// A record holds the key (whose it is, the caller decides: a re-sent
+    /// reserve finds the caller's own). `ttl` is what is left of its lease or
+    /// TTL when the backend learnt it for free; `None` otherwise (see [`Store::pttl`]).
+    Existing {
+        record: Record,
+        ttl: Option<Duration>,
+    },
 }
 
 /// What `complete` did.
@@ -78,9 +82,85 @@ pub struct Inspected {
     pub ttl: Duration,
 }
 
+/// A value a backend found under a key.
+pub(crate) struct Held {
+    pub value: Bytes,
+    /// What is left of the key's lease or TTL, when the backend knows it without another round trip.
+    pub ttl: Option<Duration>,
+}
+
+/// The operations each backend implements, with the same shapes; [`Store`]
+/// adds timing, timeouts, metrics and record decoding around them. Every one
+/// touches one key and is safe to send twice.
+pub(crate) trait Operations {
+    /// `SET NX` with the lease; `Some` with what holds the key when it is taken.
+    async fn reserve(
+        &self,
+        key: &str,
+        value: Bytes,
+        lease: Duration,
+    ) -> Result<Option<Held>, StoreError>;
+    /// What is left of the key's lease or TTL; zero when it is gone.
+    async fn pttl(&self, key: &str) -> Result<Duration, StoreError>;
+    /// Writes the finished record if `token` still owns the key (or nobody does).
+    async fn complete(
+        &self,
+        key: &str,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<Completion, StoreError>;
+    /// Extends the lease if `token` still owns the key.
+    async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError>;
+    /// Deletes the reservation if `token` still owns it.
+    async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError>;
+    /// The value and its remaining time.
+    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError>;
+    /// Deletes the key whatever it holds.
+    async fn delete(&self, key: &str) -> Result<bool, StoreError>;
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Runs `op` up to `attempts` times, doubling a pause of `first_pause` between
+/// attempts (none after the last: a failure is reported at once).
+pub async fn retry<T, F, Fut>(
+    attempts: u32,
+    first_pause: Duration,
+    mut op: F,
+) -> Result<T, StoreError>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut pause = first_pause;
+    let mut attempt = 1;
+    loop {
+        match op(attempt).await {
+            Err(_) if attempt < attempts => {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                attempt += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
 enum Inner {
     Memory(MemoryStore),
     Redis(Box<RedisStore>),
+}
+
+/// A future that calls the same [`Operations`] method on whichever backend this is.
+macro_rules! backend {
+    ($inner:expr, $b:ident => $call:expr) => {
+        async {
+            match $inner {
+                Inner::Memory($b) => $call.await,
+                Inner::Redis($b) => $call.await,
+            }
+        }
+    };
 }
 
 /// The store used by the proxy: timing, timeouts and metrics around a backend.
@@ -142,53 +222,32 @@ impl Store {
         res
     }
 
-    /// Reserves `key` for `token` with a lease, or returns the record that holds it.
+    /// Reserves `key` with a lease, or returns the record that holds it.
     pub async fn reserve(
         &self,
         key: &str,
         processing: Bytes,
-        token: Token,
         lease: Duration,
     ) -> Result<Reservation, StoreError> {
         let found = self
-            .timed("reserve", async {
-                match &self.inner {
-                    Inner::Memory(m) => Ok(m
-                        .reserve(key, processing, lease)
-                        .map(|(v, ttl)| (v, Some(ttl)))),
-                    Inner::Redis(r) => {
-                        Ok(r.reserve(key, processing, lease).await?.map(|v| (v, None)))
-                    }
-                }
-            })
+            .timed(
+                "reserve",
+                backend!(&self.inner, b => b.reserve(key, processing, lease)),
+            )
             .await?;
-        let Some((value, ttl)) = found else {
-            return Ok(Reservation::Reserved);
-        };
-        let record = Record::decode(value)?;
-        // A re-sent reserve finds our own reservation.
-        if matches!(&record, Record::Processing(p) if p.token == token) {
-            return Ok(Reservation::Reserved);
+        match found {
+            None => Ok(Reservation::Reserved),
+            Some(Held { value, ttl }) => Ok(Reservation::Existing {
+                record: Record::decode(value)?,
+                ttl,
+            }),
         }
-        // Only a request in flight needs the remaining lease (for Retry-After):
-        // replays and mismatches stay at one round trip.
-        let ttl = match (ttl, &record) {
-            (Some(ttl), _) => ttl,
-            (None, Record::Processing(_)) => self.pttl(key).await?,
-            (None, Record::Finished(_)) => Duration::ZERO,
-        };
-        Ok(Reservation::Existing { record, ttl })
     }
 
-    /// The remaining lease or TTL of a key.
-    async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
-        self.timed("pttl", async {
-            match &self.inner {
-                Inner::Memory(m) => Ok(m.get(key).map_or(Duration::ZERO, |(_, ttl)| ttl)),
-                Inner::Redis(r) => r.pttl(key).await,
-            }
-        })
-        .await
+    /// The remaining lease or TTL of a key (for `Retry-After`).
+    pub async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
+        self.timed("pttl", backend!(&self.inner, b => b.pttl(key)))
+            .await
     }
 
     pub async fn complete(
@@ -198,12 +257,10 @@ impl Store {
         finished: Bytes,
         ttl: Duration,
     ) -> Result<Completion, StoreError> {
-        self.timed("complete", async {
-            match &self.inner {
-                Inner::Memory(m) => Ok(m.complete(key, token, finished, ttl)),
-                Inner::Redis(r) => r.complete(key, token, finished, ttl).await,
-            }
-        })
+        self.timed(
+            "complete",
+            backend!(&self.inner, b => b.complete(key, token, finished, ttl)),
+        )
         .await
     }
 
@@ -214,35 +271,23 @@ impl Store {
         token: Token,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        self.timed("renew", async {
-            match &self.inner {
-                Inner::Memory(m) => Ok(m.renew(key, token, lease)),
-                Inner::Redis(r) => r.renew(key, token, lease).await,
-            }
-        })
+        self.timed(
+            "renew",
+            backend!(&self.inner, b => b.renew(key, token, lease)),
+        )
         .await
     }
 
     /// Frees our reservation so that a retry re-executes; false when it was not ours.
     pub async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
-        self.timed("release", async {
-            match &self.inner {
-                Inner::Memory(m) => Ok(m.release(key, token)),
-                Inner::Redis(r) => r.release(key, token).await,
-            }
-        })
-        .await
+        self.timed("release", backend!(&self.inner, b => b.release(key, token)))
+            .await
     }
 
-    /// Reads a record (admin API, and waiting duplicates).
+    /// Reads a record (admin API).
     pub async fn get(&self, key: &str) -> Result<Option<Inspected>, StoreError> {
         let found = self
-            .timed("get", async {
-                match &self.inner {
-                    Inner::Memory(m) => Ok(m.get(key)),
-                    Inner::Redis(r) => r.get(key).await,
-                }
-            })
+            .timed("get", backend!(&self.inner, b => b.get(key)))
             .await?;
         match found {
             None => Ok(None),
@@ -255,23 +300,47 @@ impl Store {
 
     /// Removes a record whatever its state (admin API); true when there was one.
     pub async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        self.timed("delete", async {
-            match &self.inner {
-                Inner::Memory(m) => Ok(m.delete(key)),
-                Inner::Redis(r) => r.delete(key).await,
-            }
-        })
-        .await
+        self.timed("delete", backend!(&self.inner, b => b.delete(key)))
+            .await
     }
 
     /// A health check; also loads the scripts, so that the first request is not slowed by it.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.timed("ping", async {
-            match &self.inner {
-                Inner::Memory(_) => Ok(()),
-                Inner::Redis(r) => r.ping().await,
+        self.timed("ping", backend!(&self.inner, b => b.ping()))
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_pauses_between_attempts_and_not_after_the_last() {
+        let start = tokio::time::Instant::now();
+        let mut tries = Vec::new();
+        let r: Result<(), _> = retry(3, Duration::from_millis(25), |attempt| {
+            tries.push(attempt);
+            async { Err(StoreError::Backend("down".into())) }
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(tries, [1, 2, 3]);
+        assert_eq!(start.elapsed(), Duration::from_millis(25 + 50));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_stops_at_the_first_success() {
+        let start = tokio::time::Instant::now();
+        let r = retry(3, Duration::from_millis(25), |attempt| async move {
+            if attempt == 2 {
+                Ok(attempt)
+            } else {
+                Err(StoreError::Backend("down".into()))
             }
         })
-        .await
+        .await;
+        assert_eq!(r.unwrap(), 2);
+        assert_eq!(start.elapsed(), Duration::from_millis(25));
     }
 }

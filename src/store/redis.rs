@@ -14,7 +14,7 @@ use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServer
 use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Script, TlsCertificates, Value};
 use tracing::{info, warn};
 
-use super::{Completion, StoreError, StoreSetupError};
+use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
 
@@ -154,33 +154,6 @@ fn connection_info(
         settings = settings.set_password(p);
     }
     Ok(info.set_redis_settings(settings))
-}
-
-/// The cluster slot of a key (CRC16/XMODEM of the key or its `{hash tag}`, mod 16384).
-fn slot(key: &[u8]) -> u16 {
-    let tagged = key
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            rest.iter()
-                .position(|&b| b == b'}')
-                .filter(|&n| n > 0)
-                .map(|n| &rest[..n])
-        })
-        .unwrap_or(key);
-    let mut crc: u16 = 0;
-    for &b in tagged {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
 }
 
 impl RedisStore {
@@ -343,43 +316,6 @@ impl RedisStore {
         }
     }
 
-    /// `SET key value NX PX lease GET` (Redis >= 7.0): reserves, or returns what holds
-    /// the key, in one native command — cheaper for Redis than a script. Sent twice,
-    /// the second returns the caller's own reservation, recognised by its token.
-    pub async fn reserve(
-        &self,
-        key: &str,
-        value: Bytes,
-        lease: Duration,
-    ) -> Result<Option<Bytes>, StoreError> {
-        let mut conn = self.conn().await?;
-        let found: Option<Vec<u8>> = redis::cmd("SET")
-            .arg(key)
-            .arg(value.as_ref())
-            .arg("NX")
-            .arg("PX")
-            .arg(ms(lease))
-            .arg("GET")
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        if found.is_none() && self.wait_replicas > 0 {
-            self.wait_for_replicas(&mut conn, key).await?;
-        }
-        Ok(found.map(Bytes::from))
-    }
-
-    /// What is left of a key's lease or TTL (for `Retry-After`); zero when it is gone.
-    pub async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
-        let mut conn = self.conn().await?;
-        let ms: i64 = redis::cmd("PTTL")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(Duration::from_millis(ms.max(0) as u64))
-    }
-
     /// `WAIT n timeout` on the key's node: fewer acknowledgements → the reservation is
     /// released and the request refused (503), never forwarded on a write a failover could lose.
     async fn wait_for_replicas(&self, conn: &mut Conn, key: &str) -> Result<(), StoreError> {
@@ -388,8 +324,9 @@ impl RedisStore {
         let acked: i64 = match conn {
             Conn::Single(c) => wait.query_async(c).await.map_err(|e| self.backend(e))?,
             Conn::Cluster(c) => {
+                // WAIT names no key: send it to the master of the key's slot.
                 let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
-                    Route::new(slot(key.as_bytes()), SlotAddr::Master),
+                    Route::with_key(key, SlotAddr::Master),
                 ));
                 let v = c
                     .route_command(wait, route)
@@ -408,110 +345,6 @@ impl RedisStore {
                 wanted: self.wait_replicas,
                 acked: acked.max(0) as u32,
             });
-        }
-        Ok(())
-    }
-
-    pub async fn complete(
-        &self,
-        key: &str,
-        token: Token,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<Completion, StoreError> {
-        let mut conn = self.conn().await?;
-        let n: i64 = COMPLETE
-            .key(key)
-            .arg(&token.0[..])
-            .arg(value.as_ref())
-            .arg(ms(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(match n {
-            1 => Completion::Stored,
-            2 => Completion::StoredAfterExpiry,
-            _ => Completion::Refused,
-        })
-    }
-
-    pub async fn renew(
-        &self,
-        key: &str,
-        token: Token,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let mut conn = self.conn().await?;
-        let n: i64 = RENEW
-            .key(key)
-            .arg(&token.0[..])
-            .arg(ms(lease))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(n == 1)
-    }
-
-    pub async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
-        let mut conn = self.conn().await?;
-        let n: i64 = RELEASE
-            .key(key)
-            .arg(&token.0[..])
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(n == 1)
-    }
-
-    /// GET and PTTL of one key (two commands on the same key and slot, one round trip).
-    pub async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let mut conn = self.conn().await?;
-        let (value, pttl): (Option<Vec<u8>>, i64) = redis::pipe()
-            .get(key)
-            .pttl(key)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(value.map(|v| (Bytes::from(v), Duration::from_millis(pttl.max(0) as u64))))
-    }
-
-    pub async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        let mut conn = self.conn().await?;
-        let n: i64 = redis::cmd("DEL")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(n > 0)
-    }
-
-    /// PING, then make sure the scripts are loaded (after a restart or failover they
-    /// are gone; on a cluster SCRIPT goes to every master), then, once, the durability check.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn().await?;
-        let _: String = redis::cmd("PING")
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        let scripts = [&*COMPLETE, &*RENEW, &*RELEASE];
-        let hashes = scripts.map(|s| s.get_hash().to_string());
-        let loaded: Vec<bool> = redis::cmd("SCRIPT")
-            .arg("EXISTS")
-            .arg(&hashes[..])
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        for (script, present) in scripts.into_iter().zip(loaded) {
-            if !present {
-                script
-                    .prepare_invoke()
-                    .load_async(&mut conn)
-                    .await
-                    .map_err(|e| self.backend(e))?;
-            }
-        }
-        if !self.checked.swap(true, Ordering::Relaxed) {
-            self.check_durability(&mut conn).await;
         }
         Ok(())
     }
@@ -560,21 +393,143 @@ impl RedisStore {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::slot;
+impl Operations for RedisStore {
+    /// `SET key value NX PX lease GET` (Redis >= 7.0): reserves, or returns what holds
+    /// the key, in one native command — cheaper for Redis than a script. Sent twice,
+    /// the second returns the caller's own reservation, recognised by its token.
+    async fn reserve(
+        &self,
+        key: &str,
+        value: Bytes,
+        lease: Duration,
+    ) -> Result<Option<Held>, StoreError> {
+        let mut conn = self.conn().await?;
+        let found: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(key)
+            .arg(value.as_ref())
+            .arg("NX")
+            .arg("PX")
+            .arg(ms(lease))
+            .arg("GET")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        if found.is_none() && self.wait_replicas > 0 {
+            self.wait_for_replicas(&mut conn, key).await?;
+        }
+        Ok(found.map(|v| Held {
+            value: Bytes::from(v),
+            ttl: None,
+        }))
+    }
 
-    #[test]
-    fn cluster_slots_match_redis() {
-        // Values from CLUSTER KEYSLOT.
-        assert_eq!(slot(b"foo"), 12182);
-        assert_eq!(slot(b"bar"), 5061);
-        assert_eq!(slot(b"{user1000}.following"), slot(b"user1000"));
-        assert_eq!(
-            slot(b"foo{}{bar}"),
-            slot(b"foo{}{bar}"),
-            "an empty tag hashes the whole key"
-        );
-        assert_eq!(slot(b"123456789"), 12739);
+    /// What is left of a key's lease or TTL (for `Retry-After`); zero when it is gone.
+    async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
+        let mut conn = self.conn().await?;
+        let ms: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(Duration::from_millis(ms.max(0) as u64))
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<Completion, StoreError> {
+        let mut conn = self.conn().await?;
+        let n: i64 = COMPLETE
+            .key(key)
+            .arg(&token.0[..])
+            .arg(value.as_ref())
+            .arg(ms(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(match n {
+            1 => Completion::Stored,
+            2 => Completion::StoredAfterExpiry,
+            _ => Completion::Refused,
+        })
+    }
+
+    async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
+        let mut conn = self.conn().await?;
+        let n: i64 = RENEW
+            .key(key)
+            .arg(&token.0[..])
+            .arg(ms(lease))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(n == 1)
+    }
+
+    async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
+        let mut conn = self.conn().await?;
+        let n: i64 = RELEASE
+            .key(key)
+            .arg(&token.0[..])
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(n == 1)
+    }
+
+    /// GET and PTTL of one key (two commands on the same key and slot, one round trip).
+    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        let mut conn = self.conn().await?;
+        let (value, pttl): (Option<Vec<u8>>, i64) = redis::pipe()
+            .get(key)
+            .pttl(key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(value.map(|v| (Bytes::from(v), Duration::from_millis(pttl.max(0) as u64))))
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        let mut conn = self.conn().await?;
+        let n: i64 = redis::cmd("DEL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        Ok(n > 0)
+    }
+
+    /// PING, then make sure the scripts are loaded (after a restart or failover they
+    /// are gone; on a cluster SCRIPT goes to every master), then, once, the durability check.
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        let _: String = redis::cmd("PING")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        let scripts = [&*COMPLETE, &*RENEW, &*RELEASE];
+        let hashes = scripts.map(|s| s.get_hash().to_string());
+        let loaded: Vec<bool> = redis::cmd("SCRIPT")
+            .arg("EXISTS")
+            .arg(&hashes[..])
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        for (script, present) in scripts.into_iter().zip(loaded) {
+            if !present {
+                script
+                    .prepare_invoke()
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(|e| self.backend(e))?;
+            }
+        }
+        if !self.checked.swap(true, Ordering::Relaxed) {
+            self.check_durability(&mut conn).await;
+        }
+        Ok(())
     }
 }

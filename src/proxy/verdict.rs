@@ -1,0 +1,163 @@
+//! What a record found under the key means for this request: ours, a replay,
+//! in flight, or another request's — decided in one place, without I/O.
+
+use http::header::{HeaderValue, CONTENT_LENGTH, DATE, SET_COOKIE};
+use http::{HeaderMap, HeaderName, Response, StatusCode};
+
+use crate::body::Body;
+use crate::record::{Finished, Record, Token};
+
+/// The meaning of the record that holds a key.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Our own reservation: a reserve sent twice (the client library re-sent it) finds it.
+    Ours,
+    /// The same request, finished: its answer is replayed.
+    Replay(Finished),
+    /// The same request, finished, but its answer was too large to keep.
+    NotStored,
+    /// The same request, still in flight.
+    InFlight,
+    /// Another request under the same key.
+    Mismatch,
+}
+
+impl Verdict {
+    /// Judges `record` for a request with `fingerprint` whose reservation would carry `token`.
+    pub fn of(record: Record, token: Token, fingerprint: &[u8; 32]) -> Verdict {
+        if matches!(&record, Record::Processing(p) if p.token == token) {
+            return Verdict::Ours;
+        }
+        if record.fingerprint() != fingerprint {
+            return Verdict::Mismatch;
+        }
+        match record {
+            Record::Finished(f) if f.body_stored => Verdict::Replay(f),
+            Record::Finished(_) => Verdict::NotStored,
+            Record::Processing(_) => Verdict::InFlight,
+        }
+    }
+}
+
+/// The stored answer, byte for byte, marked as a replay. `Date` and `Content-Length` are recomputed.
+pub fn replay(f: Finished, replayed_header: &HeaderName) -> Response<Body> {
+    let mut resp = Response::new(Body::full(f.body));
+    *resp.status_mut() = StatusCode::from_u16(f.status).unwrap_or(StatusCode::OK);
+    let headers = resp.headers_mut();
+    headers.reserve(f.headers.len() + 1);
+    for (name, value) in f.headers {
+        headers.append(name, value);
+    }
+    headers.insert(replayed_header.clone(), HeaderValue::from_static("true"));
+    resp
+}
+
+/// The end-to-end headers that may be replayed: hop-by-hop ones are already gone;
+/// `Set-Cookie` must not be handed out again; `Date` and `Content-Length` are recomputed.
+pub fn storable_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(n, _)| **n != SET_COOKIE && **n != DATE && **n != CONTENT_LENGTH)
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Processing;
+    use bytes::Bytes;
+
+    fn processing(token: Token, fingerprint: [u8; 32]) -> Record {
+        Record::Processing(Processing {
+            token,
+            fingerprint,
+            created_ms: 1,
+            route: "r".into(),
+        })
+    }
+
+    fn finished(fingerprint: [u8; 32], body_stored: bool) -> Record {
+        Record::Finished(Finished {
+            token: Token::new(),
+            fingerprint,
+            created_ms: 1,
+            route: "r".into(),
+            completed_ms: 2,
+            status: 201,
+            body_stored,
+            headers: vec![
+                (
+                    HeaderName::from_static("x-a"),
+                    HeaderValue::from_static("1"),
+                ),
+                (
+                    HeaderName::from_static("x-a"),
+                    HeaderValue::from_static("2"),
+                ),
+            ],
+            body: Bytes::from_static(b"done"),
+        })
+    }
+
+    #[test]
+    fn our_own_reservation_is_ours_whatever_else() {
+        let t = Token::new();
+        assert!(matches!(
+            Verdict::of(processing(t, [1; 32]), t, &[1; 32]),
+            Verdict::Ours
+        ));
+    }
+
+    #[test]
+    fn another_owner_with_the_same_request_is_in_flight() {
+        let v = Verdict::of(processing(Token::new(), [1; 32]), Token::new(), &[1; 32]);
+        assert!(matches!(v, Verdict::InFlight));
+    }
+
+    #[test]
+    fn a_different_fingerprint_is_a_mismatch_in_flight_or_finished() {
+        let v = Verdict::of(processing(Token::new(), [1; 32]), Token::new(), &[2; 32]);
+        assert!(matches!(v, Verdict::Mismatch));
+        let v = Verdict::of(finished([1; 32], true), Token::new(), &[2; 32]);
+        assert!(matches!(v, Verdict::Mismatch));
+        let v = Verdict::of(finished([1; 32], false), Token::new(), &[2; 32]);
+        assert!(matches!(v, Verdict::Mismatch));
+    }
+
+    #[test]
+    fn a_finished_record_replays_unless_its_body_was_not_kept() {
+        let v = Verdict::of(finished([1; 32], true), Token::new(), &[1; 32]);
+        assert!(matches!(v, Verdict::Replay(f) if f.status == 201));
+        let v = Verdict::of(finished([1; 32], false), Token::new(), &[1; 32]);
+        assert!(matches!(v, Verdict::NotStored));
+    }
+
+    #[test]
+    fn a_replay_keeps_status_repeated_headers_and_body_and_is_marked() {
+        let Record::Finished(f) = finished([1; 32], true) else {
+            unreachable!()
+        };
+        let marker = HeaderName::from_static("idempotent-replayed");
+        let r = replay(f, &marker);
+        assert_eq!(r.status(), 201);
+        let a: Vec<_> = r.headers().get_all("x-a").iter().collect();
+        assert_eq!(a, ["1", "2"]);
+        assert_eq!(r.headers()[&marker], "true");
+    }
+
+    #[test]
+    fn cookies_date_and_length_are_never_stored() {
+        let mut h = HeaderMap::new();
+        h.insert(SET_COOKIE, HeaderValue::from_static("s=1"));
+        h.insert(
+            DATE,
+            HeaderValue::from_static("Mon, 30 Nov 2026 10:00:00 GMT"),
+        );
+        h.insert(CONTENT_LENGTH, HeaderValue::from_static("4"));
+        h.insert("location", HeaderValue::from_static("/p/1"));
+        let kept = storable_headers(&h);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].0, "location");
+    }
+}
