@@ -91,114 +91,122 @@ impl Server {
             listener,
             admin,
         } = self;
-        let proxy_addr = listener
-            .local_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        let admin_addr = admin
-            .local_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        info!(
-            proxy = %proxy_addr,
-            admin = %admin_addr,
-            upstream = %config.server.upstream,
-            store = ?config.store.backend,
-            routes = config.routes.len(),
-            "listening"
-        );
-        if app.store.is_memory() {
-            warn!("store backend is \"memory\": records live in this process only; run one replica, or use redis");
-        }
-
+        announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
-
         let graceful = GracefulShutdown::new();
-        let slots = Arc::new(Semaphore::new(config.server.max_connections));
-        let mut http = http1::Builder::new();
-        http.timer(TokioTimer::new())
-            .header_read_timeout(config.server.header_read_timeout)
-            .max_buf_size(config.server.max_header_bytes.max(8192));
-        app.accepting.store(true, Ordering::Release);
-        tokio::pin!(shutdown);
-        loop {
-            // At the connection limit, stop accepting: new clients wait in the kernel's backlog.
-            let slot = tokio::select! {
-                slot = slots.clone().acquire_owned() => match slot {
-                    Ok(s) => s,
-                    Err(_) => break,
-                },
-                () = &mut shutdown => break,
-            };
-            tokio::select! {
-                accepted = listener.accept() => {
-                    let (stream, peer) = match accepted {
-                        Ok(c) => c,
-                        Err(e) => {
-                            // Out of file descriptors and the like: back off instead of spinning.
-                            warn!(error = %e, "accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let app = app.clone();
-                    let service = service_fn(move |req| {
-                        let app = app.clone();
-                        async move { Ok::<_, Infallible>(proxy::handle(app, req, peer).await) }
-                    });
-                    let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-                    tokio::spawn(async move {
-                        let _ = conn.await;
-                        drop(slot);
-                    });
-                }
-                () = &mut shutdown => break,
-            }
-        }
-
-        // Draining.
-        app.draining.store(true, Ordering::Release);
-        app.accepting.store(false, Ordering::Release);
-        drop(listener);
-        let grace = config.server.shutdown_grace;
-        let deadline = tokio::time::Instant::now() + grace;
-        info!(
-            grace_ms = grace.as_millis() as u64,
-            "shutting down: draining connections"
-        );
-        if tokio::time::timeout_at(deadline, graceful.shutdown())
-            .await
-            .is_err()
-        {
-            warn!("shutdown grace ran out with connections still open");
-        }
-        app.tasks.close();
-        if tokio::time::timeout_at(deadline, app.tasks.wait())
-            .await
-            .is_err()
-        {
-            // Requests still waiting for the upstream are treated like an upstream
-            // timeout (`unknown_outcome` applies); they get a moment to record that.
-            warn!(
-                requests = app.tasks.len(),
-                "shutdown grace ran out with requests in flight; cutting them short"
-            );
-            app.hard_stop.cancel();
-            if tokio::time::timeout(HARD_STOP_WINDOW, app.tasks.wait())
-                .await
-                .is_err()
-            {
-                warn!(
-                    requests = app.tasks.len(),
-                    "requests did not record their outcome in time; their leases will free the keys"
-                );
-            }
-        }
+        accept(&app, &config, listener, &graceful, shutdown).await;
+        drain(&app, config.server.shutdown_grace, graceful).await;
         pinger.abort();
         admin_task.abort();
         info!("stopped");
+    }
+}
+
+fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListener) {
+    let addr = |l: &TcpListener| l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    info!(
+        proxy = %addr(listener),
+        admin = %addr(admin),
+        upstream = %config.server.upstream,
+        store = ?config.store.backend,
+        routes = config.routes.len(),
+        "listening"
+    );
+    if app.store.is_memory() {
+        warn!("store backend is \"memory\": records live in this process only; run one replica, or use redis");
+    }
+}
+
+/// Accepts connections until `shutdown` resolves; each is served in a task of
+/// its own, watched by `graceful` for draining.
+async fn accept(
+    app: &Arc<App>,
+    config: &Config,
+    listener: TcpListener,
+    graceful: &GracefulShutdown,
+    shutdown: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(config.server.max_connections));
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(config.server.header_read_timeout)
+        .max_buf_size(config.server.max_header_bytes.max(8192));
+    app.accepting.store(true, Ordering::Release);
+    tokio::pin!(shutdown);
+    loop {
+        // At the connection limit, stop accepting: new clients wait in the kernel's backlog.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let service = service_fn(move |req| {
+            let app = app.clone();
+            async move { Ok::<_, Infallible>(proxy::handle(app, req, peer).await) }
+        });
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(slot);
+        });
+    }
+    app.accepting.store(false, Ordering::Release);
+}
+
+/// Draining: readiness off, open connections finish, then the forward-and-store
+/// tasks; at the end of the grace, what still waits for the upstream is cut short.
+async fn drain(app: &App, grace: Duration, graceful: GracefulShutdown) {
+    app.draining.store(true, Ordering::Release);
+    let deadline = tokio::time::Instant::now() + grace;
+    info!(
+        grace_ms = grace.as_millis() as u64,
+        "shutting down: draining connections"
+    );
+    if tokio::time::timeout_at(deadline, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!("shutdown grace ran out with connections still open");
+    }
+    app.tasks.close();
+    if tokio::time::timeout_at(deadline, app.tasks.wait())
+        .await
+        .is_ok()
+    {
+        return;
+    }
+    // Requests still waiting for the upstream are treated like an upstream
+    // timeout (`unknown_outcome` applies); they get a moment to record that.
+    warn!(
+        requests = app.tasks.len(),
+        "shutdown grace ran out with requests in flight; cutting them short"
+    );
+    app.hard_stop.cancel();
+    if tokio::time::timeout(HARD_STOP_WINDOW, app.tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            requests = app.tasks.len(),
+            "requests did not record their outcome in time; their leases will free the keys"
+        );
     }
 }
 
