@@ -29,6 +29,8 @@ pub enum Outcome {
     NotStored,
     /// The request itself was unusable (a body that could not be read).
     BadRequest,
+    /// The record under the key could not be read (§8): answered 500, never forwarded.
+    Unreadable,
 }
 
 impl Outcome {
@@ -48,6 +50,7 @@ impl Outcome {
             Outcome::StoreBypass => "store_bypass",
             Outcome::NotStored => "not_stored",
             Outcome::BadRequest => "bad_request",
+            Outcome::Unreadable => "unreadable",
         }
     }
 }

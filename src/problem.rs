@@ -53,6 +53,9 @@ pub enum Problem {
     BodyTimeout {
         after: Duration,
     },
+    /// The record under the key cannot be decoded (garbage, another writer, a
+    /// newer format): the operation may have run, so the request is not forwarded.
+    RecordUnreadable,
 }
 
 impl Problem {
@@ -83,6 +86,7 @@ impl Problem {
             | Problem::UpstreamReset { .. }
             | Problem::UpstreamTimeout { .. } => Outcome::UpstreamError,
             Problem::BodyUnreadable | Problem::BodyTimeout { .. } => Outcome::BadRequest,
+            Problem::RecordUnreadable => Outcome::Unreadable,
         }
     }
 
@@ -99,6 +103,7 @@ impl Problem {
             Problem::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Problem::UpstreamUnreachable | Problem::UpstreamReset { .. } => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Problem::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -117,6 +122,7 @@ impl Problem {
             Problem::BodyUnreadable => "request-body-unreadable",
             Problem::BodyTimeout { .. } => "request-body-timeout",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
+            Problem::RecordUnreadable => "record-unreadable",
         }
     }
 
@@ -138,6 +144,7 @@ impl Problem {
             Problem::BodyUnreadable => "Request body could not be read",
             Problem::BodyTimeout { .. } => "Request body did not arrive in time",
             Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
+            Problem::RecordUnreadable => "The record of this idempotency key cannot be read",
         }
     }
 
@@ -185,6 +192,10 @@ impl Problem {
                 "The request body did not arrive within {} ms; nothing was executed.",
                 after.as_millis()
             ),
+            Problem::RecordUnreadable => "A record exists for this key, but this proxy cannot read it, \
+                                          so the request was not forwarded (it may have been executed already). \
+                                          The record id is in the proxy's log."
+                .to_string(),
         }
     }
 

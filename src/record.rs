@@ -28,6 +28,11 @@ pub const TOKEN_RANGE: std::ops::Range<usize> = 2..18;
 pub struct Token(pub [u8; 16]);
 
 impl Token {
+    /// The owner token of an encoded record (at the same place in both states).
+    pub fn of_record(encoded: &[u8]) -> Option<Token> {
+        encoded.get(TOKEN_RANGE)?.try_into().ok().map(Token)
+    }
+
     pub fn new() -> Self {
         Token(*uuid::Uuid::new_v4().as_bytes())
     }

@@ -469,7 +469,8 @@ async fn completion_failure_still_answers_the_client_and_is_counted() {
         .redis_relay()
         .start()
         .await;
-    let url = env.url("/v1/payments");
+    // The "slow" route's lease is 300 ms: completion is retried that long, then given up.
+    let url = env.url("/v1/slow");
     let first = Call::post(&url)
         .key("k-nocomplete")
         .header("x-test-hold", "1")
@@ -487,11 +488,42 @@ async fn completion_failure_still_answers_the_client_and_is_counted() {
             .await
             >= 1.0
     );
-    assert!(env
-        .proxy
-        .logs()
-        .iter()
-        .any(|l| l.contains("record could not be stored")));
+    env.proxy
+        .wait_log("record could not be stored before the lease ran out")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_shorter_than_the_lease_loses_no_record() {
+    let env = env(Backend::Redis)
+        .store("op_timeout = \"200ms\"")
+        .redis_relay()
+        .start()
+        .await;
+    let relay = env.redis_relay.as_ref().unwrap();
+    let url = env.url("/v1/payments"); // lease 10 s
+    let first = Call::post(&url)
+        .key("k-outage")
+        .header("x-test-hold", "1")
+        .spawn("x");
+    env.upstream.wait_hits(1).await;
+    relay.set(Fault::Blackhole);
+    env.upstream.release(1);
+    let r = first.await.unwrap();
+    assert_eq!(r.status, 201, "answered at once, not after the outage");
+    assert!(
+        env.metric("idemproxy_store_errors_total{op=\"complete\"}")
+            .await
+            >= 1.0,
+        "the first completion attempt failed"
+    );
+    relay.set(Fault::Pass);
+    env.proxy
+        .wait_log("record stored after the store recovered")
+        .await;
+    let retry = Call::post(&url).key("k-outage").body("x").await;
+    assert!(retry.is_replay(), "{}", retry.status);
+    assert_eq!(env.upstream.hits(), 1, "executed once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::response::Parts;
 use http::{HeaderName, HeaderValue, Request, Response};
 use hyper::body::Incoming;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 use uuid::Uuid;
 
 use super::verdict::storable_headers;
@@ -23,28 +23,78 @@ use crate::routes::RouteName;
 use crate::store::{self, Completion};
 use crate::upstream::UpstreamError;
 
-/// Store writes after the upstream answered: attempts, and the first pause between them.
+/// Releases: attempts, and the first pause between them.
 const STORE_ATTEMPTS: u32 = 3;
 const FIRST_PAUSE: Duration = Duration::from_millis(25);
+/// The longest pause between background completion attempts.
+const MAX_PAUSE: Duration = Duration::from_secs(1);
+
+/// A reservation that is ours, or may be (a reserve whose answer was lost).
+/// Until it is disarmed — by the job that completed or released it, or on
+/// learning the key is someone else's — dropping it releases it by its token:
+/// whatever ends the request early (an error, a client that hung up while the
+/// reserve was in flight, a panic) leaves no `processing` entry behind (§8).
+pub struct Claim {
+    pub app: Arc<App>,
+    pub store_key: String,
+    pub token: Token,
+    armed: bool,
+}
+
+impl Claim {
+    pub fn new(app: Arc<App>, store_key: String, token: Token) -> Claim {
+        Claim {
+            app,
+            store_key,
+            token,
+            armed: true,
+        }
+    }
+
+    /// The key's fate is settled (or it was never ours): nothing to release.
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        // Only in a runtime (always, but for a runtime shutting down, where the lease frees the key).
+        if !self.armed || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let (app, key, token) = (
+            self.app.clone(),
+            std::mem::take(&mut self.store_key),
+            self.token,
+        );
+        self.app
+            .tasks
+            .spawn(async move { release(&app, &key, token).await });
+    }
+}
 
 /// A reserved request: everything needed to finish it, owned, so it can outlive the client.
 pub struct Job {
-    pub app: Arc<App>,
+    pub claim: Claim,
     pub route_name: RouteName,
     pub policy: Arc<Policy>,
-    pub store_key: String,
-    pub token: Token,
     pub fingerprint: [u8; 32],
     pub created_ms: u64,
     pub request_id: Uuid,
+    /// When the lease runs out unless renewed (from before the reserve was sent, to be safe).
+    pub lease_until: std::sync::Mutex<tokio::time::Instant>,
+    /// The finished record the store has not taken yet.
+    pub unsaved: Option<Bytes>,
 }
 
 /// The upstream's answer with its body read up to `max_response_body`.
 type Exchanged = (Parts, Capped<Incoming>);
 
 impl Job {
-    /// Forwards, records the outcome (or releases the key), and returns the client's answer.
-    pub async fn run(&self, request: Request<Body>) -> (Response<Body>, Outcome) {
+    /// Forwards, records the outcome (or releases the key), and returns the
+    /// client's answer. A record the store did not take is kept for [`Job::settle`].
+    pub async fn run(&mut self, request: Request<Body>) -> (Response<Body>, Outcome) {
         match self.holding_lease(self.exchange(request)).await {
             Ok((parts, Capped::Whole(body))) => self.answered(parts, body).await,
             Ok((parts, Capped::TooLarge(read, rest))) => {
@@ -56,10 +106,24 @@ impl Job {
         }
     }
 
+    /// After the client has its answer: a record the store refused to take is
+    /// retried until the lease would run out (a store failover shorter than the
+    /// lease loses nothing, §8); then the key's fate is settled either way.
+    pub async fn settle(mut self) {
+        if let Some(record) = self.unsaved.take() {
+            tokio::select! {
+                () = self.complete_in_background(record) => {}
+                // The end of the shutdown grace: the lease frees the key.
+                () = self.claim.app.hard_stop.cancelled() => {}
+            }
+        }
+        self.claim.disarm();
+    }
+
     /// Sends the request and reads the whole answer, bounded by the upstream
     /// timeout and by the end of the shutdown grace (either way: outcome unknown).
     async fn exchange(&self, request: Request<Body>) -> Result<Exchanged, UpstreamError> {
-        let app = &self.app;
+        let app = &self.claim.app;
         let exchange = async {
             let sent = Instant::now();
             let resp = app.upstream.send(request).await?;
@@ -78,7 +142,7 @@ impl Job {
     }
 
     /// A whole answer: released when its status says "try again", stored otherwise.
-    async fn answered(&self, parts: Parts, body: Bytes) -> (Response<Body>, Outcome) {
+    async fn answered(&mut self, parts: Parts, body: Bytes) -> (Response<Body>, Outcome) {
         let status = parts.status.as_u16();
         let outcome = if self.policy.release_statuses.contains(&status) {
             self.release().await;
@@ -92,7 +156,7 @@ impl Job {
     }
 
     /// An answer too large to keep: relayed, and a record that says the operation happened.
-    async fn too_large(&self, parts: &Parts) {
+    async fn too_large(&mut self, parts: &Parts) {
         warn!(
             request_id = %self.request_id,
             route = %self.route_name,
@@ -106,7 +170,7 @@ impl Job {
 
     /// No answer: a request that never left frees its key; otherwise the
     /// outcome is unknown, and `unknown_outcome` says whether to store the problem.
-    async fn failed(&self, e: UpstreamError) -> (Response<Body>, Outcome) {
+    async fn failed(&mut self, e: UpstreamError) -> (Response<Body>, Outcome) {
         let released = matches!(e, UpstreamError::Connect(_))
             || self.policy.unknown_outcome == UnknownOutcome::Release;
         warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
@@ -146,16 +210,19 @@ impl Job {
 
     /// One renewal; false once the key is no longer ours (then renewing stops).
     async fn renew(&self) -> bool {
-        let lease = self.policy.lease;
-        match self
-            .app
+        let (app, lease) = (&self.claim.app, self.policy.lease);
+        let asked = tokio::time::Instant::now();
+        match app
             .store
-            .renew(&self.store_key, self.token, lease)
+            .renew(&self.claim.store_key, self.claim.token, lease)
             .await
         {
-            Ok(true) => true,
+            Ok(true) => {
+                *self.lease_until.lock().unwrap_or_else(|e| e.into_inner()) = asked + lease;
+                true
+            }
             Ok(false) => {
-                self.app.metrics.lease_lost(&self.route_name);
+                app.metrics.lease_lost(&self.route_name);
                 warn!(
                     request_id = %self.request_id,
                     route = %self.route_name,
@@ -170,16 +237,17 @@ impl Job {
         }
     }
 
-    /// Stores the finished record, retrying briefly; the client gets its answer either way.
+    /// Stores the finished record; if the store does not take it, the client
+    /// gets its answer at once and [`Job::settle`] keeps trying.
     async fn complete(
-        &self,
+        &mut self,
         status: u16,
         headers: Vec<(HeaderName, HeaderValue)>,
         body: Bytes,
         body_stored: bool,
     ) {
         let record = Record::Finished(Finished {
-            token: self.token,
+            token: self.claim.token,
             fingerprint: self.fingerprint,
             created_ms: self.created_ms,
             route: self.route_name.to_string(),
@@ -190,39 +258,62 @@ impl Job {
             body,
         })
         .encode();
-        let (store, ttl) = (&self.app.store, self.policy.ttl);
-        let done = store::retry(STORE_ATTEMPTS, FIRST_PAUSE, |attempt| {
-            let record = record.clone();
-            async move {
-                let r = store
-                    .complete(&self.store_key, self.token, record, ttl)
-                    .await;
-                if let Err(e) = &r {
-                    warn!(request_id = %self.request_id, error = %e, attempt, "storing the record failed");
-                }
-                r
-            }
-        });
+        if !self.try_complete(record.clone()).await {
+            self.unsaved = Some(record);
+        }
+    }
+
+    /// One completion attempt; true when the key's fate is settled (stored, or someone else's).
+    async fn try_complete(&self, record: Bytes) -> bool {
+        let (claim, ttl) = (&self.claim, self.policy.ttl);
+        let stored = claim
+            .app
+            .store
+            .complete(&claim.store_key, claim.token, record, ttl);
         let (id, route) = (&self.request_id, &self.route_name);
-        match done.await {
-            Ok(Completion::Stored) => {}
+        match stored.await {
+            Ok(Completion::Stored) => true,
             Ok(Completion::StoredAfterExpiry) => {
                 warn!(request_id = %id, route = %route, "lease had expired before completion; nobody else held the key, record stored");
+                true
             }
             Ok(Completion::Refused) => {
-                self.app.metrics.lease_lost(route);
+                claim.app.metrics.lease_lost(route);
                 warn!(request_id = %id, route = %route, "completion refused: another request owns the key now");
+                true
             }
-            Err(_) => error!(
-                request_id = %id,
-                route = %route,
-                "record could not be stored; a retry with this key will execute again"
-            ),
+            Err(e) => {
+                warn!(request_id = %id, error = %e, "storing the record failed; retrying while the lease lasts");
+                false
+            }
+        }
+    }
+
+    /// Retries a completion, renewing the lease where it can, until the lease would run out.
+    async fn complete_in_background(&self, record: Bytes) {
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let until = *self.lease_until.lock().unwrap_or_else(|e| e.into_inner());
+            if tokio::time::Instant::now() + pause >= until {
+                error!(
+                    request_id = %self.request_id,
+                    route = %self.route_name,
+                    "record could not be stored before the lease ran out; a retry with this key will execute again"
+                );
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_PAUSE);
+            if self.try_complete(record.clone()).await {
+                info!(request_id = %self.request_id, route = %self.route_name, "record stored after the store recovered");
+                return;
+            }
+            self.renew().await;
         }
     }
 
     async fn release(&self) {
-        release(&self.app, &self.store_key, self.token).await;
+        release(&self.claim.app, &self.claim.store_key, self.claim.token).await;
     }
 }
 

@@ -16,10 +16,10 @@ use http::header::HeaderValue;
 use http::{HeaderMap, HeaderName, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 use uuid::Uuid;
 
-use self::job::Job;
+use self::job::{Claim, Job};
 use self::verdict::{replay, Verdict};
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped};
@@ -173,7 +173,8 @@ impl Stop {
                 | Problem::InvalidKey { .. }
                 | Problem::Conflict { .. }
                 | Problem::Mismatch
-                | Problem::NotStored => Some(p.outcome()),
+                | Problem::NotStored
+                | Problem::RecordUnreadable => Some(p.outcome()),
                 _ => None,
             },
             _ => None,
@@ -356,14 +357,17 @@ impl Identity {
     }
 }
 
-/// Phase 4's result: the key is ours under this token.
+/// Phase 4's result: the key is ours.
 struct Reserved {
-    token: Token,
+    claim: Claim,
     created_ms: u64,
+    /// Taken before the reserve was sent: the lease runs from no earlier.
+    sent_at: tokio::time::Instant,
 }
 
 /// Phase 4: reserve the key, or learn what holds it. With `concurrent = "wait"`
 /// a duplicate of a request in flight polls until it finishes or is released.
+/// From the first reserve sent, a [`Claim`] releases the key if the request ends here.
 async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved, Stop> {
     let (app, policy) = (ctx.app, &route.policy);
     let token = Token::new();
@@ -375,46 +379,69 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         route: route.name.to_string(),
     })
     .encode();
+    let mut claim = Claim::new(app.clone(), id.store_key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
     let wait_until = Instant::now() + policy.wait_timeout;
     let mut pause = Duration::from_millis(5);
     loop {
         let store_down = |e| store_down(ctx, id, e);
+        let sent_at = tokio::time::Instant::now();
         let found = app
             .store
             .reserve(&id.store_key, processing.clone(), policy.lease);
-        let (record, ttl) = match found.await.map_err(store_down)? {
-            Reservation::Reserved => return Ok(Reserved { token, created_ms }),
-            Reservation::Existing { record, ttl } => (record, ttl),
+        let (verdict, ttl) = match found.await.map_err(store_down)? {
+            Reservation::Reserved => (Verdict::Ours, None),
+            Reservation::Existing { record, ttl } => {
+                (Verdict::of(record, token, &id.fingerprint), ttl)
+            }
+            Reservation::Unreadable(e) => {
+                error!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "the record under this key cannot be read; not forwarding");
+                (Verdict::Unreadable, None)
+            }
         };
-        let ttl = match Verdict::of(record, token, &id.fingerprint) {
-            Verdict::Ours => return Ok(Reserved { token, created_ms }),
-            Verdict::Replay(f) => return Err(Stop::Replay(Box::new(f))),
-            Verdict::NotStored => return Err(Stop::Refuse(Problem::NotStored)),
-            Verdict::Mismatch => return Err(Stop::Refuse(Problem::Mismatch)),
-            Verdict::InFlight => ttl,
-        };
-        let now = Instant::now();
-        if waits && now < wait_until {
+        if matches!(verdict, Verdict::InFlight) && waits && Instant::now() < wait_until {
             // Back off, so as not to hammer the store; a released key is then reserved by us.
-            tokio::time::sleep(pause.min(wait_until - now)).await;
+            tokio::time::sleep(pause.min(wait_until.saturating_duration_since(Instant::now())))
+                .await;
             pause = (pause * 2).min(Duration::from_millis(250));
             continue;
         }
-        // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
-        let retry_after = match ttl {
-            Some(ttl) => ttl,
-            None => app.store.pttl(&id.store_key).await.map_err(store_down)?,
+        if !matches!(verdict, Verdict::Ours) {
+            claim.disarm();
+        }
+        return match verdict {
+            Verdict::Ours => Ok(Reserved {
+                claim,
+                created_ms,
+                sent_at,
+            }),
+            Verdict::Replay(f) => Err(Stop::Replay(Box::new(f))),
+            Verdict::NotStored => Err(Stop::Refuse(Problem::NotStored)),
+            Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
+            Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
+            Verdict::InFlight => {
+                // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
+                let retry_after = match ttl {
+                    Some(ttl) => ttl,
+                    None => app.store.pttl(&id.store_key).await.map_err(store_down)?,
+                };
+                Err(Stop::Refuse(Problem::Conflict { retry_after }))
+            }
         };
-        return Err(Stop::Refuse(Problem::Conflict { retry_after }));
     }
 }
 
+/// The store failed while reserving. The claim (still armed) releases whatever
+/// the reserve may have written. A reservation that was written but not
+/// confirmed on the replicas is never forwarded, whatever `on_store_error` says.
 fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
     warn!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "store unavailable while reserving");
     Stop::StoreDown {
-        may_pass: !matches!(e, StoreError::NotReplicated { .. }),
+        may_pass: !matches!(
+            e,
+            StoreError::NotReplicated { .. } | StoreError::Unconfirmed(_)
+        ),
     }
 }
 
@@ -437,28 +464,32 @@ async fn forward_reserved(
     let request = match app.upstream.prepare(parts, Body::full(body), ctx.peer) {
         Ok(r) => r,
         Err(e) => {
+            // Dropping the claim releases the key.
             warn!(request_id = %ctx.request_id, error = %e, "cannot build the upstream request");
-            job::release(app, &id.store_key, reserved.token).await;
             return ctx.problem(&Problem::UpstreamUnreachable);
         }
     };
-    let job = Job {
-        app: app.clone(),
+    let mut job = Job {
+        claim: reserved.claim,
         route_name: route.name.clone(),
         policy: route.policy.clone(),
-        store_key: id.store_key,
-        token: reserved.token,
         fingerprint: id.fingerprint,
         created_ms: reserved.created_ms,
         request_id: ctx.request_id,
+        lease_until: std::sync::Mutex::new(reserved.sent_at + route.policy.lease),
+        unsaved: None,
     };
     let (tx, rx) = oneshot::channel();
     app.tasks.spawn(async move {
         let (response, outcome) = job.run(request).await;
-        if let Err((resp, _)) = tx.send((response, outcome)) {
+        let answered = tx.send((response, outcome));
+        let request_id = job.request_id;
+        let route_name = job.route_name.clone();
+        job.settle().await;
+        if let Err((resp, _)) = answered {
             info!(
-                request_id = %job.request_id,
-                route = %job.route_name,
+                request_id = %request_id,
+                route = %route_name,
                 status = resp.status().as_u16(),
                 outcome = outcome.as_str(),
                 "client went away before the answer; the outcome was handled all the same"

@@ -20,6 +20,8 @@ pub enum Verdict {
     InFlight,
     /// Another request under the same key.
     Mismatch,
+    /// A record this build cannot read: not ours, not to be replaced or bypassed.
+    Unreadable,
 }
 
 impl Verdict {

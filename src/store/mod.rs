@@ -31,6 +31,10 @@ pub enum StoreError {
     /// `wait_replicas` was not met: the reservation was withdrawn.
     #[error("reservation reached {acked} of {wanted} replicas in time")]
     NotReplicated { wanted: u32, acked: u32 },
+    /// The reservation was written, but `WAIT` failed (e.g. the ACL lacks `+wait`):
+    /// it must be released by its token and the request not forwarded.
+    #[error("reservation written, but its replication could not be confirmed: {0}")]
+    Unconfirmed(String),
     #[error(transparent)]
     Decode(#[from] DecodeError),
 }
@@ -63,6 +67,9 @@ pub enum Reservation {
         record: Record,
         ttl: Option<Duration>,
     },
+    /// A value holds the key that this build cannot decode: not ours, and not
+    /// to be overwritten or bypassed (the operation may have run).
+    Unreadable(DecodeError),
 }
 
 /// What `complete` did.
@@ -237,9 +244,9 @@ impl Store {
             .await?;
         match found {
             None => Ok(Reservation::Reserved),
-            Some(Held { value, ttl }) => Ok(Reservation::Existing {
-                record: Record::decode(value)?,
-                ttl,
+            Some(Held { value, ttl }) => Ok(match Record::decode(value) {
+                Ok(record) => Reservation::Existing { record, ttl },
+                Err(e) => Reservation::Unreadable(e),
             }),
         }
     }

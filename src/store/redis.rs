@@ -316,37 +316,45 @@ impl RedisStore {
         }
     }
 
-    /// `WAIT n timeout` on the key's node: fewer acknowledgements → the reservation is
-    /// released and the request refused (503), never forwarded on a write a failover could lose.
-    async fn wait_for_replicas(&self, conn: &mut Conn, key: &str) -> Result<(), StoreError> {
+    /// `WAIT n timeout` on the key's node. Fewer acknowledgements, or a WAIT
+    /// that fails (an ACL without `+wait`), and the reservation just written is
+    /// released by its token and the request refused (503): never forwarded on
+    /// a write a failover could lose, never left `processing` for a lease.
+    async fn wait_for_replicas(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        token: Token,
+    ) -> Result<(), StoreError> {
+        let acked = match self.wait(conn, key).await {
+            Ok(acked) if acked >= i64::from(self.wait_replicas) => return Ok(()),
+            Ok(acked) => Err(StoreError::NotReplicated {
+                wanted: self.wait_replicas,
+                acked: acked.max(0) as u32,
+            }),
+            Err(e) => Err(StoreError::Unconfirmed(e.to_string())),
+        };
+        if let Err(e) = self.release(key, token).await {
+            warn!(error = %e, "withdrawing an unconfirmed reservation failed; its owner retries");
+        }
+        acked
+    }
+
+    async fn wait(&self, conn: &mut Conn, key: &str) -> redis::RedisResult<i64> {
         let mut wait = redis::cmd("WAIT");
         wait.arg(self.wait_replicas).arg(ms(self.wait_timeout));
-        let acked: i64 = match conn {
-            Conn::Single(c) => wait.query_async(c).await.map_err(|e| self.backend(e))?,
+        match conn {
+            Conn::Single(c) => wait.query_async(c).await,
             Conn::Cluster(c) => {
                 // WAIT names no key: send it to the master of the key's slot.
                 let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
                     Route::with_key(key, SlotAddr::Master),
                 ));
-                let v = c
-                    .route_command(wait, route)
-                    .await
-                    .map_err(|e| self.backend(e))?;
-                redis::from_redis_value(v).map_err(|e| StoreError::Backend(e.to_string()))?
+                Ok(redis::from_redis_value(
+                    c.route_command(wait, route).await?,
+                )?)
             }
-        };
-        if acked < i64::from(self.wait_replicas) {
-            let _: i64 = redis::cmd("DEL")
-                .arg(key)
-                .query_async(conn)
-                .await
-                .map_err(|e| self.backend(e))?;
-            return Err(StoreError::NotReplicated {
-                wanted: self.wait_replicas,
-                acked: acked.max(0) as u32,
-            });
         }
-        Ok(())
     }
 
     /// Warns loudly when the store would lose reservations: an evicting memory
@@ -415,7 +423,10 @@ impl Operations for RedisStore {
             .await
             .map_err(|e| self.backend(e))?;
         if found.is_none() && self.wait_replicas > 0 {
-            self.wait_for_replicas(&mut conn, key).await?;
+            let token = Token::of_record(&value).ok_or_else(|| {
+                StoreError::Backend("a reservation without an owner token".into())
+            })?;
+            self.wait_for_replicas(&mut conn, key, token).await?;
         }
         Ok(found.map(|v| Held {
             value: Bytes::from(v),
