@@ -17,9 +17,9 @@ use uuid::Uuid;
 
 use crate::app::App;
 use crate::body::Body;
-use crate::config::{Concurrent, KeyMode, Mode, OnStoreError, Policy, UnknownOutcome};
 use crate::key::{self, KeyError};
 use crate::metrics::Outcome;
+use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy, UnknownOutcome};
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};

@@ -2,9 +2,8 @@
 
 use std::time::Duration;
 
-use idemproxy::config::{
-    Backend, ByteSize, Concurrent, Config, FingerprintBody, HumanDuration, KeyMode, Overrides,
-};
+use idemproxy::config::{Backend, ByteSize, Config, HumanDuration, Overrides};
+use idemproxy::policy::{Concurrent, FingerprintBody, KeyMode};
 use proptest::prelude::*;
 
 const BASE: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
