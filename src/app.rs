@@ -85,7 +85,7 @@ impl App {
         if s.0.admin_listen != s.1.admin_listen {
             restart_needed.push("server.admin_listen");
         }
-        if s.0.upstream.to_string() != s.1.upstream.to_string() {
+        if s.0.upstream != s.1.upstream {
             restart_needed.push("server.upstream");
         }
         if s.0.upstream_timeout != s.1.upstream_timeout
@@ -97,7 +97,7 @@ impl App {
         {
             restart_needed.push("server timeouts and limits");
         }
-        if format!("{:?}", old.store) != format!("{:?}", new.store) {
+        if old.store != new.store {
             restart_needed.push("[store]");
         }
         self.set_routes(new.routes.clone());

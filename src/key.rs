@@ -3,7 +3,7 @@
 use http::{HeaderMap, HeaderName, Method};
 use sha2::{Digest, Sha256};
 
-use crate::config::FingerprintBody;
+use crate::policy::FingerprintBody;
 
 /// Why a key header was refused (always a 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -22,6 +22,7 @@ pub mod body;
 pub mod config;
 pub mod key;
 pub mod metrics;
+pub mod policy;
 pub mod problem;
 pub mod proxy;
 pub mod record;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
-use idemproxy::config::{Config, Overrides};
+use idemproxy::config::{Config, HumanDuration, Overrides};
 use idemproxy::server::Server;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -122,7 +122,7 @@ fn print_check(config: &Config) {
         config.server.upstream,
         config.server.listen,
         config.server.admin_listen,
-        format!("{:?}", config.store.backend).to_lowercase()
+        config.store.backend
     );
     for r in config.routes.iter() {
         let methods: Vec<&str> = r.methods.iter().map(|m| m.as_str()).collect();
@@ -131,10 +131,10 @@ fn print_check(config: &Config) {
             r.name,
             methods.join(","),
             r.path,
-            format!("{:?}", r.policy.key).to_lowercase(),
-            idemproxy::config::HumanDuration(r.policy.ttl),
-            idemproxy::config::HumanDuration(r.policy.lease),
-            format!("{:?}", r.policy.mode).to_lowercase(),
+            r.policy.key,
+            HumanDuration(r.policy.ttl),
+            HumanDuration(r.policy.lease),
+            r.policy.mode,
         );
     }
     if config.routes.is_empty() {
@@ -154,8 +154,17 @@ async fn reload_on_sighup(
         return;
     };
     while hup.recv().await.is_some() {
-        match Config::load(path.as_deref(), &overrides) {
-            Ok(new) => app.reload(&new),
+        let (path, overrides) = (path.clone(), overrides.clone());
+        // Off the async workers, since reading the file blocks; and in a task of
+        // its own, so that even a bug that panics while loading fails this one
+        // reload, not the loop that serves the next SIGHUP.
+        let loaded =
+            tokio::task::spawn_blocking(move || Config::load(path.as_deref(), &overrides)).await;
+        match loaded {
+            Ok(Ok(new)) => app.reload(&new),
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "configuration reload failed; keeping the current configuration")
+            }
             Err(e) => {
                 tracing::error!(error = %e, "configuration reload failed; keeping the current configuration")
             }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use http::Method;
 
-use crate::config::Policy;
+use crate::policy::Policy;
 
 /// One segment of a path pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -71,12 +71,12 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 /// The upstream: base URL and a keep-alive connection pool.
 pub struct Upstream {
     client: Client<HttpConnector, Body>,
-    base: config::Upstream,
+    base: config::UpstreamUrl,
     pub timeout: Duration,
 }
 
 impl Upstream {
-    pub fn new(base: config::Upstream, timeout: Duration) -> Self {
+    pub fn new(base: config::UpstreamUrl, timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(5))));

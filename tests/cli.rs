@@ -112,6 +112,62 @@ fn invalid_configuration_exits_2_naming_file_line_and_key() {
 }
 
 #[test]
+fn non_ascii_text_before_an_error_exits_2_with_the_exact_place() {
+    // CRLF lines and a '☕' just before the bad line: this once made the loader
+    // slice inside the character and exit 101.
+    let crlf = write_config(
+        "# café ☕\r\n[server]\r\n#\r\n# ☕\r\nupstream = \"https://127.0.0.1:1\"\r\n",
+    );
+    let lf = write_config(
+        "# café ☕\n[server]\nupstream = \"http://127.0.0.1:1\"\n[[routes]]\nname = \"café\"\npath = \"/a\"\n",
+    );
+    for (cfg, place) in [
+        (&crlf, "5:1: server.upstream: "),
+        (&lf, "5:8: routes[0].name: "),
+    ] {
+        for extra in [&["--check"][..], &[][..]] {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            assert_exit(&out, 2);
+            let err = String::from_utf8_lossy(&out.stderr);
+            let place = format!("{}:{place}", cfg.path().display());
+            assert!(err.contains(&place), "{err} should contain {place}");
+        }
+    }
+}
+
+#[test]
+fn an_invalid_override_exits_2_naming_the_flag_and_env_var() {
+    let out = idemproxy()
+        .args(["--upstream", "https://127.0.0.1:1", "--check"])
+        .output()
+        .unwrap();
+    assert_exit(&out, 2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--upstream (IDEMPROXY_UPSTREAM): invalid upstream URL"),
+        "{err}"
+    );
+    let cfg = write_config("[server]\nupstream = \"http://127.0.0.1:1\"\n");
+    let out = idemproxy()
+        .arg("--config")
+        .arg(cfg.path())
+        .env("IDEMPROXY_LISTEN", "nowhere")
+        .output()
+        .unwrap();
+    assert_exit(&out, 2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--listen (IDEMPROXY_LISTEN): invalid listen address \"nowhere\""),
+        "{err}"
+    );
+}
+
+#[test]
 fn env_vars_stand_in_for_flags() {
     let cfg = write_config("[[routes]]\nname = \"p\"\npath = \"/p\"\n");
     let out = idemproxy()

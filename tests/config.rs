@@ -2,9 +2,8 @@
 
 use std::time::Duration;
 
-use idemproxy::config::{
-    Backend, ByteSize, Concurrent, Config, FingerprintBody, HumanDuration, KeyMode, Overrides,
-};
+use idemproxy::config::{Backend, ByteSize, Config, HumanDuration, Overrides};
+use idemproxy::policy::{Concurrent, FingerprintBody, KeyMode};
 use proptest::prelude::*;
 
 const BASE: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
@@ -324,6 +323,88 @@ fn bad_toml_syntax_names_the_place() {
 }
 
 #[test]
+fn an_upstream_error_is_at_the_upstream_line_even_after_upstream_timeout() {
+    rejects(
+        "[server]\nupstream_timeout = \"5s\"\nupstream = \"https://x:1\"\n",
+        &["test.toml:3:1: server.upstream: invalid upstream URL \"https://x:1\""],
+    );
+    rejects(
+        "[server]\nupstream = \"http://x:1\"\nadmin_listen = \"127.0.0.1:1\"\nlisten = \"nowhere\"\n",
+        &["test.toml:4:1: server.listen: invalid listen address \"nowhere\""],
+    );
+}
+
+#[test]
+fn crlf_files_with_non_ascii_text_load_and_place_errors_exactly() {
+    let valid = "# café ☕: the payments API\r\n[server]\r\nupstream = \"http://127.0.0.1:3000\"\r\n\r\n[[routes]]\r\nname = \"payments\" # é\r\npath = \"/v1/payments\"\r\nttl = \"48h\"\r\n";
+    let c = load(valid).unwrap();
+    let route = c.routes.iter().next().unwrap();
+    assert_eq!(route.name, "payments");
+    assert_eq!(route.path.as_str(), "/v1/payments");
+    assert_eq!(route.policy.ttl, Duration::from_secs(48 * 3600));
+
+    rejects(
+        &valid.replace("\"48h\"", "\"48x\""),
+        &["test.toml:8:7: routes[0].ttl: invalid duration \"48x\""],
+    );
+    rejects(
+        &valid.replace("http://127.0.0.1:3000", "https://127.0.0.1:3000"),
+        &["test.toml:3:1: server.upstream: "],
+    );
+    rejects(
+        &valid.replace("[[routes]]", "[[routes]"),
+        &["test.toml:5:9: "],
+    );
+    // Once made the loader slice inside the '☕' and panic.
+    rejects(
+        "[server]\r\n#\r\n# ☕\r\nupstream = \"https://x\"\r\n",
+        &["test.toml:4:1: server.upstream: "],
+    );
+    // Columns count characters, not bytes: "café ☕" is 6 characters, 9 bytes.
+    rejects(
+        "store = { master_name = \"café ☕\", key_prefix = \"a b\" }\r\n[server]\r\nupstream = \"http://x:1\"\r\n",
+        &["test.toml:1:35: store.key_prefix: invalid key prefix \"a b\""],
+    );
+    rejects(
+        "[server]\r\nupstream = \"http://x:1\"\r\n[[routes]]\r\nname = \"café\"\r\npath = \"/a\"\r\n",
+        &["test.toml:4:8: routes[0].name: invalid route name \"café\""],
+    );
+}
+
+#[test]
+fn a_bad_override_is_named_by_its_flag_and_env_var() {
+    let error = |overrides: Overrides| match Config::from_toml(BASE, "test.toml", &overrides) {
+        Ok(_) => panic!("accepted {overrides:?}"),
+        Err(e) => e.to_string(),
+    };
+    let e = error(Overrides {
+        upstream: Some("https://x:1".into()),
+        ..Overrides::default()
+    });
+    assert!(
+        e.starts_with("--upstream (IDEMPROXY_UPSTREAM): invalid upstream URL \"https://x:1\""),
+        "{e}"
+    );
+    let e = error(Overrides {
+        listen: Some("nowhere".into()),
+        ..Overrides::default()
+    });
+    assert!(
+        e.starts_with("--listen (IDEMPROXY_LISTEN): invalid listen address \"nowhere\""),
+        "{e}"
+    );
+    let e = error(Overrides {
+        redis_url: Some("http://user:secret@x".into()),
+        ..Overrides::default()
+    });
+    assert!(
+        e.starts_with("--redis-url (IDEMPROXY_REDIS_URL): invalid Redis URL"),
+        "{e}"
+    );
+    assert!(!e.contains("secret"), "the URL may hold a password: {e}");
+}
+
+#[test]
 fn route_headers_are_lowercased_and_sorted() {
     let c = load(&format!(
         "{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nscope_headers = [\"X-Tenant\", \"Authorization\"]\n"
@@ -346,6 +427,19 @@ proptest! {
     #[test]
     fn config_loader_never_panics(text in "\\PC{0,200}") {
         let _ = load(&text);
+    }
+
+    #[test]
+    fn an_error_is_placed_exactly_whatever_text_comes_before(
+        comments in proptest::collection::vec("\\PC{0,12}", 0..5),
+        crlf in any::<bool>(),
+    ) {
+        let nl = if crlf { "\r\n" } else { "\n" };
+        let mut text: String = comments.iter().map(|c| format!("# {c}{nl}")).collect();
+        text.push_str(&format!("[server]{nl}upstream_timeout = \"5s\"{nl}upstream = \"https://x:1\"{nl}"));
+        let err = load(&text).unwrap_err();
+        let place = format!("test.toml:{}:1: server.upstream: ", comments.len() + 3);
+        prop_assert!(err.starts_with(&place), "{} in\n{}", err, text);
     }
 }
 

@@ -384,3 +384,39 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_brok
     );
     assert_eq!(get(&proxy.admin_url("/readyz")).await.unwrap().status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_reload_keeps_the_config_and_a_later_reload_still_applies() {
+    let upstream = TestUpstream::start().await;
+    let store = store_section(Backend::Memory, None);
+    let one_route = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+    let proxy = Proxy::start(&config_text(&upstream.url(), &store, one_route)).await;
+    let new_url = proxy.url("/v1/new");
+
+    // CRLF lines with non-ASCII text before the error: once a panic that ended
+    // the reload task, so that no later SIGHUP was ever served.
+    proxy.rewrite_config(
+        "# café ☕\r\n[server]\r\n#\r\n# ☕\r\nupstream = \"https://127.0.0.1:1\"\r\n",
+    );
+    proxy.signal("HUP");
+    let line = proxy.wait_log("configuration reload failed").await;
+    let error = line["error"].as_str().unwrap();
+    assert!(error.contains(":5:1: server.upstream: "), "{line}");
+    Call::post(&new_url).key("k-1").body("x").await;
+    assert!(
+        !Call::post(&new_url).key("k-1").body("x").await.is_replay(),
+        "not protected: the old configuration still applies"
+    );
+
+    let two_routes =
+        format!("# ☕ fixed\n{one_route}[[routes]]\nname = \"new\"\npath = \"/v1/new\"\n");
+    let fixed = config_text(&upstream.url(), &store, &two_routes).replace('\n', "\r\n");
+    proxy.rewrite_config(&fixed);
+    proxy.signal("HUP");
+    proxy.wait_log("configuration reloaded").await;
+    Call::post(&new_url).key("k-2").body("x").await;
+    assert!(
+        Call::post(&new_url).key("k-2").body("x").await.is_replay(),
+        "protected after the second reload"
+    );
+}

@@ -1,0 +1,372 @@
+//! The checked build: the file as written plus the overrides → a typed [`Config`], or the first error with its place.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+use toml::Spanned;
+
+use super::grammar::{ConfHeader, HumanDuration};
+use super::raw::{RawFile, RawPolicy, RawServer, RawStore};
+use super::{
+    Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, ServerConfig, Source,
+    StoreConfig, UpstreamUrl,
+};
+use crate::policy::Policy;
+use crate::routes::{Route, RouteName, RouteTable};
+
+pub(super) fn build(raw: RawFile, src: &Source, ov: &Overrides) -> Result<Config, ConfigError> {
+    let server = server(raw.server, src, ov)?;
+    let store = store(raw.store, src, ov)?;
+    let routes = routes(&raw.defaults, &raw.routes, src)?;
+    Ok(Config {
+        source: src.file.to_string(),
+        server,
+        store,
+        routes: Arc::new(routes),
+    })
+}
+
+/// A text value that is checked after parsing, with where it came from.
+struct Given {
+    value: String,
+    origin: Origin,
+}
+
+impl Given {
+    /// The override wins over the file.
+    fn pick(flag: Flag, over: &Option<String>, file: Option<Spanned<String>>) -> Option<Given> {
+        match over {
+            Some(value) => Some(Given {
+                value: value.clone(),
+                origin: Origin::Flag(flag),
+            }),
+            None => Given::file(file),
+        }
+    }
+
+    fn file(file: Option<Spanned<String>>) -> Option<Given> {
+        file.map(|v| Given {
+            origin: Origin::File(v.span()),
+            value: v.into_inner(),
+        })
+    }
+
+    fn or_default(given: Option<Given>, default: &str) -> Given {
+        given.unwrap_or_else(|| Given {
+            value: default.to_string(),
+            origin: Origin::Default,
+        })
+    }
+}
+
+fn duration(value: Option<HumanDuration>, default: Duration) -> Duration {
+    value.map_or(default, |d| d.0)
+}
+
+fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, ConfigError> {
+    let upstream =
+        Given::pick(Overrides::UPSTREAM, &ov.upstream, raw.upstream).ok_or_else(|| {
+            src.missing(
+                "server.upstream",
+                "required (or give --upstream / IDEMPROXY_UPSTREAM)",
+            )
+        })?;
+    let upstream_url = UpstreamUrl::parse(&upstream.value)
+        .map_err(|m| src.given(&upstream.origin, "server.upstream", m))?;
+    let listen = Given::or_default(
+        Given::pick(Overrides::LISTEN, &ov.listen, raw.listen),
+        "0.0.0.0:8080",
+    );
+    check_addr(&listen, "server.listen", src)?;
+    let admin_listen = Given::or_default(Given::file(raw.admin_listen), "127.0.0.1:9901");
+    check_addr(&admin_listen, "server.admin_listen", src)?;
+    let max_connections = match &raw.max_connections {
+        None => 10_000,
+        Some(v) if (1..=1_000_000).contains(v.get_ref()) => *v.get_ref() as usize,
+        Some(v) => {
+            return Err(src.invalid(
+                v.span().start,
+                "server.max_connections",
+                format!("invalid value {}: expected 1..=1000000", v.get_ref()),
+            ))
+        }
+    };
+    let max_header_bytes = match &raw.max_header_bytes {
+        None => 64 * 1024,
+        Some(b) if (8192..=1 << 20).contains(&b.get_ref().0) => b.get_ref().0 as usize,
+        Some(b) => {
+            return Err(src.entry(
+                &b.span(),
+                "server.max_header_bytes",
+                format!("invalid value {}: expected 8KiB..=1MiB", b.get_ref().0),
+            ))
+        }
+    };
+    Ok(ServerConfig {
+        listen: listen.value,
+        upstream: upstream_url,
+        admin_listen: admin_listen.value,
+        upstream_timeout: duration(raw.upstream_timeout, Duration::from_secs(30)),
+        shutdown_grace: duration(raw.shutdown_grace, Duration::from_secs(20)),
+        header_read_timeout: duration(raw.header_read_timeout, Duration::from_secs(10)),
+        body_read_timeout: duration(raw.body_read_timeout, Duration::from_secs(30)),
+        max_connections,
+        max_header_bytes,
+    })
+}
+
+fn check_addr(addr: &Given, key: &str, src: &Source) -> Result<(), ConfigError> {
+    match addr.value.parse::<std::net::SocketAddr>() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(src.given(
+            &addr.origin,
+            key,
+            format!(
+                "invalid listen address \"{}\": expected IP:PORT, e.g. 0.0.0.0:8080",
+                addr.value
+            ),
+        )),
+    }
+}
+
+fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, ConfigError> {
+    let backend = if ov.redis_url.is_some() {
+        Backend::Redis
+    } else {
+        s.backend.unwrap_or(Backend::Memory)
+    };
+    if backend == Backend::Redis {
+        check_topology(&s, src)?;
+    }
+    let url = Given::or_default(
+        Given::pick(Overrides::REDIS_URL, &ov.redis_url, s.url),
+        "redis://127.0.0.1:6379/0",
+    );
+    let scheme_ok = url.value.starts_with("redis://") || url.value.starts_with("rediss://");
+    if backend == Backend::Redis && !scheme_ok {
+        // The URL itself is not repeated: it may hold a password.
+        return Err(src.given(
+            &url.origin,
+            "store.url",
+            "invalid Redis URL: expected redis:// or rediss://",
+        ));
+    }
+    let key_prefix = Given::or_default(Given::file(s.key_prefix), "idemproxy");
+    let prefix = &key_prefix.value;
+    if prefix.is_empty() || prefix.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+        return Err(src.given(
+            &key_prefix.origin,
+            "store.key_prefix",
+            format!("invalid key prefix \"{prefix}\": visible ASCII without spaces, not empty"),
+        ));
+    }
+    Ok(StoreConfig {
+        backend,
+        url: url.value,
+        key_prefix: key_prefix.value,
+        op_timeout: duration(s.op_timeout, Duration::from_millis(500)),
+        password_file: s.password_file,
+        mode: s.mode.map_or(RedisMode::Standalone, Spanned::into_inner),
+        nodes: s.nodes.map(Spanned::into_inner).unwrap_or_default(),
+        sentinels: s.sentinels.map(Spanned::into_inner).unwrap_or_default(),
+        master_name: s.master_name,
+        username: s.username,
+        tls_ca_file: s.tls_ca_file,
+        wait_replicas: s.wait_replicas.unwrap_or(0),
+        wait_timeout: duration(s.wait_timeout, Duration::from_millis(50)),
+    })
+}
+
+/// Cluster and sentinel modes need their seed addresses. The error points at
+/// the empty list when there is one, else at the `mode` that asks for it.
+fn check_topology(s: &RawStore, src: &Source) -> Result<(), ConfigError> {
+    let Some(mode) = &s.mode else {
+        return Ok(());
+    };
+    let empty =
+        |list: &Option<Spanned<Vec<String>>>| list.as_ref().is_none_or(|l| l.get_ref().is_empty());
+    let at = |list: &Option<Spanned<Vec<String>>>| list.as_ref().map_or(mode.span(), |l| l.span());
+    match mode.get_ref() {
+        RedisMode::Standalone => Ok(()),
+        RedisMode::Cluster if empty(&s.nodes) => Err(src.invalid(
+            at(&s.nodes).start,
+            "store.nodes",
+            "mode = \"cluster\" needs at least one seed node",
+        )),
+        RedisMode::Sentinel if empty(&s.sentinels) || s.master_name.is_none() => {
+            let key = if empty(&s.sentinels) {
+                "store.sentinels"
+            } else {
+                "store.master_name"
+            };
+            Err(src.invalid(
+                at(&s.sentinels).start,
+                key,
+                "mode = \"sentinel\" needs `sentinels` and `master_name`",
+            ))
+        }
+        RedisMode::Cluster | RedisMode::Sentinel => Ok(()),
+    }
+}
+
+/// `[defaults]` on top of the built-in policy, then each route on top of `[defaults]`.
+fn routes(
+    defaults: &RawPolicy,
+    raw: &[Spanned<RawPolicy>],
+    src: &Source,
+) -> Result<RouteTable, ConfigError> {
+    for (key, span) in [
+        ("name", defaults.name.as_ref().map(Spanned::span)),
+        ("methods", defaults.methods.as_ref().map(Spanned::span)),
+        ("path", defaults.path.as_ref().map(Spanned::span)),
+    ] {
+        if let Some(span) = span {
+            return Err(src.invalid(
+                span.start,
+                format!("defaults.{key}"),
+                format!("`{key}` belongs in a [[routes]] entry, not in [defaults]"),
+            ));
+        }
+    }
+    let base = policy(Policy::default(), defaults, "defaults", src)?;
+    let mut names = HashSet::new();
+    let mut routes = Vec::with_capacity(raw.len());
+    for (i, r) in raw.iter().enumerate() {
+        routes.push(route(&format!("routes[{i}]"), r, &base, &mut names, src)?);
+    }
+    Ok(RouteTable::new(routes))
+}
+
+fn route(
+    section: &str,
+    raw: &Spanned<RawPolicy>,
+    defaults: &Policy,
+    names: &mut HashSet<String>,
+    src: &Source,
+) -> Result<Route, ConfigError> {
+    let r = raw.get_ref();
+    let name_field = r.name.as_ref().ok_or_else(|| {
+        src.invalid(
+            raw.span().start,
+            format!("{section}.name"),
+            "every route needs a unique `name`",
+        )
+    })?;
+    let name = name_field.get_ref();
+    let at_name =
+        |message: String| src.invalid(name_field.span().start, format!("{section}.name"), message);
+    let name_ok = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if !name_ok {
+        return Err(at_name(format!(
+            "invalid route name \"{name}\": use letters, digits, '_', '-', '.'"
+        )));
+    }
+    if !names.insert(name.clone()) {
+        return Err(at_name(format!("duplicate route name \"{name}\"")));
+    }
+    let path = r.path.as_ref().ok_or_else(|| {
+        src.invalid(
+            raw.span().start,
+            format!("{section}.path"),
+            format!("route \"{name}\" needs a `path`"),
+        )
+    })?;
+    let methods = match &r.methods {
+        Some(m) if m.get_ref().is_empty() => {
+            return Err(src.invalid(
+                m.span().start,
+                format!("{section}.methods"),
+                format!("route \"{name}\" lists no methods"),
+            ));
+        }
+        Some(m) => m.get_ref().iter().map(|m| m.0.clone()).collect(),
+        None => vec![Method::POST],
+    };
+    Ok(Route {
+        name: RouteName::new(name),
+        methods,
+        path: path.get_ref().clone(),
+        policy: Arc::new(policy(defaults.clone(), r, section, src)?),
+    })
+}
+
+/// `raw`'s policy keys on top of `p`.
+fn policy(
+    mut p: Policy,
+    raw: &RawPolicy,
+    section: &str,
+    src: &Source,
+) -> Result<Policy, ConfigError> {
+    if let Some(v) = &raw.max_key_length {
+        let n = *v.get_ref();
+        if !(1..=4096).contains(&n) {
+            return Err(src.invalid(
+                v.span().start,
+                format!("{section}.max_key_length"),
+                format!("invalid value {n}: expected 1..=4096"),
+            ));
+        }
+        p.max_key_length = n as usize;
+    }
+    if let Some(v) = &raw.header {
+        p.header = v.0.clone();
+    }
+    if let Some(v) = raw.key {
+        p.key = v;
+    }
+    if let Some(v) = raw.ttl {
+        p.ttl = v.0;
+    }
+    if let Some(v) = raw.lease {
+        p.lease = v.0;
+    }
+    if let Some(v) = raw.max_request_body {
+        p.max_request_body = v.0;
+    }
+    if let Some(v) = raw.max_response_body {
+        p.max_response_body = v.0;
+    }
+    if let Some(v) = &raw.scope_headers {
+        p.scope_headers = sorted_unique(v);
+    }
+    if let Some(v) = &raw.fingerprint_headers {
+        p.fingerprint_headers = sorted_unique(v);
+    }
+    if let Some(v) = raw.concurrent {
+        p.concurrent = v;
+    }
+    if let Some(v) = raw.wait_timeout {
+        p.wait_timeout = v.0;
+    }
+    if let Some(v) = &raw.release_statuses {
+        p.release_statuses = v.iter().map(|s| s.0).collect();
+    }
+    if let Some(v) = raw.unknown_outcome {
+        p.unknown_outcome = v;
+    }
+    if let Some(v) = raw.fingerprint_body {
+        p.fingerprint_body = v;
+    }
+    if let Some(v) = raw.mode {
+        p.mode = v;
+    }
+    if let Some(v) = raw.on_store_error {
+        p.on_store_error = v;
+    }
+    if let Some(v) = &raw.replayed_header {
+        p.replayed_header = v.0.clone();
+    }
+    Ok(p)
+}
+
+fn sorted_unique(headers: &[ConfHeader]) -> Vec<HeaderName> {
+    let mut v: Vec<HeaderName> = headers.iter().map(|h| h.0.clone()).collect();
+    v.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    v.dedup();
+    v
+}

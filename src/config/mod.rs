@@ -1,0 +1,340 @@
+//! Configuration: the TOML file (plus command-line overrides) turned into a typed, checked [`Config`].
+//!
+//! Every value that can be wrong is parsed while the file is read, so a typo
+//! fails at load time with the file, the line and column, and the key. The
+//! rooms: `grammar` (durations, sizes and other values), `raw` (the file as
+//! written), `build` (the checks that turn it into a `Config`); the route
+//! policy itself is [`crate::policy`].
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::routes::RouteTable;
+
+mod build;
+mod grammar;
+mod raw;
+
+pub use grammar::{ByteSize, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
+
+/// A configuration problem, ready to print: it names the file, the place and the key,
+/// or the flag the value came from.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read configuration file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A value in the file is wrong.
+    #[error("{file}:{line}:{column}: {key}: {message}")]
+    Invalid {
+        file: String,
+        line: usize,
+        column: usize,
+        key: String,
+        message: String,
+    },
+    /// The text is not TOML: there is a place but no key to name.
+    #[error("{file}:{line}:{column}: {message}")]
+    Syntax {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    /// A required value is absent, so there is no place in the file to point at.
+    #[error("{file}: {key}: {message}")]
+    Missing {
+        file: String,
+        key: String,
+        message: String,
+    },
+    /// A value given on the command line or in the environment is wrong.
+    #[error("{} ({}): {message}", flag.name, flag.env)]
+    Override { flag: Flag, message: String },
+}
+
+/// A command-line flag and the environment variable that stands in for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flag {
+    pub name: &'static str,
+    pub env: &'static str,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Where the configuration came from, for messages ("<no config file>" when no file was given).
+    pub source: String,
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub routes: Arc<RouteTable>,
+}
+
+/// Values given on the command line or in the environment; they win over the file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub listen: Option<String>,
+    pub upstream: Option<String>,
+    pub redis_url: Option<String>,
+}
+
+impl Overrides {
+    pub const LISTEN: Flag = Flag {
+        name: "--listen",
+        env: "IDEMPROXY_LISTEN",
+    };
+    pub const UPSTREAM: Flag = Flag {
+        name: "--upstream",
+        env: "IDEMPROXY_UPSTREAM",
+    };
+    pub const REDIS_URL: Flag = Flag {
+        name: "--redis-url",
+        env: "IDEMPROXY_REDIS_URL",
+    };
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: String,
+    pub upstream: UpstreamUrl,
+    pub admin_listen: String,
+    pub upstream_timeout: Duration,
+    pub shutdown_grace: Duration,
+    /// Request headers must arrive within this time (slowloris defence).
+    pub header_read_timeout: Duration,
+    /// A protected request's body must arrive within this time (408 otherwise).
+    pub body_read_timeout: Duration,
+    /// Client connections open at once; beyond it new ones wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// The request line and headers together; larger → 431.
+    pub max_header_bytes: usize,
+}
+
+/// The upstream base URL, checked: `http://host[:port]` with an optional path prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamUrl {
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// A path prefix without the trailing slash (empty for none).
+    pub base_path: String,
+}
+
+impl UpstreamUrl {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let uri: http::Uri = text
+            .parse()
+            .map_err(|e| format!("invalid upstream URL \"{text}\": {e}"))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| format!("invalid upstream URL \"{text}\": expected http://host:port"))?;
+        if scheme != http::uri::Scheme::HTTP {
+            return Err(format!(
+                "invalid upstream URL \"{text}\": only http:// is supported (the upstream is normally on loopback in the same pod)"
+            ));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("invalid upstream URL \"{text}\": missing host"))?;
+        if uri.query().is_some() {
+            return Err(format!(
+                "invalid upstream URL \"{text}\": a query is not allowed"
+            ));
+        }
+        let base_path = uri.path().trim_end_matches('/').to_string();
+        Ok(UpstreamUrl {
+            scheme,
+            authority,
+            base_path,
+        })
+    }
+}
+
+impl fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}{}", self.scheme, self.authority, self.base_path)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreConfig {
+    pub backend: Backend,
+    pub url: String,
+    pub key_prefix: String,
+    pub op_timeout: Duration,
+    pub password_file: Option<PathBuf>,
+    pub mode: RedisMode,
+    pub nodes: Vec<String>,
+    pub sentinels: Vec<String>,
+    pub master_name: Option<String>,
+    pub username: Option<String>,
+    pub tls_ca_file: Option<PathBuf>,
+    pub wait_replicas: u32,
+    pub wait_timeout: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Memory,
+    Redis,
+}
+
+/// The spelling the configuration file uses, for `--check` and logs.
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisMode {
+    Standalone,
+    Cluster,
+    Sentinel,
+}
+
+impl Config {
+    /// Reads and checks a configuration file (or none: defaults plus overrides).
+    pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
+        match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                Config::from_toml(&text, &path.display().to_string(), overrides)
+            }
+            None => Config::from_toml("", "<no config file>", overrides),
+        }
+    }
+
+    /// Parses configuration text; `file` names it in error messages.
+    pub fn from_toml(text: &str, file: &str, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let source = Source { file, text };
+        let raw = toml::from_str(text).map_err(|e| source.toml_error(&e))?;
+        build::build(raw, &source, overrides)
+    }
+}
+
+/// The configuration text and its name: turns the parser's byte spans into messages.
+struct Source<'a> {
+    file: &'a str,
+    text: &'a str,
+}
+
+/// Where a value that can be wrong came from.
+enum Origin {
+    /// The value's span in the file.
+    File(Range<usize>),
+    Flag(Flag),
+    /// Not given: the built-in default (which is valid).
+    Default,
+}
+
+impl Source<'_> {
+    /// An error from toml itself, at its own span; the key is the parser's, when the text is TOML.
+    fn toml_error(&self, e: &toml::de::Error) -> ConfigError {
+        let offset = e.span().map_or(0, |s| s.start);
+        let message = e.message().trim_end().to_string();
+        match raw::key_at(self.text, offset) {
+            Some(key) => self.invalid(offset, key, message),
+            None => {
+                let (line, column) = line_column(self.text, offset);
+                ConfigError::Syntax {
+                    file: self.file.to_string(),
+                    line,
+                    column,
+                    message,
+                }
+            }
+        }
+    }
+
+    /// An error at a byte offset of the file about `key`.
+    fn invalid(
+        &self,
+        offset: usize,
+        key: impl Into<String>,
+        message: impl Into<String>,
+    ) -> ConfigError {
+        let (line, column) = line_column(self.text, offset);
+        ConfigError::Invalid {
+            file: self.file.to_string(),
+            line,
+            column,
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    /// An error about a whole `key = value` entry: at the key, where the parser found it
+    /// (the value's span when the key cannot be found, e.g. inside an inline table).
+    fn entry(&self, value: &Range<usize>, key: &str, message: impl Into<String>) -> ConfigError {
+        let offset = raw::key_start(self.text, key).unwrap_or(value.start);
+        self.invalid(offset, key, message)
+    }
+
+    /// An error about an entry given in the file or by a flag.
+    fn given(&self, origin: &Origin, key: &str, message: impl Into<String>) -> ConfigError {
+        match origin {
+            Origin::File(span) => self.entry(span, key, message),
+            Origin::Flag(flag) => ConfigError::Override {
+                flag: *flag,
+                message: message.into(),
+            },
+            Origin::Default => self.missing(key, message),
+        }
+    }
+
+    fn missing(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError::Missing {
+            file: self.file.to_string(),
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The 1-based line and column of a byte offset, the column in characters as
+/// an editor counts them. A `\r` before the `\n` of a CRLF line ends the line
+/// and is never before a column on it; an offset inside a character (which the
+/// parser never gives) counts as that character.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let before = &text[..offset];
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line = before.matches('\n').count() + 1;
+    let column = before[line_start..].chars().count() + 1;
+    (line, column)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::line_column;
+
+    #[test]
+    fn columns_count_characters_and_crlf_lines_count_once() {
+        let text = "a = 1\r\n# café ☕\r\nbad";
+        let offset = text.find("bad").unwrap();
+        assert_eq!(line_column(text, offset), (3, 1));
+        let cup = text.find('☕').unwrap();
+        assert_eq!(line_column(text, cup), (2, 8));
+        assert_eq!(line_column(text, cup + 1), (2, 8), "inside a character");
+        assert_eq!(line_column(text, text.len() + 10), (3, 4), "past the end");
+    }
+}

@@ -1,0 +1,129 @@
+//! The route policy: what a protected route does. Configuration builds it; the request path reads it.
+//!
+//! This vocabulary belongs to neither side: `config` turns the file into
+//! policies, `routes`, `key` and `proxy` act on them, and none of those needs
+//! the others to name a mode. The enums derive `Deserialize` (their TOML
+//! spelling is their lower-case name) because serde is not configuration.
+
+use std::fmt;
+use std::time::Duration;
+
+use http::HeaderName;
+use serde::Deserialize;
+
+/// What a protected route does; every field has a value (from the route or `[defaults]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    pub header: HeaderName,
+    pub key: KeyMode,
+    pub ttl: Duration,
+    pub lease: Duration,
+    pub max_key_length: usize,
+    pub max_request_body: u64,
+    pub max_response_body: u64,
+    /// Sorted by name, so the scope hash does not depend on the order written.
+    pub scope_headers: Vec<HeaderName>,
+    /// Sorted by name, for the same reason.
+    pub fingerprint_headers: Vec<HeaderName>,
+    pub concurrent: Concurrent,
+    pub wait_timeout: Duration,
+    pub release_statuses: Vec<u16>,
+    pub unknown_outcome: UnknownOutcome,
+    pub fingerprint_body: FingerprintBody,
+    pub mode: Mode,
+    pub on_store_error: OnStoreError,
+    pub replayed_header: HeaderName,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            header: HeaderName::from_static("idempotency-key"),
+            key: KeyMode::Required,
+            ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            max_key_length: 255,
+            max_request_body: 1 << 20,
+            max_response_body: 8 << 20,
+            scope_headers: vec![http::header::AUTHORIZATION],
+            fingerprint_headers: Vec::new(),
+            concurrent: Concurrent::Reject,
+            wait_timeout: Duration::from_secs(10),
+            release_statuses: vec![429, 503],
+            unknown_outcome: UnknownOutcome::Store,
+            fingerprint_body: FingerprintBody::Raw,
+            mode: Mode::Enforce,
+            on_store_error: OnStoreError::Reject,
+            replayed_header: HeaderName::from_static("idempotent-replayed"),
+        }
+    }
+}
+
+/// Is a request without a key refused (400) or forwarded unprotected?
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyMode {
+    Required,
+    Optional,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Concurrent {
+    /// A duplicate of an in-flight request gets 409 with `Retry-After`.
+    Reject,
+    /// A duplicate waits (up to `wait_timeout`) for the first to finish and gets its replay.
+    Wait,
+}
+
+/// What an upstream timeout or reset leaves behind: the stored 504/502, or a released key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnknownOutcome {
+    Store,
+    Release,
+}
+
+/// How the body enters the fingerprint: its bytes, or its JSON value (keys sorted, spaces ignored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FingerprintBody {
+    Raw,
+    Json,
+}
+
+/// `shadow` forwards everything and only counts what enforcing would have done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Enforce,
+    Shadow,
+}
+
+/// When the store cannot answer: refuse (503), or forward unprotected (counted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    Reject,
+    Pass,
+}
+
+/// The spelling the configuration file uses, for `--check` and messages.
+impl fmt::Display for KeyMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KeyMode::Required => "required",
+            KeyMode::Optional => "optional",
+        })
+    }
+}
+
+/// The spelling the configuration file uses, for `--check` and messages.
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        })
+    }
+}
