@@ -73,45 +73,91 @@ impl http_body::Body for Body {
 
 /// A body read up to a limit.
 #[derive(Debug)]
-pub enum Capped<B> {
+pub enum Capped<B: http_body::Body> {
     Whole(Bytes),
-    /// Over the limit: what was read, and the rest still to come.
-    TooLarge(Bytes, B),
+    /// Stopped before the end: what was read, the rest still to come, and why.
+    /// (Shadow mode forwards the two as they came.)
+    Partial(Bytes, B, Cut<B::Error>),
 }
 
-/// Reads a body into memory, refusing more than `limit` bytes: the declared
-/// length is checked before anything is read, the bytes counted as they come.
-/// Trailers are skipped: they are part of neither the fingerprint nor the record.
-pub async fn read_capped<B>(mut body: B, limit: u64) -> Result<Capped<B>, B::Error>
+/// Why a body was not read to its end.
+#[derive(Debug)]
+pub enum Cut<E> {
+    /// Over the limit (declared, or counted as it came).
+    TooLarge,
+    /// The deadline passed.
+    Late,
+    /// The body itself failed (a client gone, bad chunking).
+    Failed(E),
+}
+
+/// Reads a body into memory, refusing more than `limit` bytes and waiting no
+/// later than `deadline`: the declared length is checked before anything is
+/// read, the bytes counted as they come. Trailers are skipped: they are part
+/// of neither the fingerprint nor the record.
+pub async fn read_capped<B>(
+    mut body: B,
+    limit: u64,
+    deadline: Option<tokio::time::Instant>,
+) -> Capped<B>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
 {
     if body.size_hint().lower() > limit {
-        return Ok(Capped::TooLarge(Bytes::new(), body));
+        return Capped::Partial(Bytes::new(), body, Cut::TooLarge);
     }
-    // A body in one frame (the common case) is kept as it came, without a copy.
-    let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
-    let mut total: u64 = 0;
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
-            continue;
+    let mut read = Collected::default();
+    loop {
+        let frame = match deadline {
+            None => body.frame().await,
+            Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) => return Capped::Partial(read.take(), body, Cut::Late),
+            },
         };
-        total += data.len() as u64;
-        match first.take() {
-            None if buf.is_empty() => first = Some(data),
-            Some(f) => {
-                buf.extend_from_slice(&f);
-                buf.extend_from_slice(&data);
-            }
-            None => buf.extend_from_slice(&data),
-        }
-        if total > limit {
-            let read = first.take().unwrap_or_else(|| buf.split().freeze());
-            return Ok(Capped::TooLarge(read, body));
+        let data = match frame {
+            None => return Capped::Whole(read.take()),
+            Some(Err(e)) => return Capped::Partial(read.take(), body, Cut::Failed(e)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue,
+            },
+        };
+        if read.push(data) > limit {
+            return Capped::Partial(read.take(), body, Cut::TooLarge);
         }
     }
-    Ok(Capped::Whole(first.unwrap_or_else(|| buf.freeze())))
+}
+
+/// Bytes read so far. A body in one frame (the common case) is kept as it
+/// came, without a copy.
+#[derive(Default)]
+struct Collected {
+    first: Option<Bytes>,
+    buf: BytesMut,
+    total: u64,
+}
+
+impl Collected {
+    /// Adds a frame; returns the total so far.
+    fn push(&mut self, data: Bytes) -> u64 {
+        self.total += data.len() as u64;
+        match self.first.take() {
+            None if self.buf.is_empty() => self.first = Some(data),
+            Some(f) => {
+                self.buf.extend_from_slice(&f);
+                self.buf.extend_from_slice(&data);
+            }
+            None => self.buf.extend_from_slice(&data),
+        }
+        self.total
+    }
+
+    fn take(&mut self) -> Bytes {
+        self.first
+            .take()
+            .unwrap_or_else(|| self.buf.split().freeze())
+    }
 }
 
 #[cfg(test)]
@@ -120,6 +166,7 @@ mod tests {
     use std::collections::VecDeque;
 
     /// Data frames served one by one, with the exact length declared or not.
+    #[derive(Debug)]
     struct Frames {
         frames: VecDeque<Bytes>,
         declared: Option<u64>,
@@ -155,8 +202,7 @@ mod tests {
     }
 
     async fn read(parts: &[&'static [u8]], declared: Option<u64>, limit: u64) -> Capped<Frames> {
-        let Ok(c) = read_capped(Frames::new(parts, declared), limit).await;
-        c
+        read_capped(Frames::new(parts, declared), limit, None).await
     }
 
     #[tokio::test]
@@ -171,7 +217,7 @@ mod tests {
     async fn a_declared_length_over_the_limit_is_refused_before_reading() {
         let c = read(&[b"abcdef"], Some(6), 5).await;
         assert!(
-            matches!(c, Capped::TooLarge(read, rest) if read.is_empty() && rest.frames.len() == 1)
+            matches!(c, Capped::Partial(read, rest, Cut::TooLarge) if read.is_empty() && rest.frames.len() == 1)
         );
     }
 
@@ -179,11 +225,41 @@ mod tests {
     async fn an_undeclared_body_stops_at_the_first_frame_over_the_limit() {
         let c = read(&[b"abc", b"def", b"gh"], None, 5).await;
         match c {
-            Capped::TooLarge(read, rest) => {
+            Capped::Partial(read, rest, Cut::TooLarge) => {
                 assert_eq!(read, "abcdef");
                 assert_eq!(rest.frames, [Bytes::from_static(b"gh")]);
             }
-            Capped::Whole(_) => panic!("over the limit"),
+            other => panic!("over the limit: {other:?}"),
         }
+    }
+
+    /// A body whose second frame never comes.
+    #[derive(Debug)]
+    struct Stalled(Option<Bytes>);
+
+    impl http_body::Body for Stalled {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            match self.get_mut().0.take() {
+                Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_body_keeps_what_was_read_and_the_rest() {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        let body = Stalled(Some(Bytes::from_static(b"abc")));
+        match read_capped(body, 100, Some(deadline)).await {
+            Capped::Partial(read, _, Cut::Late) => assert_eq!(read, "abc"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(tokio::time::Instant::now(), deadline);
     }
 }

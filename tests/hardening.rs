@@ -123,3 +123,132 @@ async fn a_record_the_proxy_cannot_read_is_500_never_forwarded_or_bypassed() {
         .iter()
         .any(|l| l.contains("cannot be read") && l.contains(&store_key("k-garbage")[10..])));
 }
+
+/// An upstream of raw bytes: counts request heads as they arrive, reads each
+/// body by its Content-Length, keeps it, and answers with `answer` as given.
+struct RawUpstream {
+    url: String,
+    heads: tokio::sync::watch::Receiver<usize>,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl RawUpstream {
+    async fn start(answer: &'static [u8]) -> RawUpstream {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, heads) = tokio::sync::watch::channel(0usize);
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (tx, kept) = (tx.clone(), kept.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    tx.send_modify(|n| *n += 1);
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap_or(0));
+                    while buf.len() < head_end + len {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    kept.lock()
+                        .unwrap()
+                        .push(buf[head_end..head_end + len].to_vec());
+                    let _ = s.write_all(answer).await;
+                    let _ = s.shutdown().await;
+                });
+            }
+        });
+        RawUpstream { url, heads, bodies }
+    }
+}
+
+const FRESH_WITH_REPLAY_HEADER: &[u8] = b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\nIdempotent-Replayed: true\r\nConnection: close\r\n\r\nok";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_own_replay_header_never_marks_a_fresh_answer() {
+    let upstream = RawUpstream::start(FRESH_WITH_REPLAY_HEADER).await;
+    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+    let proxy = Proxy::start(&config_text(&upstream.url, "", routes)).await;
+    let url = proxy.url("/v1/payments");
+    let fresh = Call::post(&url).key("k-own-header").body("x").await;
+    assert_eq!(fresh.status, 201);
+    assert_eq!(fresh.header("idempotent-replayed"), None, "a fresh answer");
+    let again = Call::post(&url).key("k-own-header").body("x").await;
+    assert!(again.is_replay());
+    assert_eq!(again.body, "ok");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_uuid_request_id_goes_upstream_unchanged_and_is_logged_beside_ours() {
+    let upstream = TestUpstream::start().await;
+    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+    let proxy = Proxy::start(&config_text(&upstream.url(), "", routes)).await;
+    let r = Call::post(&proxy.url("/v1/payments"))
+        .key("k-rid")
+        .header("x-request-id", "order-42/attempt-1")
+        .body("x")
+        .await;
+    assert_eq!(r.status, 201);
+    assert_eq!(
+        upstream.seen()[0].headers["x-request-id"],
+        "order-42/attempt-1"
+    );
+    let line = proxy.wait_log("order-42/attempt-1").await;
+    assert_eq!(line["client_request_id"], "order-42/attempt-1", "{line}");
+    let ours = line["request_id"].as_str().unwrap_or_default();
+    assert!(uuid::Uuid::parse_str(ours).is_ok(), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\ndone",
+    )
+    .await;
+    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nmode = \"shadow\"\n";
+    let config = config_with(&upstream.url, "body_read_timeout = \"300ms\"", "", routes);
+    let proxy = Proxy::start(&config).await;
+    let addr = proxy
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = "POST /v1/payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-slow\r\nContent-Length: 10\r\nConnection: close\r\n\r\n12345";
+    client.write_all(head.as_bytes()).await.unwrap();
+    // The proxy gives up reading after 300 ms and, in shadow mode, forwards what it has...
+    let forwarded = upstream.heads.wait_for(|n| *n >= 1);
+    tokio::time::timeout(DEADLINE, forwarded)
+        .await
+        .expect("forwarded")
+        .unwrap();
+    // ...and the rest as it comes.
+    client.write_all(b"67890").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(DEADLINE, client.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("done"), "{answer}");
+    assert_eq!(upstream.bodies.lock().unwrap()[0], b"1234567890");
+}

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use super::verdict::storable_headers;
 use crate::app::App;
-use crate::body::{read_capped, Body, Capped};
+use crate::body::{read_capped, Body, Capped, Cut};
 use crate::metrics::Outcome;
 use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::Problem;
@@ -97,7 +97,7 @@ impl Job {
     pub async fn run(&mut self, request: Request<Body>) -> (Response<Body>, Outcome) {
         match self.holding_lease(self.exchange(request)).await {
             Ok((parts, Capped::Whole(body))) => self.answered(parts, body).await,
-            Ok((parts, Capped::TooLarge(read, rest))) => {
+            Ok((parts, Capped::Partial(read, rest, _))) => {
                 self.too_large(&parts).await;
                 let resp = Response::from_parts(parts, Body::Prefixed(Some(read), rest));
                 (resp, Outcome::Forwarded)
@@ -128,11 +128,15 @@ impl Job {
             let sent = Instant::now();
             let resp = app.upstream.send(request).await?;
             app.metrics.upstream(sent.elapsed());
-            let (parts, body) = resp.into_parts();
-            let body = read_capped(body, self.policy.max_response_body)
-                .await
-                .map_err(|e| UpstreamError::Exchange(format!("response body cut off: {e}")))?;
-            Ok((parts, body))
+            let (mut parts, body) = resp.into_parts();
+            // Only replays carry the replay header: an upstream's own is not relayed (§7).
+            parts.headers.remove(&self.policy.replayed_header);
+            match read_capped(body, self.policy.max_response_body, None).await {
+                Capped::Partial(_, _, Cut::Failed(e)) => Err(UpstreamError::Exchange(format!(
+                    "response body cut off: {e}"
+                ))),
+                body => Ok((parts, body)),
+            }
         };
         let timeout = app.upstream.timeout;
         tokio::select! {
@@ -155,7 +159,8 @@ impl Job {
         (Response::from_parts(parts, Body::full(body)), outcome)
     }
 
-    /// An answer too large to keep: relayed, and a record that says the operation happened.
+    /// An answer too large to keep (whole in the upstream's time, but over
+    /// `max_response_body`): relayed, and a record that says the operation happened.
     async fn too_large(&mut self, parts: &Parts) {
         warn!(
             request_id = %self.request_id,

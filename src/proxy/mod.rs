@@ -22,7 +22,7 @@ use uuid::Uuid;
 use self::job::{Claim, Job};
 use self::verdict::{replay, Verdict};
 use crate::app::App;
-use crate::body::{read_capped, Body, Capped};
+use crate::body::{read_capped, Body, Capped, Cut};
 use crate::key::{self, KeyError};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
@@ -81,10 +81,11 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
     let start = Instant::now();
     app.metrics.inflight.inc();
     let _inflight = InflightGuard(&app);
+    let (request_id, client_request_id) = request_ids(req.headers());
     let ctx = Ctx {
         app: &app,
         peer,
-        request_id: request_id(req.headers()),
+        request_id,
     };
     let method = req.method().clone();
     // A cheap clone (shared bytes), kept for the log line.
@@ -110,20 +111,27 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
         status = handled.response.status().as_u16(),
         duration_ms = start.elapsed().as_secs_f64() * 1000.0,
         record_id = handled.record_id.as_deref(),
+        client_request_id,
         "request"
     );
     handled.response
 }
 
-/// An incoming `X-Request-Id` that is a UUID names the request; otherwise we make one.
-/// (It is sent upstream only on protected routes: pass-through changes nothing
-/// but the X-Forwarded-* headers.)
-fn request_id(headers: &HeaderMap) -> Uuid {
-    headers
-        .get(X_REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| Uuid::parse_str(v).ok())
-        .unwrap_or_else(Uuid::new_v4)
+/// An incoming `X-Request-Id` that is a UUID names the request; otherwise we
+/// make one, and an incoming id of another form is logged beside it as
+/// `client_request_id` (it is forwarded unchanged either way, §8). Ours is sent
+/// upstream only on protected routes, and only when the client sent none.
+fn request_ids(headers: &HeaderMap) -> (Uuid, Option<String>) {
+    let Some(given) = headers.get(X_REQUEST_ID) else {
+        return (Uuid::new_v4(), None);
+    };
+    match given.to_str().map(Uuid::parse_str) {
+        Ok(Ok(id)) => (id, None),
+        _ => {
+            let shown = String::from_utf8_lossy(given.as_bytes()).into_owned();
+            (Uuid::new_v4(), Some(shown))
+        }
+    }
 }
 
 /// Forwards without protection, streaming both ways.
@@ -149,10 +157,9 @@ async fn forward(
 
 /// Why a protected request left the protected path before it was forwarded.
 enum Stop {
-    /// Enforcement answers with this problem; shadow mode forwards the request.
+    /// Enforcement answers with this problem; shadow mode forwards the request
+    /// as it came, as if the proxy were absent (§8).
     Refuse(Problem),
-    /// The request cannot be forwarded either (its body was lost): answered in any mode.
-    Broken(Problem),
     /// The stored answer of the same request (boxed: it is the large one).
     Replay(Box<Finished>),
     /// Forwarded without protection (an optional route without a key).
@@ -239,7 +246,6 @@ async fn enforce(
 async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Handled {
     let policy = &route.policy;
     let mut handled = match stop {
-        Stop::Broken(p) => ctx.problem(&p),
         stop if policy.mode == Mode::Shadow => {
             if let Some(would_be) = stop.shadow_outcome() {
                 ctx.app.metrics.shadow(&route.name, would_be);
@@ -298,29 +304,33 @@ fn header_display(lower: &str) -> String {
 }
 
 /// Phase 2, the body: read into memory up to the route's limit, within the
-/// body timeout. `body` is left as what would be forwarded from here on.
+/// body timeout. `body` is left as what would be forwarded from here on: all
+/// of it, or what was read and the rest (shadow mode forwards that as it came).
 async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<Bytes, Stop> {
     let Body::Stream(incoming) = std::mem::replace(body, Body::Full(None)) else {
-        return Err(Stop::Broken(Problem::BodyUnreadable));
+        return Err(Stop::Refuse(Problem::BodyUnreadable));
     };
     let after = app.body_read_timeout;
-    let read = tokio::time::timeout(after, read_capped(incoming, policy.max_request_body));
-    match read.await {
-        Err(_) => Err(Stop::Broken(Problem::BodyTimeout { after })),
-        Ok(Ok(Capped::Whole(bytes))) => {
-            *body = Body::full(bytes.clone());
-            Ok(bytes)
-        }
-        Ok(Ok(Capped::TooLarge(read, rest))) => {
-            *body = Body::Prefixed(Some(read), rest);
-            let limit = policy.max_request_body;
-            Err(Stop::Refuse(Problem::BodyTooLarge { limit }))
-        }
-        Ok(Err(e)) => {
+    let deadline = tokio::time::Instant::now() + after;
+    let (read, rest, cut) =
+        match read_capped(incoming, policy.max_request_body, Some(deadline)).await {
+            Capped::Whole(bytes) => {
+                *body = Body::full(bytes.clone());
+                return Ok(bytes);
+            }
+            Capped::Partial(read, rest, cut) => (read, rest, cut),
+        };
+    *body = Body::Prefixed(Some(read), rest);
+    Err(Stop::Refuse(match cut {
+        Cut::TooLarge => Problem::BodyTooLarge {
+            limit: policy.max_request_body,
+        },
+        Cut::Late => Problem::BodyTimeout { after },
+        Cut::Failed(e) => {
             warn!(error = %e, "request body could not be read");
-            Err(Stop::Broken(Problem::BodyUnreadable))
+            Problem::BodyUnreadable
         }
-    }
+    }))
 }
 
 /// Phase 3: what identifies the operation (the fingerprint) and whose it is (the record id).
