@@ -179,11 +179,9 @@ pub fn fingerprint(
     h.finalize().into()
 }
 
-/// Canonical JSON: object keys sorted, no insignificant whitespace. `None` when the body is not JSON.
+/// Canonical JSON (see [`crate::canonical_json`]). `None` when the body must be fingerprinted as raw bytes.
 fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    // serde_json's map is ordered by key unless `preserve_order` is enabled (it is not).
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    serde_json::to_vec(&value).ok()
+    crate::canonical_json::canonicalize(body)
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ on_both_backends!(
     hop_by_hop_headers_are_not_relayed_or_stored,
     key_is_forwarded_and_forwarding_headers_added,
     problems_are_rfc9457,
+    json_fingerprint_is_exact,
 );
 
 async fn first_request_is_forwarded_and_relayed(backend: Backend) {
@@ -586,4 +587,55 @@ async fn settle_logs(proxy: &Proxy, request_id: &str) {
     assert_eq!(found["outcome"], "missing_key");
     assert_eq!(found["status"], 400);
     assert_eq!(found["route"], "payments");
+}
+
+/// `fingerprint_body = "json"` merges only reformatted bodies: a duplicate member, an integer
+/// beyond 64 bits or a decimal beyond double precision is another request (issue 10, fault 2).
+async fn json_fingerprint_is_exact(backend: Backend) {
+    let env = Env::with_routes(
+        backend,
+        r#"
+[[routes]]
+name = "json"
+path = "/v1/json"
+fingerprint_body = "json"
+"#,
+    )
+    .await;
+    let post = |key: &str, body: &str| {
+        Call::post(&env.url("/v1/json"))
+            .key(key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+    };
+    let first = post("k-dup", r#"{"amount":1000,"currency":"EUR"}"#).await;
+    assert_eq!(first.status, 201);
+    let dup = post("k-dup", r#"{"amount":1,"amount":1000,"currency":"EUR"}"#).await;
+    assert_eq!(dup.status, 422, "a duplicate member is another request");
+    assert_eq!(dup.json()["type"], "idempotency-key-reused");
+    let same = post(
+        "k-dup",
+        "{ \"currency\" : \"\\u0045UR\",\n  \"\\u0061mount\": 1000 }",
+    )
+    .await;
+    assert!(
+        same.is_replay(),
+        "reformatted, reordered and escaped: the same request"
+    );
+    assert_eq!(same.body, first.body);
+
+    for (key, a, b) in [
+        ("k-big", "100000000000000000000", "100000000000000000001"),
+        ("k-dec", "0.3", "0.30000000000000000001"),
+        ("k-text", "1", "1.0"),
+    ] {
+        let first = post(key, &format!(r#"{{"amount":{a}}}"#)).await;
+        assert_eq!(first.status, 201, "{key}");
+        let other = post(key, &format!(r#"{{"amount":{b}}}"#)).await;
+        assert_eq!(other.status, 422, "{a} and {b} are different amounts");
+        assert!(post(key, &format!(r#"{{ "amount" : {a} }}"#))
+            .await
+            .is_replay());
+    }
+    assert_eq!(env.upstream.hits(), 4);
 }
