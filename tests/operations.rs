@@ -218,8 +218,8 @@ async fn admin_api_inspects_and_deletes_records(backend: Backend) {
     assert!(v["age_seconds"].as_u64().unwrap() < 60);
     let expires = v["expires_in_seconds"].as_u64().unwrap();
     assert!(expires > 86_000 && expires <= 86_400, "{expires}");
-    // The id is the one in the request's log line.
-    assert!(p.logs().iter().any(|l| l.contains(&id)));
+    // The id is the one in the request's log line (read from the process's stderr: wait for it).
+    p.wait_log(&id).await;
 
     // Another principal's scope is another record.
     let other = admin(
