@@ -44,6 +44,7 @@ impl App {
         let upstream = Upstream::new(
             config.server.upstream.clone(),
             config.server.upstream_timeout,
+            config.server.upstream_idle_timeout,
         );
         Ok(Arc::new(App {
             routes: RwLock::new(config.routes.clone()),
@@ -88,13 +89,14 @@ impl App {
         if s.0.upstream != s.1.upstream {
             restart_needed.push("server.upstream");
         }
-        if s.0.upstream_timeout != s.1.upstream_timeout
-            || s.0.shutdown_grace != s.1.shutdown_grace
-            || s.0.header_read_timeout != s.1.header_read_timeout
-            || s.0.body_read_timeout != s.1.body_read_timeout
-            || s.0.max_connections != s.1.max_connections
-            || s.0.max_header_bytes != s.1.max_header_bytes
-        {
+        // Everything else in [server]: timeouts and limits.
+        let same_but_addresses = |c: &crate::config::ServerConfig| crate::config::ServerConfig {
+            listen: String::new(),
+            admin_listen: String::new(),
+            upstream: s.0.upstream.clone(),
+            ..c.clone()
+        };
+        if same_but_addresses(s.0) != same_but_addresses(s.1) {
             restart_needed.push("server timeouts and limits");
         }
         if old.store != new.store {

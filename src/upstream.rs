@@ -76,13 +76,13 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn new(base: config::UpstreamUrl, timeout: Duration) -> Self {
+    pub fn new(base: config::UpstreamUrl, timeout: Duration, idle_timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(5))));
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_idle_timeout(idle_timeout)
             .pool_max_idle_per_host(1024)
             .build(connector);
         Upstream {

@@ -61,6 +61,12 @@ impl Given {
     }
 }
 
+/// `[server] max_buffered` by default: with the rest of the process it fits
+/// the shipped manifest's 128Mi container limit.
+const DEFAULT_MAX_BUFFERED: u64 = 64 << 20;
+/// Redis's largest value: a record body beyond it could never be stored.
+const MAX_RECORD_BODY: u64 = 512 << 20;
+
 fn duration(value: Option<HumanDuration>, default: Duration) -> Duration {
     value.map_or(default, |d| d.0)
 }
@@ -104,6 +110,17 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
             ))
         }
     };
+    let max_buffered = match &raw.max_buffered {
+        None => DEFAULT_MAX_BUFFERED,
+        Some(b) if b.get_ref().0 >= 1 << 20 => b.get_ref().0,
+        Some(b) => {
+            return Err(src.invalid(
+                b.span().start,
+                "server.max_buffered",
+                format!("invalid value {}: expected at least 1MiB", b.get_ref().0),
+            ))
+        }
+    };
     Ok(ServerConfig {
         listen: listen.value,
         upstream: upstream_url,
@@ -114,6 +131,10 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         body_read_timeout: duration(raw.body_read_timeout, Duration::from_secs(30)),
         max_connections,
         max_header_bytes,
+        max_buffered,
+        client_write_timeout: duration(raw.client_write_timeout, Duration::from_secs(30)),
+        idle_timeout: duration(raw.idle_timeout, Duration::from_secs(60)),
+        upstream_idle_timeout: duration(raw.upstream_idle_timeout, Duration::from_secs(1)),
     })
 }
 
@@ -176,6 +197,7 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
         tls_ca_file: s.tls_ca_file,
         wait_replicas: s.wait_replicas.unwrap_or(0),
         wait_timeout: duration(s.wait_timeout, Duration::from_millis(50)),
+        memory_limit: s.memory_limit.map_or(256 << 20, |b| b.0),
     })
 }
 
@@ -325,11 +347,21 @@ fn policy(
     if let Some(v) = raw.lease {
         p.lease = v.0;
     }
-    if let Some(v) = raw.max_request_body {
-        p.max_request_body = v.0;
+    if let Some(v) = &raw.max_request_body {
+        p.max_request_body = v.get_ref().0;
     }
-    if let Some(v) = raw.max_response_body {
-        p.max_response_body = v.0;
+    if let Some(v) = &raw.max_response_body {
+        if v.get_ref().0 > MAX_RECORD_BODY {
+            return Err(src.invalid(
+                v.span().start,
+                format!("{section}.max_response_body"),
+                format!(
+                    "invalid value {}: at most 512MiB (a Redis value holds no more)",
+                    v.get_ref().0
+                ),
+            ));
+        }
+        p.max_response_body = v.get_ref().0;
     }
     if let Some(v) = &raw.scope_headers {
         p.scope_headers = sorted_unique(v);

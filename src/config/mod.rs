@@ -114,6 +114,17 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// The request line and headers together; larger → 431.
     pub max_header_bytes: usize,
+    /// Bytes held at once for protected request bodies, responses being
+    /// recorded and replays being written (§8); beyond it, 503 `proxy-busy`.
+    pub max_buffered: u64,
+    /// A client that accepts no bytes of an answer for this long is disconnected.
+    pub client_write_timeout: Duration,
+    /// Idle keep-alive client connections are closed after this.
+    pub idle_timeout: Duration,
+    /// Idle upstream connections are closed after this: under the keep-alive
+    /// timeout of common application servers, so that a request is not
+    /// written onto a connection the upstream is closing.
+    pub upstream_idle_timeout: Duration,
 }
 
 /// The upstream base URL, checked: `http://host[:port]` with an optional path prefix.
@@ -178,6 +189,8 @@ pub struct StoreConfig {
     pub tls_ca_file: Option<PathBuf>,
     pub wait_replicas: u32,
     pub wait_timeout: Duration,
+    /// The memory store's bound on the bytes of its records (§8).
+    pub memory_limit: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]

@@ -42,6 +42,10 @@ pub(super) struct RawServer {
     pub body_read_timeout: Option<HumanDuration>,
     pub max_connections: Option<Spanned<i64>>,
     pub max_header_bytes: Option<Spanned<ByteSize>>,
+    pub max_buffered: Option<Spanned<ByteSize>>,
+    pub client_write_timeout: Option<HumanDuration>,
+    pub idle_timeout: Option<HumanDuration>,
+    pub upstream_idle_timeout: Option<HumanDuration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -60,6 +64,7 @@ pub(super) struct RawStore {
     pub tls_ca_file: Option<PathBuf>,
     pub wait_replicas: Option<u32>,
     pub wait_timeout: Option<HumanDuration>,
+    pub memory_limit: Option<ByteSize>,
 }
 
 /// A `[[routes]]` entry or the `[defaults]` table.
@@ -76,8 +81,8 @@ pub(super) struct RawPolicy {
     pub ttl: Option<HumanDuration>,
     pub lease: Option<HumanDuration>,
     pub max_key_length: Option<Spanned<i64>>,
-    pub max_request_body: Option<ByteSize>,
-    pub max_response_body: Option<ByteSize>,
+    pub max_request_body: Option<Spanned<ByteSize>>,
+    pub max_response_body: Option<Spanned<ByteSize>>,
     pub scope_headers: Option<Vec<ConfHeader>>,
     pub fingerprint_headers: Option<Vec<ConfHeader>>,
     pub concurrent: Option<Concurrent>,
