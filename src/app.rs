@@ -7,6 +7,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::AdminToken;
+use crate::budget::Budget;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::routes::RouteTable;
@@ -19,6 +20,8 @@ pub struct App {
     pub store: Store,
     pub upstream: Upstream,
     pub metrics: Arc<Metrics>,
+    /// Bytes held for protected bodies, recorded responses and replays (`max_buffered`).
+    pub budget: Arc<Budget>,
     /// Forward-and-store tasks: they outlive a client that went away, and draining waits for them.
     pub tasks: TaskTracker,
     /// The main listener is bound and accepting.
@@ -51,6 +54,7 @@ impl App {
             store,
             upstream,
             metrics,
+            budget: Budget::new(config.server.max_buffered),
             tasks: TaskTracker::new(),
             accepting: AtomicBool::new(false),
             store_answered: AtomicBool::new(false),

@@ -9,6 +9,13 @@ use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+use crate::budget::Room;
+
+/// Buffered bytes go out in frames of at most this size: the connection asks
+/// for the next one only when it has written the last, so a client that reads
+/// slowly holds back our bytes (counted in the budget), not the connection's.
+const FRAME: usize = 64 * 1024;
+
 /// A body the proxy sends, to the client or to the upstream. An enum rather
 /// than a boxed trait object: no allocation per request.
 pub enum Body {
@@ -18,12 +25,29 @@ pub enum Body {
     Stream(Incoming),
     /// What was read before a limit was hit, then the rest of the stream.
     Prefixed(Option<Bytes>, Incoming),
+    /// A body whose bytes are counted in the memory budget until it is dropped.
+    Counted(Box<Body>, Room),
 }
 
 impl Body {
     pub fn full(bytes: impl Into<Bytes>) -> Self {
         let b = bytes.into();
         Body::Full(if b.is_empty() { None } else { Some(b) })
+    }
+
+    /// This body, its bytes held against the budget by `room` until it is dropped.
+    pub fn counted(self, room: Room) -> Self {
+        Body::Counted(Box::new(self), room)
+    }
+}
+
+/// The next frame of buffered bytes.
+fn next_frame(buffered: &mut Option<Bytes>) -> Option<Bytes> {
+    let b = buffered.as_mut()?;
+    if b.len() > FRAME {
+        Some(b.split_to(FRAME))
+    } else {
+        buffered.take()
     }
 }
 
@@ -36,12 +60,13 @@ impl http_body::Body for Body {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
-            Body::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Body::Full(b) => Poll::Ready(next_frame(b).map(|b| Ok(Frame::data(b)))),
             Body::Stream(s) => Pin::new(s).poll_frame(cx),
-            Body::Prefixed(prefix, s) => match prefix.take() {
+            Body::Prefixed(prefix, s) => match next_frame(prefix) {
                 Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
                 None => Pin::new(s).poll_frame(cx),
             },
+            Body::Counted(inner, _) => Pin::new(inner.as_mut()).poll_frame(cx),
         }
     }
 
@@ -50,6 +75,7 @@ impl http_body::Body for Body {
             Body::Full(b) => b.is_none(),
             Body::Stream(s) => s.is_end_stream(),
             Body::Prefixed(p, s) => p.is_none() && s.is_end_stream(),
+            Body::Counted(inner, _) => inner.is_end_stream(),
         }
     }
 
@@ -67,6 +93,7 @@ impl http_body::Body for Body {
                 }
                 out
             }
+            Body::Counted(inner, _) => inner.size_hint(),
         }
     }
 }
@@ -87,18 +114,21 @@ pub enum Cut<E> {
     TooLarge,
     /// The deadline passed.
     Late,
+    /// The memory budget had no room for more.
+    NoRoom,
     /// The body itself failed (a client gone, bad chunking).
     Failed(E),
 }
 
-/// Reads a body into memory, refusing more than `limit` bytes and waiting no
-/// later than `deadline`: the declared length is checked before anything is
-/// read, the bytes counted as they come. Trailers are skipped: they are part
-/// of neither the fingerprint nor the record.
+/// Reads a body into memory, refusing more than `limit` bytes, more than
+/// `room` can hold, and waiting no later than `deadline`: the declared length
+/// is checked before anything is read, the bytes counted as they come.
+/// Trailers are skipped: they are part of neither the fingerprint nor the record.
 pub async fn read_capped<B>(
     mut body: B,
     limit: u64,
     deadline: Option<tokio::time::Instant>,
+    room: &mut Room,
 ) -> Capped<B>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
@@ -123,8 +153,12 @@ where
                 Err(_) => continue,
             },
         };
-        if read.push(data) > limit {
+        let total = read.push(data);
+        if total > limit {
             return Capped::Partial(read.take(), body, Cut::TooLarge);
+        }
+        if !room.reach(total) {
+            return Capped::Partial(read.take(), body, Cut::NoRoom);
         }
     }
 }
@@ -163,6 +197,7 @@ impl Collected {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::Budget;
     use std::collections::VecDeque;
 
     /// Data frames served one by one, with the exact length declared or not.
@@ -202,7 +237,8 @@ mod tests {
     }
 
     async fn read(parts: &[&'static [u8]], declared: Option<u64>, limit: u64) -> Capped<Frames> {
-        read_capped(Frames::new(parts, declared), limit, None).await
+        let mut room = Budget::new(1 << 20).take(0).unwrap();
+        read_capped(Frames::new(parts, declared), limit, None, &mut room).await
     }
 
     #[tokio::test]
@@ -256,10 +292,41 @@ mod tests {
     async fn a_late_body_keeps_what_was_read_and_the_rest() {
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
         let body = Stalled(Some(Bytes::from_static(b"abc")));
-        match read_capped(body, 100, Some(deadline)).await {
+        let mut room = Budget::new(1 << 20).take(0).unwrap();
+        match read_capped(body, 100, Some(deadline), &mut room).await {
             Capped::Partial(read, _, Cut::Late) => assert_eq!(read, "abc"),
             other => panic!("{other:?}"),
         }
         assert_eq!(tokio::time::Instant::now(), deadline);
+    }
+
+    #[tokio::test]
+    async fn reading_stops_when_the_budget_has_no_room_and_gives_it_back_on_drop() {
+        let budget = Budget::new(5);
+        let mut room = budget.take(0).unwrap();
+        let body = Frames::new(&[b"abc", b"def"], None);
+        match read_capped(body, 100, None, &mut room).await {
+            Capped::Partial(read, rest, Cut::NoRoom) => {
+                assert_eq!(read, "abcdef");
+                assert!(rest.frames.is_empty());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(room.held(), 3, "room for what fitted");
+        let body = Body::full(Bytes::from_static(b"abc")).counted(room);
+        assert_eq!(budget.used(), 3);
+        drop(body);
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[tokio::test]
+    async fn large_buffered_bodies_go_out_in_frames() {
+        let big = Bytes::from(vec![7u8; FRAME * 2 + 1]);
+        let mut body = Body::full(big.clone());
+        let mut sizes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            sizes.push(frame.unwrap().into_data().unwrap().len());
+        }
+        assert_eq!(sizes, [FRAME, FRAME, 1]);
     }
 }

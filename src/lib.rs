@@ -19,6 +19,7 @@
 pub mod admin;
 pub mod app;
 pub mod body;
+pub mod budget;
 pub mod canonical_json;
 pub mod config;
 pub mod key;

@@ -31,6 +31,8 @@ pub enum Outcome {
     BadRequest,
     /// The record under the key could not be read (§8): answered 500, never forwarded.
     Unreadable,
+    /// No room in the memory budget (§8): answered 503 `proxy-busy`.
+    Busy,
 }
 
 impl Outcome {
@@ -51,6 +53,7 @@ impl Outcome {
             Outcome::NotStored => "not_stored",
             Outcome::BadRequest => "bad_request",
             Outcome::Unreadable => "unreadable",
+            Outcome::Busy => "busy",
         }
     }
 }

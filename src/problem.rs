@@ -56,6 +56,8 @@ pub enum Problem {
     /// The record under the key cannot be decoded (garbage, another writer, a
     /// newer format): the operation may have run, so the request is not forwarded.
     RecordUnreadable,
+    /// The memory budget (`max_buffered`) has no room for this request now.
+    ProxyBusy,
 }
 
 impl Problem {
@@ -87,6 +89,7 @@ impl Problem {
             | Problem::UpstreamTimeout { .. } => Outcome::UpstreamError,
             Problem::BodyUnreadable | Problem::BodyTimeout { .. } => Outcome::BadRequest,
             Problem::RecordUnreadable => Outcome::Unreadable,
+            Problem::ProxyBusy => Outcome::Busy,
         }
     }
 
@@ -104,6 +107,7 @@ impl Problem {
             Problem::UpstreamUnreachable | Problem::UpstreamReset { .. } => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Problem::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            Problem::ProxyBusy => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -123,6 +127,7 @@ impl Problem {
             Problem::BodyTimeout { .. } => "request-body-timeout",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
             Problem::RecordUnreadable => "record-unreadable",
+            Problem::ProxyBusy => "proxy-busy",
         }
     }
 
@@ -145,6 +150,7 @@ impl Problem {
             Problem::BodyTimeout { .. } => "Request body did not arrive in time",
             Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
             Problem::RecordUnreadable => "The record of this idempotency key cannot be read",
+            Problem::ProxyBusy => "The proxy is busy",
         }
     }
 
@@ -196,15 +202,19 @@ impl Problem {
                                           so the request was not forwarded (it may have been executed already). \
                                           The record id is in the proxy's log."
                 .to_string(),
+            Problem::ProxyBusy => "The proxy holds as many bytes as it may right now; nothing was executed. \
+                                   Retry later."
+                .to_string(),
         }
     }
 
     /// Can a client usefully send the same request again?
     pub fn retryable(&self) -> bool {
         match self {
-            Problem::Conflict { .. } | Problem::StoreUnavailable | Problem::UpstreamUnreachable => {
-                true
-            }
+            Problem::Conflict { .. }
+            | Problem::StoreUnavailable
+            | Problem::UpstreamUnreachable
+            | Problem::ProxyBusy => true,
             Problem::UpstreamReset { released } | Problem::UpstreamTimeout { released, .. } => {
                 *released
             }
@@ -215,7 +225,7 @@ impl Problem {
     fn retry_after(&self) -> Option<u64> {
         match self {
             Problem::Conflict { retry_after } => Some(retry_secs(*retry_after)),
-            Problem::StoreUnavailable => Some(1),
+            Problem::StoreUnavailable | Problem::ProxyBusy => Some(1),
             _ => None,
         }
     }

@@ -252,3 +252,109 @@ async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
     assert!(answer.ends_with("done"), "{answer}");
     assert_eq!(upstream.bodies.lock().unwrap()[0], b"1234567890");
 }
+
+/// A proxy with a 1 MiB memory budget in front of a test upstream (memory store).
+async fn budgeted() -> (TestUpstream, Proxy) {
+    let upstream = TestUpstream::start().await;
+    let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+    let config = config_with(&upstream.url(), "max_buffered = \"1MiB\"", "", routes);
+    let proxy = Proxy::start(&config).await;
+    (upstream, proxy)
+}
+
+/// Holds a protected request with a 700 KiB body at the upstream: its room stays taken.
+async fn hold_700k(
+    upstream: &TestUpstream,
+    proxy: &Proxy,
+    key: &str,
+) -> tokio::task::JoinHandle<Resp> {
+    let before = upstream.hits();
+    let held = Call::post(&proxy.url("/v1/payments"))
+        .key(key)
+        .header("x-test-hold", "1")
+        .spawn(vec![b'h'; 700 * 1024]);
+    upstream.wait_hits(before + 1).await;
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_room_in_the_budget_is_503_before_anything_is_reserved() {
+    let (upstream, proxy) = budgeted().await;
+    let url = proxy.url("/v1/payments");
+    let held = hold_700k(&upstream, &proxy, "k-held").await;
+    let r = Call::post(&url)
+        .key("k-busy")
+        .body(vec![b'b'; 500 * 1024])
+        .await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["type"], "proxy-busy");
+    assert_eq!(r.json()["retryable"], true);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(upstream.hits(), 1, "not forwarded");
+    upstream.release(1);
+    assert_eq!(held.await.unwrap().status, 201);
+    // The room came back: the same request now goes through, once (nothing was reserved before).
+    let r = Call::post(&url)
+        .key("k-busy")
+        .body(vec![b'b'; 500 * 1024])
+        .await;
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(r.json()["n"], 2);
+    let busy = metric(
+        &proxy,
+        "idemproxy_requests_total{route=\"payments\",outcome=\"busy\"}",
+    );
+    assert_eq!(busy.await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_without_room_is_relayed_whole_and_kept_without_its_body() {
+    let (upstream, proxy) = budgeted().await;
+    let url = proxy.url("/v1/payments");
+    let held = hold_700k(&upstream, &proxy, "k-held").await;
+    let big = 500 * 1024;
+    let r = Call::post(&url)
+        .key("k-big-answer")
+        .header("x-test-body-bytes", &big.to_string())
+        .body("x")
+        .await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.body, binary(big), "relayed whole");
+    upstream.release(1);
+    held.await.unwrap();
+    let retry = Call::post(&url)
+        .key("k-big-answer")
+        .header("x-test-body-bytes", &big.to_string())
+        .body("x")
+        .await;
+    assert_eq!(
+        retry.status, 410,
+        "the operation ran once; its answer was not kept"
+    );
+    assert_eq!(retry.json()["type"], "response-not-stored");
+    assert_eq!(upstream.hits(), 2, "never executed again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_without_room_is_503_and_replays_once_there_is_room() {
+    let (upstream, proxy) = budgeted().await;
+    let url = proxy.url("/v1/payments");
+    let size = 600 * 1024;
+    let call = || {
+        Call::post(&url)
+            .key("k-big-replay")
+            .header("x-test-body-bytes", &size.to_string())
+            .body("x")
+    };
+    assert_eq!(call().await.status, 201);
+    let held = hold_700k(&upstream, &proxy, "k-held").await;
+    let r = call().await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["type"], "proxy-busy");
+    upstream.release(1);
+    held.await.unwrap();
+    let r = call().await;
+    assert!(r.is_replay());
+    assert_eq!(r.body, binary(size));
+    assert_eq!(upstream.hits(), 2, "the big operation ran once");
+}

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use super::verdict::storable_headers;
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
+use crate::budget::Room;
 use crate::metrics::Outcome;
 use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::Problem;
@@ -86,21 +87,28 @@ pub struct Job {
     pub lease_until: std::sync::Mutex<tokio::time::Instant>,
     /// The finished record the store has not taken yet.
     pub unsaved: Option<Bytes>,
+    /// The request body's room in the budget, until the upstream has it.
+    pub request_room: Option<Room>,
 }
 
-/// The upstream's answer with its body read up to `max_response_body`.
-type Exchanged = (Parts, Capped<Incoming>);
+/// The upstream's answer with its body read up to `max_response_body`, and its room in the budget.
+type Exchanged = (Parts, Capped<Incoming>, Room);
 
 impl Job {
     /// Forwards, records the outcome (or releases the key), and returns the
     /// client's answer. A record the store did not take is kept for [`Job::settle`].
     pub async fn run(&mut self, request: Request<Body>) -> (Response<Body>, Outcome) {
-        match self.holding_lease(self.exchange(request)).await {
-            Ok((parts, Capped::Whole(body))) => self.answered(parts, body).await,
-            Ok((parts, Capped::Partial(read, rest, _))) => {
-                self.too_large(&parts).await;
-                let resp = Response::from_parts(parts, Body::Prefixed(Some(read), rest));
-                (resp, Outcome::Forwarded)
+        let exchanged = self.holding_lease(self.exchange(request)).await;
+        self.request_room = None;
+        match exchanged {
+            Ok((parts, Capped::Whole(body), room)) => {
+                let (resp, outcome) = self.answered(parts, body).await;
+                (resp.map(|b| b.counted(room)), outcome)
+            }
+            Ok((parts, Capped::Partial(read, rest, cut), room)) => {
+                self.not_kept(&parts, &cut).await;
+                let body = Body::Prefixed(Some(read), rest).counted(room);
+                (Response::from_parts(parts, body), Outcome::Forwarded)
             }
             Err(e) => self.failed(e).await,
         }
@@ -131,11 +139,19 @@ impl Job {
             let (mut parts, body) = resp.into_parts();
             // Only replays carry the replay header: an upstream's own is not relayed (§7).
             parts.headers.remove(&self.policy.replayed_header);
-            match read_capped(body, self.policy.max_response_body, None).await {
+            let limit = self.policy.max_response_body;
+            let declared = http_body::Body::size_hint(&body).lower();
+            let Some(mut room) = app.budget.take(if declared > limit { 0 } else { declared })
+            else {
+                // No room even for the declared length: relayed as it comes, not kept.
+                let nothing = Capped::Partial(Bytes::new(), body, Cut::NoRoom);
+                return Ok((parts, nothing, app.budget.nothing()));
+            };
+            match read_capped(body, limit, None, &mut room).await {
                 Capped::Partial(_, _, Cut::Failed(e)) => Err(UpstreamError::Exchange(format!(
                     "response body cut off: {e}"
                 ))),
-                body => Ok((parts, body)),
+                body => Ok((parts, body, room)),
             }
         };
         let timeout = app.upstream.timeout;
@@ -159,14 +175,19 @@ impl Job {
         (Response::from_parts(parts, Body::full(body)), outcome)
     }
 
-    /// An answer too large to keep (whole in the upstream's time, but over
-    /// `max_response_body`): relayed, and a record that says the operation happened.
-    async fn too_large(&mut self, parts: &Parts) {
+    /// An answer not kept — over `max_response_body`, or no room in the memory
+    /// budget — is relayed whole, and its record says the operation happened.
+    async fn not_kept(&mut self, parts: &Parts, cut: &Cut<hyper::Error>) {
+        let why = match cut {
+            Cut::NoRoom => "no room in max_buffered",
+            _ => "larger than max_response_body",
+        };
         warn!(
             request_id = %self.request_id,
             route = %self.route_name,
             limit = self.policy.max_response_body,
-            "response too large to store; retries will get 410"
+            why,
+            "response not kept; retries will get 410"
         );
         let headers = storable_headers(&parts.headers);
         self.complete(parts.status.as_u16(), headers, Bytes::new(), false)

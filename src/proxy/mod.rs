@@ -23,6 +23,7 @@ use self::job::{Claim, Job};
 use self::verdict::{replay, Verdict};
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
+use crate::budget::Room;
 use crate::key::{self, KeyError};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
@@ -229,14 +230,14 @@ async fn enforce(
 ) -> Result<Handled, (Stop, Pending)> {
     let policy = &route.policy;
     let key = phase!(read_key(&req.parts.headers, policy), req);
-    let body = phase!(read_body(ctx.app, policy, &mut req.body).await, req);
+    let (body, room) = phase!(read_body(ctx.app, policy, &mut req.body).await, req);
     let id = Identity::of(ctx.app, policy, &req.parts, &key, &body);
     req.record_id = Some(id.record_id.clone());
     let reserved = phase!(reserve(ctx, route, &id).await, req);
     let Pending {
         parts, record_id, ..
     } = req;
-    let mut handled = forward_reserved(ctx, route, id, reserved, parts, body).await;
+    let mut handled = forward_reserved(ctx, route, id, reserved, parts, (body, room)).await;
     handled.record_id = record_id;
     Ok(handled)
 }
@@ -253,7 +254,15 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Hand
             forward(ctx, req.parts, req.body, Outcome::Passthrough).await
         }
         Stop::Refuse(p) => refusal(ctx, policy, &p),
-        Stop::Replay(f) => Handled::new(replay(*f, &policy.replayed_header), Outcome::Replayed),
+        Stop::Replay(f) => match ctx.app.budget.take(f.body.len() as u64) {
+            Some(room) => {
+                let mut resp = replay(*f, &policy.replayed_header);
+                let body = std::mem::replace(resp.body_mut(), Body::Full(None));
+                *resp.body_mut() = body.counted(room);
+                Handled::new(resp, Outcome::Replayed)
+            }
+            None => ctx.problem(&Problem::ProxyBusy),
+        },
         Stop::Unprotected => forward(ctx, req.parts, req.body, Outcome::Passthrough).await,
         Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
             forward(ctx, req.parts, req.body, Outcome::StoreBypass).await
@@ -303,28 +312,35 @@ fn header_display(lower: &str) -> String {
     }
 }
 
-/// Phase 2, the body: read into memory up to the route's limit, within the
-/// body timeout. `body` is left as what would be forwarded from here on: all
-/// of it, or what was read and the rest (shadow mode forwards that as it came).
-async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<Bytes, Stop> {
+/// Phase 2, the body: read into memory up to the route's limit, with room in
+/// the memory budget (taken for the declared length at once, else as it
+/// comes), within the body timeout. `body` is left as what would be forwarded
+/// from here on: all of it, or what was read and the rest (shadow mode
+/// forwards that as it came).
+async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<(Bytes, Room), Stop> {
     let Body::Stream(incoming) = std::mem::replace(body, Body::Full(None)) else {
         return Err(Stop::Refuse(Problem::BodyUnreadable));
     };
+    let limit = policy.max_request_body;
+    let declared = http_body::Body::size_hint(&incoming).lower();
+    // Over the limit: refused (413) before any room is asked for.
+    let Some(mut room) = app.budget.take(if declared > limit { 0 } else { declared }) else {
+        *body = Body::Stream(incoming);
+        return Err(Stop::Refuse(Problem::ProxyBusy));
+    };
     let after = app.body_read_timeout;
     let deadline = tokio::time::Instant::now() + after;
-    let (read, rest, cut) =
-        match read_capped(incoming, policy.max_request_body, Some(deadline)).await {
-            Capped::Whole(bytes) => {
-                *body = Body::full(bytes.clone());
-                return Ok(bytes);
-            }
-            Capped::Partial(read, rest, cut) => (read, rest, cut),
-        };
+    let (read, rest, cut) = match read_capped(incoming, limit, Some(deadline), &mut room).await {
+        Capped::Whole(bytes) => {
+            *body = Body::full(bytes.clone());
+            return Ok((bytes, room));
+        }
+        Capped::Partial(read, rest, cut) => (read, rest, cut),
+    };
     *body = Body::Prefixed(Some(read), rest);
     Err(Stop::Refuse(match cut {
-        Cut::TooLarge => Problem::BodyTooLarge {
-            limit: policy.max_request_body,
-        },
+        Cut::TooLarge => Problem::BodyTooLarge { limit },
+        Cut::NoRoom => Problem::ProxyBusy,
         Cut::Late => Problem::BodyTimeout { after },
         Cut::Failed(e) => {
             warn!(error = %e, "request body could not be read");
@@ -463,7 +479,7 @@ async fn forward_reserved(
     id: Identity,
     reserved: Reserved,
     mut parts: http::request::Parts,
-    body: Bytes,
+    (body, room): (Bytes, Room),
 ) -> Handled {
     let app = ctx.app;
     if !parts.headers.contains_key(X_REQUEST_ID) {
@@ -488,6 +504,7 @@ async fn forward_reserved(
         request_id: ctx.request_id,
         lease_until: std::sync::Mutex::new(reserved.sent_at + route.policy.lease),
         unsaved: None,
+        request_room: Some(room),
     };
     let (tx, rx) = oneshot::channel();
     app.tasks.spawn(async move {
