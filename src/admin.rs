@@ -93,6 +93,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         "/readyz" if app.is_ready() => text(StatusCode::OK, "ready\n"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
         "/metrics" => {
+            let used = i64::try_from(app.budget.used()).unwrap_or(i64::MAX);
+            app.metrics.buffered_bytes.set(used);
             let mut r = Response::new(Body::full(app.metrics.encode()));
             r.headers_mut().insert(
                 CONTENT_TYPE,

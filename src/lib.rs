@@ -22,6 +22,7 @@ pub mod body;
 pub mod budget;
 pub mod canonical_json;
 pub mod config;
+pub mod conn;
 pub mod key;
 pub mod metrics;
 pub mod policy;

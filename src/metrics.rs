@@ -85,6 +85,8 @@ pub struct Metrics {
     lease_lost: Family<RouteLabel, Counter>,
     pub inflight: Gauge,
     pub store_up: Gauge,
+    /// The memory budget in use; set when the metrics are read.
+    pub buffered_bytes: Gauge,
 }
 
 impl Default for Metrics {
@@ -144,7 +146,15 @@ impl Metrics {
             "1 when the last store operation or health ping succeeded",
             store_up.clone(),
         );
+        let buffered_bytes = Gauge::default();
+        registry.register_with_unit(
+            "buffered",
+            "Bytes held for protected bodies, recorded responses and replays (bounded by max_buffered)",
+            Unit::Bytes,
+            buffered_bytes.clone(),
+        );
         Metrics {
+            buffered_bytes,
             registry,
             requests,
             shadow_outcomes,

@@ -16,7 +16,9 @@ use tokio::sync::Semaphore;
 use tracing::{error, info, warn};
 
 use crate::app::App;
+use crate::body::Body;
 use crate::config::Config;
+use crate::conn::{Busy, BusyGuard, Guarded};
 use crate::store::StoreSetupError;
 use crate::{admin, proxy};
 
@@ -156,10 +158,19 @@ async fn accept(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        let busy = Busy::default();
+        let (s, io) = (&config.server, busy.clone());
+        let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
         let app = app.clone();
         let service = service_fn(move |req| {
-            let app = app.clone();
-            async move { Ok::<_, Infallible>(proxy::handle(app, req, peer).await) }
+            let (app, in_progress) = (app.clone(), busy.enter());
+            async move {
+                let resp = proxy::handle(app, req, peer).await;
+                Ok::<_, Infallible>(resp.map(|body| Tracked {
+                    body,
+                    _in_progress: in_progress,
+                }))
+            }
         });
         let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
@@ -168,6 +179,33 @@ async fn accept(
         });
     }
     app.accepting.store(false, Ordering::Release);
+}
+
+/// A response body; its request counts as in progress (so its connection is
+/// not idle) until the body is done with.
+struct Tracked {
+    body: Body,
+    _in_progress: BusyGuard,
+}
+
+impl http_body::Body for Tracked {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// Draining: readiness off, open connections finish, then the forward-and-store

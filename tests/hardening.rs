@@ -358,3 +358,84 @@ async fn a_replay_without_room_is_503_and_replays_once_there_is_room() {
     assert_eq!(r.body, binary(size));
     assert_eq!(upstream.hits(), 2, "the big operation ran once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_disconnected_and_its_replay_memory_freed() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = TestUpstream::start().await;
+    let routes =
+        "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nmax_response_body = \"32MiB\"\n";
+    let config = config_with(
+        &upstream.url(),
+        "client_write_timeout = \"500ms\"",
+        "",
+        routes,
+    );
+    let proxy = Proxy::start(&config).await;
+    let size = 16 << 20;
+    let first = Call::post(&proxy.url("/v1/payments"))
+        .key("k-big")
+        .header("x-test-body-bytes", &size.to_string())
+        .body("x")
+        .await;
+    assert_eq!(first.body.len(), size);
+    // A retry from a client with a tiny receive buffer that never reads.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let addr = proxy
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let mut stalled = socket.connect(addr).await.unwrap();
+    let retry = format!("POST /v1/payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-big\r\nx-test-body-bytes: {size}\r\nContent-Length: 1\r\n\r\nx");
+    stalled.write_all(retry.as_bytes()).await.unwrap();
+    let buffered = |at_least: f64, at_most: f64| {
+        let proxy = &proxy;
+        eventually(
+            "idemproxy_buffered_bytes in range",
+            DEADLINE,
+            move || async move {
+                let v = metric(proxy, "idemproxy_buffered_bytes").await;
+                (at_least..=at_most).contains(&v).then_some(())
+            },
+        )
+    };
+    buffered((size / 2) as f64, f64::MAX).await; // the replay is held for the client...
+    buffered(0.0, 0.0).await; // ...until client_write_timeout disconnects it
+    drop(stalled);
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = TestUpstream::start().await;
+    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+    let server = "idle_timeout = \"300ms\"\nheader_read_timeout = \"30s\"";
+    let proxy = Proxy::start(&config_with(&upstream.url(), server, "", routes)).await;
+    // A request that takes longer than idle_timeout at the upstream is not cut.
+    let slow = Call::post(&proxy.url("/v1/payments"))
+        .key("k-slow")
+        .header("x-test-hold", "1")
+        .spawn("x");
+    upstream.wait_hits(1).await;
+    tokio::time::sleep(Duration::from_millis(900)).await; // time is the subject: 3 × idle_timeout
+    upstream.release(1);
+    assert_eq!(slow.await.unwrap().status, 201);
+    // A kept-alive connection with nothing to do is closed.
+    let addr = proxy
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let eof = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut got)).await;
+    assert!(eof.is_ok(), "closed after idle_timeout, not held open");
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 201"));
+}
