@@ -439,3 +439,36 @@ async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
     assert!(eof.is_ok(), "closed after idle_timeout, not held open");
     assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 201"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_memory_store_refuses_new_keys_and_keeps_every_record() {
+    let upstream = TestUpstream::start().await;
+    let store = "[store]\nbackend = \"memory\"\nmemory_limit = \"1000\"\n";
+    let proxy = Proxy::start(&config_text(&upstream.url(), store, ROUTES)).await;
+    let url = proxy.url("/v1/payments");
+    // Each finished record holds the upstream's JSON echo (several hundred bytes).
+    let mut answered = Vec::new();
+    for i in 0..50 {
+        let key = format!("k-fill-{i}");
+        let r = Call::post(&url).key(&key).body("x").await;
+        if r.status != 201 {
+            assert_eq!(r.status, 503, "{:?}", r.body);
+            assert_eq!(r.json()["type"], "store-unavailable");
+            break;
+        }
+        answered.push(key);
+    }
+    assert!(!answered.is_empty() && answered.len() < 50, "{answered:?}");
+    assert_eq!(
+        upstream.hits(),
+        answered.len(),
+        "a refused key is not forwarded, even with on_store_error = pass"
+    );
+    for key in &answered {
+        assert!(
+            Call::post(&url).key(key).body("x").await.is_replay(),
+            "{key} kept"
+        );
+    }
+    assert!(proxy.logs().iter().any(|l| l.contains("memory store full")));
+}

@@ -460,13 +460,15 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
 
 /// The store failed while reserving. The claim (still armed) releases whatever
 /// the reserve may have written. A reservation that was written but not
-/// confirmed on the replicas is never forwarded, whatever `on_store_error` says.
+/// confirmed on the replicas, or a memory store that is full, is never
+/// forwarded, whatever `on_store_error` says: the store is there, and
+/// forwarding would drop protection silently.
 fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
     warn!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "store unavailable while reserving");
     Stop::StoreDown {
         may_pass: !matches!(
             e,
-            StoreError::NotReplicated { .. } | StoreError::Unconfirmed(_)
+            StoreError::NotReplicated { .. } | StoreError::Unconfirmed(_) | StoreError::Full
         ),
     }
 }

@@ -19,6 +19,8 @@ struct Entry {
 #[derive(Default)]
 struct Map {
     entries: HashMap<String, Entry>,
+    /// Bytes of the live entries' keys and values, against `[store] memory_limit`.
+    bytes: u64,
     /// Expiry times in order, soonest first. Every write pushes one; a renewal
     /// leaves the older one behind, which is skipped when it comes up.
     expiries: BinaryHeap<Reverse<(Instant, String)>>,
@@ -28,28 +30,49 @@ struct Map {
 /// bounded, and writes outpace nothing (each write adds one entry to clear).
 const EXPIRE_PER_WRITE: usize = 4;
 
-#[derive(Default)]
 pub struct MemoryStore {
     map: Mutex<Map>,
+    /// New reservations are refused once the records hold this many bytes;
+    /// records are never evicted before their TTL (§8).
+    limit: u64,
+}
+
+fn size(key: &str, value: &Bytes) -> u64 {
+    (key.len() + value.len()) as u64
 }
 
 impl Map {
+    fn remove(&mut self, key: &str) -> bool {
+        match self.entries.remove_entry(key) {
+            Some((k, e)) => {
+                self.bytes -= size(&k, &e.value);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn live(&mut self, key: &str, now: Instant) -> Option<&mut Entry> {
         if self.entries.get(key).is_some_and(|e| e.expires <= now) {
-            self.entries.remove(key);
+            self.remove(key);
         }
         self.entries.get_mut(key)
     }
 
     fn put(&mut self, key: &str, value: Bytes, expires: Instant, now: Instant) {
-        self.expire_some(now);
+        let _ = self.expire_some(now);
         self.expiries.push(Reverse((expires, key.to_string())));
-        self.entries
-            .insert(key.to_string(), Entry { value, expires });
+        self.bytes += size(key, &value);
+        if let Some(old) = self
+            .entries
+            .insert(key.to_string(), Entry { value, expires })
+        {
+            self.bytes -= size(key, &old.value);
+        }
     }
 
     fn extend(&mut self, key: &str, expires: Instant, now: Instant) {
-        self.expire_some(now);
+        let _ = self.expire_some(now);
         if let Some(e) = self.entries.get_mut(key) {
             e.expires = expires;
             self.expiries.push(Reverse((expires, key.to_string())));
@@ -58,20 +81,22 @@ impl Map {
 
     /// Removes a few entries whose time has come, so that expired records do
     /// not pile up; no timer task and no full scan (the map may hold millions).
-    fn expire_some(&mut self, now: Instant) {
+    /// True when more may be due.
+    fn expire_some(&mut self, now: Instant) -> bool {
         for _ in 0..EXPIRE_PER_WRITE {
             match self.expiries.peek() {
                 Some(Reverse((due, _))) if *due <= now => {}
-                _ => return,
+                _ => return false,
             }
             let Some(Reverse((_, key))) = self.expiries.pop() else {
-                return;
+                return false;
             };
             // Renewed or rewritten since: its entry now expires later; keep it.
             if self.entries.get(&key).is_some_and(|e| e.expires <= now) {
-                self.entries.remove(&key);
+                self.remove(&key);
             }
         }
+        true
     }
 }
 
@@ -80,8 +105,11 @@ fn owned_processing(value: &[u8], token: Token) -> bool {
 }
 
 impl MemoryStore {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(limit: u64) -> Self {
+        MemoryStore {
+            map: Mutex::default(),
+            limit,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Map> {
@@ -106,6 +134,18 @@ impl Operations for MemoryStore {
                 value: e.value.clone(),
                 ttl: Some(e.expires - now),
             }));
+        }
+        if map.bytes + size(key, &value) > self.limit {
+            // Expired records still counted go first (each is cleared once).
+            while map.expire_some(now) {}
+        }
+        if map.bytes + size(key, &value) > self.limit {
+            // Completions still go in (their operation ran); only new keys wait.
+            tracing::warn!(
+                limit = self.limit,
+                "memory store full: new keys are refused until records expire"
+            );
+            return Err(StoreError::Full);
         }
         map.put(key, value, now + lease, now);
         Ok(None)
@@ -160,7 +200,7 @@ impl Operations for MemoryStore {
         let mut map = self.lock();
         match map.live(key, now) {
             Some(e) if owned_processing(&e.value, token) => {
-                map.entries.remove(key);
+                map.remove(key);
                 Ok(true)
             }
             _ => Ok(false),
@@ -178,7 +218,7 @@ impl Operations for MemoryStore {
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
-        Ok(map.live(key, now).is_some() && map.entries.remove(key).is_some())
+        Ok(map.live(key, now).is_some() && map.remove(key))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -196,7 +236,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn expired_records_are_cleared_by_later_writes_without_a_scan() {
-        let store = MemoryStore::new();
+        let store = MemoryStore::new(1 << 20);
         let short = Duration::from_millis(1);
         for i in 0..100 {
             assert!(store
@@ -218,7 +258,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_renewed_reservation_survives_its_first_expiry() {
-        let store = MemoryStore::new();
+        let store = MemoryStore::new(1 << 20);
         let token = Token::new();
         let mut value = vec![1u8, STATE_PROCESSING];
         value.extend_from_slice(&token.0);
@@ -243,7 +283,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn reserve_reports_what_holds_the_key_and_its_time_left() {
-        let store = MemoryStore::new();
+        let store = MemoryStore::new(1 << 20);
         assert!(store
             .reserve("k", v(), Duration::from_secs(30))
             .await
@@ -265,5 +305,41 @@ mod tests {
             .await
             .unwrap()
             .is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_store_refuses_new_keys_but_not_completions_and_frees_room_on_expiry() {
+        let store = MemoryStore::new(100);
+        let v40 = Bytes::from(vec![0u8; 40]);
+        let token = Token::new();
+        let mut mine = vec![1u8, STATE_PROCESSING];
+        mine.extend_from_slice(&token.0);
+        mine.resize(40, 0);
+        let ttl = Duration::from_secs(10);
+        assert!(store
+            .reserve("k1", Bytes::from(mine), ttl)
+            .await
+            .unwrap()
+            .is_none());
+        assert!(store
+            .reserve("k2", v40.clone(), ttl)
+            .await
+            .unwrap()
+            .is_none());
+        let full = store.reserve("k3", v40.clone(), ttl).await;
+        assert!(matches!(full, Err(StoreError::Full)), "84 + 42 > 100");
+        // A completion may take the store over its limit: the operation ran.
+        let big = Bytes::from(vec![0u8; 90]);
+        let done = store
+            .complete("k1", token, big, Duration::from_secs(60))
+            .await;
+        assert_eq!(done.unwrap(), Completion::Stored);
+        assert_eq!(store.lock().bytes, 2 + 90 + 2 + 40);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(
+            store.reserve("k3", v40, ttl).await.unwrap().is_none(),
+            "room again after expiry"
+        );
+        assert_eq!(store.lock().bytes, 2 + 40);
     }
 }

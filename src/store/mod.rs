@@ -37,6 +37,9 @@ pub enum StoreError {
     Unconfirmed(String),
     #[error(transparent)]
     Decode(#[from] DecodeError),
+    /// The memory store holds `memory_limit` bytes of records: no new keys until some expire.
+    #[error("the memory store is full (memory_limit)")]
+    Full,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -181,7 +184,7 @@ pub struct Store {
 impl Store {
     pub fn new(cfg: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, StoreSetupError> {
         let inner = match cfg.backend {
-            Backend::Memory => Inner::Memory(MemoryStore::new()),
+            Backend::Memory => Inner::Memory(MemoryStore::new(cfg.memory_limit)),
             Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg)?)),
         };
         Ok(Store {
