@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, Uri};
+use http_body::Body as _;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -28,16 +29,27 @@ const HOP_BY_HOP: [HeaderName; 9] = [
 ];
 
 /// Removes the hop-by-hop headers and every header named in `Connection`.
+///
+/// `Connection` is read as bytes, token by token: one odd (non-UTF-8 or
+/// invalid) token is skipped alone instead of switching off the removal of
+/// every header the value names.
+///
+/// A message framed by `Transfer-Encoding` also loses its `Content-Length`
+/// (RFC 9112 §6.3: the length is stale). Once `Transfer-Encoding` is gone, the
+/// stale length would look authoritative to the next hop and cut the body
+/// short. hyper's server drops it from requests; its client keeps it on responses.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().to_ascii_lowercase().as_bytes()).ok())
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim_ascii().to_ascii_lowercase().as_slice()).ok())
         .collect();
     for name in named {
         headers.remove(name);
+    }
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
     }
     for name in &HOP_BY_HOP {
         headers.remove(name);
@@ -118,13 +130,20 @@ impl Upstream {
         parts.version = http::Version::HTTP_11;
         let h = &mut parts.headers;
         strip_hop_by_hop(h);
-        let ip = peer.ip().to_string();
-        let xff = match h.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-            Some(prev) if !prev.trim().is_empty() => format!("{prev}, {ip}"),
-            _ => ip,
-        };
-        if let Ok(v) = HeaderValue::from_str(&xff) {
-            h.insert(X_FORWARDED_FOR, v);
+        let xff = forwarded_for(h, peer);
+        h.insert(X_FORWARDED_FOR, xff);
+        // hyper's client sends a body of unknown length on GET, HEAD and
+        // CONNECT as no body at all unless `Transfer-Encoding` says otherwise
+        // (it was stripped above, being hop-by-hop): say it again, so a
+        // chunked body on such a request reaches the upstream (§8).
+        if !body.is_end_stream()
+            && body.size_hint().exact().is_none()
+            && !h.contains_key(header::CONTENT_LENGTH)
+        {
+            h.insert(
+                header::TRANSFER_ENCODING,
+                HeaderValue::from_static("chunked"),
+            );
         }
         // A TLS-terminating load balancer in front may have said "https" already: keep it.
         if !h.contains_key(X_FORWARDED_PROTO) {
@@ -158,6 +177,26 @@ impl Upstream {
     }
 }
 
+/// The `X-Forwarded-For` to send: every incoming line, in order, joined with
+/// `", "`, then the peer's address. Read as bytes, so an odd line is kept too.
+fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> HeaderValue {
+    let ip = peer.ip().to_string();
+    let mut joined: Vec<u8> = Vec::new();
+    for line in headers.get_all(X_FORWARDED_FOR) {
+        let line = line.as_bytes().trim_ascii();
+        if !line.is_empty() {
+            joined.extend_from_slice(line);
+            joined.extend_from_slice(b", ");
+        }
+    }
+    joined.extend_from_slice(ip.as_bytes());
+    // Each line was a valid value and ", " and an IP address are too, so this
+    // cannot fail; if it ever did, the peer's address alone is still true.
+    HeaderValue::from_bytes(&joined).unwrap_or_else(|_| {
+        HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown"))
+    })
+}
+
 pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
@@ -185,5 +224,56 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert_eq!(h["x-keep"], "yes");
+    }
+
+    #[test]
+    fn an_odd_byte_in_connection_spoils_only_its_own_token() {
+        let mut h = HeaderMap::new();
+        let odd = HeaderValue::from_bytes(b"x-secret, \xff-odd,  X-Other\t").unwrap();
+        h.insert(header::CONNECTION, odd);
+        h.append(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"\xfe").unwrap(),
+        );
+        h.append(header::CONNECTION, HeaderValue::from_static("x-third"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("x-other", HeaderValue::from_static("2"));
+        h.insert("x-third", HeaderValue::from_static("3"));
+        h.insert("x-keep", HeaderValue::from_static("yes"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert_eq!(h["x-keep"], "yes");
+    }
+
+    #[test]
+    fn transfer_encoding_takes_the_content_length_with_it() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+        // Without Transfer-Encoding the length is the message's own.
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h[header::CONTENT_LENGTH], "5");
+    }
+
+    #[test]
+    fn every_forwarded_for_line_is_kept_in_order() {
+        let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let mut h = HeaderMap::new();
+        assert_eq!(forwarded_for(&h, peer), "127.0.0.1");
+        h.append(X_FORWARDED_FOR, HeaderValue::from_static("a"));
+        h.append(X_FORWARDED_FOR, HeaderValue::from_static("b, c"));
+        h.append(X_FORWARDED_FOR, HeaderValue::from_static(""));
+        h.append(X_FORWARDED_FOR, HeaderValue::from_bytes(b"d\xff").unwrap());
+        assert_eq!(
+            forwarded_for(&h, peer).as_bytes(),
+            b"a, b, c, d\xff, 127.0.0.1"
+        );
     }
 }
