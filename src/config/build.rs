@@ -61,9 +61,14 @@ impl Given {
     }
 }
 
-/// `[server] max_buffered` by default: with the rest of the process it fits
-/// the shipped manifest's 128Mi container limit.
+/// The defaults of the three bounds on client-driven memory fit the shipped
+/// manifest's 128Mi container limit together: the budget (64 MiB) plus every
+/// connection at its header limit with hyper's and our per-connection state
+/// (1024 × ~40 KiB ≈ 40 MiB) plus the process itself (~10 MiB).
 const DEFAULT_MAX_BUFFERED: u64 = 64 << 20;
+const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// As Node.js's default; room for large bearer tokens and cookies.
+const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
 /// Redis's largest value: a record body beyond it could never be stored.
 const MAX_RECORD_BODY: u64 = 512 << 20;
 
@@ -89,7 +94,7 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
     let admin_listen = Given::or_default(Given::file(raw.admin_listen), "127.0.0.1:9901");
     check_addr(&admin_listen, "server.admin_listen", src)?;
     let max_connections = match &raw.max_connections {
-        None => 10_000,
+        None => DEFAULT_MAX_CONNECTIONS,
         Some(v) if (1..=1_000_000).contains(v.get_ref()) => *v.get_ref() as usize,
         Some(v) => {
             return Err(src.invalid(
@@ -100,7 +105,7 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         }
     };
     let max_header_bytes = match &raw.max_header_bytes {
-        None => 64 * 1024,
+        None => DEFAULT_MAX_HEADER_BYTES,
         Some(b) if (8192..=1 << 20).contains(&b.get_ref().0) => b.get_ref().0 as usize,
         Some(b) => {
             return Err(src.entry(
