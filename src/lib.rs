@@ -1,19 +1,24 @@
 //! idemproxy: a reverse proxy that makes chosen routes of an unmodified HTTP API safe to retry.
 //!
-//! The request flow, for a route listed in the configuration:
+//! The request flow, for a route listed in the configuration (`proxy`, one
+//! function per phase; any phase may stop the request with a value):
 //!
-//! 1. read the `Idempotency-Key` header (`key`): missing or malformed → 400;
-//! 2. read the body up to `max_request_body` (`proxy`): larger → 413;
-//! 3. fingerprint method, path, query, chosen headers and body; derive the
-//!    record id from the scope headers and the key (`key`);
+//! 1. the key: the `Idempotency-Key` header (`key`): missing or malformed → 400;
+//! 2. the body, up to `max_request_body` (413) and with room in the memory
+//!    budget (`budget`: 503 `proxy-busy`), read by `body`;
+//! 3. the identity: fingerprint of method, path, query, chosen headers and
+//!    body (`key`, `canonical_json`); record id from the scope headers and the key;
 //! 4. reserve the id in the store as `processing` with a lease (`store`), or
-//!    find the record that holds it: replay it, 409 while in flight, 422 when
-//!    the fingerprint differs;
-//! 5. forward to the upstream in a task of its own, renewing the lease
-//!    (`proxy`, `upstream`);
-//! 6. store status, end-to-end headers and body with a TTL (`record`), then answer.
+//!    judge the record that holds it (`proxy::verdict`): replay, 409 while in
+//!    flight, 422 when the fingerprint differs, 500 when unreadable;
+//! 5. forward in a task of its own that owns the reservation (`proxy::job`),
+//!    renewing the lease; store status, end-to-end headers and body with a TTL
+//!    (`record`), or release the key; then answer.
 //!
-//! Every other request streams through untouched.
+//! What a route does is its `policy`, built from the file by `config`. Every
+//! answer the proxy makes itself is a `problem`. Every other request streams
+//! through untouched (`upstream`); `server` accepts and drains, with the
+//! per-connection deadlines of `conn`.
 #![forbid(unsafe_code)]
 
 pub mod admin;
