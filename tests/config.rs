@@ -478,3 +478,41 @@ fn kubernetes_configmap_holds_a_valid_config_aligned_with_the_pod() {
         c.server.shutdown_grace
     );
 }
+
+#[test]
+fn memory_bounds_are_checked() {
+    rejects(
+        &format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nmax_response_body = \"600MiB\"\n"),
+        &["routes[0].max_response_body", "at most 512MiB"],
+    );
+    rejects(
+        &format!("[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"2MiB\"\n[[routes]]\nname = \"a\"\npath = \"/a\"\nmax_request_body = \"4MiB\"\n"),
+        &["test.toml:7:20", "routes[0].max_request_body", "more than server.max_buffered"],
+    );
+    rejects(
+        &format!("[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"512KiB\"\n"),
+        &["server.max_buffered", "at least 1MiB"],
+    );
+    let ok = "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"8MiB\"\nclient_write_timeout = \"5s\"\nidle_timeout = \"10s\"\nupstream_idle_timeout = \"500ms\"\n[store]\nmemory_limit = \"1MiB\"\n";
+    let c = Config::from_toml(ok, "test.toml", &Overrides::default()).unwrap();
+    assert_eq!(c.server.max_buffered, 8 << 20);
+    assert_eq!(c.server.client_write_timeout, Duration::from_secs(5));
+    assert_eq!(c.server.idle_timeout, Duration::from_secs(10));
+    assert_eq!(c.server.upstream_idle_timeout, Duration::from_millis(500));
+    assert_eq!(c.store.memory_limit, 1 << 20);
+    let d = Config::from_toml(
+        "[server]\nupstream = \"http://127.0.0.1:3000\"\n",
+        "test.toml",
+        &Overrides::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            d.server.max_buffered,
+            d.server.max_connections,
+            d.server.max_header_bytes
+        ),
+        (64 << 20, 1024, 16 << 10)
+    );
+    assert_eq!(d.store.memory_limit, 256 << 20);
+}

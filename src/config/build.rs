@@ -20,12 +20,45 @@ pub(super) fn build(raw: RawFile, src: &Source, ov: &Overrides) -> Result<Config
     let server = server(raw.server, src, ov)?;
     let store = store(raw.store, src, ov)?;
     let routes = routes(&raw.defaults, &raw.routes, src)?;
+    within_budget(&server, &raw.defaults, &raw.routes, &routes, src)?;
     Ok(Config {
         source: src.file.to_string(),
         server,
         store,
         routes: Arc::new(routes),
     })
+}
+
+/// A route whose largest body could never get room in the memory budget
+/// would answer every such request 503: say so at load time, at the
+/// `max_request_body` that sets it (the route's, else `[defaults]`'s).
+fn within_budget(
+    server: &ServerConfig,
+    defaults: &RawPolicy,
+    raw: &[Spanned<RawPolicy>],
+    routes: &RouteTable,
+    src: &Source,
+) -> Result<(), ConfigError> {
+    for (i, (route, r)) in routes.iter().zip(raw).enumerate() {
+        let limit = route.policy.max_request_body;
+        if limit <= server.max_buffered {
+            continue;
+        }
+        let (key, at) = match (&r.get_ref().max_request_body, &defaults.max_request_body) {
+            (Some(v), _) => (format!("routes[{i}].max_request_body"), v.span().start),
+            (None, Some(v)) => ("defaults.max_request_body".to_string(), v.span().start),
+            (None, None) => (format!("routes[{i}]"), r.span().start),
+        };
+        return Err(src.invalid(
+            at,
+            key,
+            format!(
+                "{limit} bytes is more than server.max_buffered ({}): such a body could never be buffered",
+                server.max_buffered
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A text value that is checked after parsing, with where it came from.
