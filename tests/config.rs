@@ -486,11 +486,11 @@ fn memory_bounds_are_checked() {
         &["routes[0].max_response_body", "at most 512MiB"],
     );
     rejects(
-        &format!("[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"2MiB\"\n[[routes]]\nname = \"a\"\npath = \"/a\"\nmax_request_body = \"4MiB\"\n"),
+        "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"2MiB\"\n[[routes]]\nname = \"a\"\npath = \"/a\"\nmax_request_body = \"4MiB\"\n",
         &["test.toml:7:20", "routes[0].max_request_body", "more than server.max_buffered"],
     );
     rejects(
-        &format!("[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"512KiB\"\n"),
+        "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"512KiB\"\n",
         &["server.max_buffered", "at least 1MiB"],
     );
     let ok = "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"8MiB\"\nclient_write_timeout = \"5s\"\nidle_timeout = \"10s\"\nupstream_idle_timeout = \"500ms\"\n[store]\nmemory_limit = \"1MiB\"\n";
