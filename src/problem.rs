@@ -246,12 +246,16 @@ impl Problem {
 
     /// The answer as a response.
     pub fn response(&self, request_id: &uuid::Uuid) -> Response<Body> {
-        let (status, headers, body) = self.render(request_id);
-        let mut resp = Response::new(Body::full(body));
-        *resp.status_mut() = status;
-        *resp.headers_mut() = headers;
-        resp
+        assemble(self.render(request_id))
     }
+}
+
+/// A rendered problem as a response (also what a stored problem is answered with).
+pub fn assemble((status, headers, body): (StatusCode, HeaderMap, Bytes)) -> Response<Body> {
+    let mut resp = Response::new(Body::full(body));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    resp
 }
 
 /// The RFC 9457 members every problem has.
@@ -267,10 +271,7 @@ pub fn document(status: StatusCode, kind: &str, title: &str, detail: &str) -> se
 /// A problem document as a response (the admin API's errors).
 pub fn response(status: StatusCode, document: &serde_json::Value) -> Response<Body> {
     let (headers, body) = rendered(document, None);
-    let mut resp = Response::new(Body::full(body));
-    *resp.status_mut() = status;
-    *resp.headers_mut() = headers;
-    resp
+    assemble((status, headers, body))
 }
 
 fn rendered(document: &serde_json::Value, retry_after: Option<u64>) -> (HeaderMap, Bytes) {

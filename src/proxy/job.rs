@@ -18,7 +18,7 @@ use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
 use crate::metrics::Outcome;
 use crate::policy::{Policy, UnknownOutcome};
-use crate::problem::Problem;
+use crate::problem::{self, Problem};
 use crate::record::{now_ms, Finished, Record, Token};
 use crate::routes::RouteName;
 use crate::store::{self, Completion};
@@ -201,10 +201,11 @@ impl Job {
             || self.policy.unknown_outcome == UnknownOutcome::Release;
         warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
         let problem = Problem::from_upstream(&e, released);
-        let (status, headers, body) = problem.render(&self.request_id);
+        let rendered = problem.render(&self.request_id);
         if released {
             self.release().await;
         } else {
+            let (status, headers, body) = &rendered;
             let stored = headers
                 .iter()
                 .map(|(n, v)| (n.clone(), v.clone()))
@@ -212,10 +213,7 @@ impl Job {
             self.complete(status.as_u16(), stored, body.clone(), true)
                 .await;
         }
-        let mut resp = Response::new(Body::full(body));
-        *resp.status_mut() = status;
-        *resp.headers_mut() = headers;
-        (resp, problem.outcome())
+        (problem::assemble(rendered), problem.outcome())
     }
 
     /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.
