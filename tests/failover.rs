@@ -19,12 +19,18 @@ use support::{
     config_text, eventually, kill_child, redis_args, Call, Proxy, TestUpstream, DEADLINE,
 };
 
-/// A port that is free, and whose +10000 (the cluster bus) is free too.
-fn free_port_with_bus() -> u16 {
+/// A port that is free, whose +10000 (the cluster bus) is free too, and that
+/// is not one of `taken` (nothing listens on those yet: the OS may offer one again).
+fn free_port_with_bus(taken: &[u16]) -> u16 {
     loop {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
-        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+        if port < 55_000
+            && !taken
+                .iter()
+                .any(|&t| [port, port + 10_000].contains(&t) || t + 10_000 == port)
+            && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+        {
             return port;
         }
     }
@@ -76,7 +82,8 @@ impl Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut nodes = Vec::new();
         for _ in 0..6 {
-            let port = free_port_with_bus();
+            let taken: Vec<u16> = nodes.iter().map(|n: &Node| n.port).collect();
+            let port = free_port_with_bus(&taken);
             let sub = dir.path().join(port.to_string());
             std::fs::create_dir(&sub).unwrap();
             let args = redis_args(
@@ -445,6 +452,51 @@ async fn the_only_seed_master_dies_under_traffic() {
         }
     }
     assert_eq!(executions(&upstream), executed, "a retry executed again");
+
+    // A new connection can be made although the only seed is dead: writes
+    // pause on every master, so that operations keep failing and the proxy
+    // reconnects, through the nodes it learned.
+    let masters = [its_replica, cluster.shards[1].0, cluster.shards[2].0];
+    let reconnects = || {
+        proxy
+            .logs()
+            .iter()
+            .filter(|l| l.contains("made a new cluster connection"))
+            .count()
+    };
+    let before = reconnects();
+    for port in masters {
+        redis_cmd(port, &["CLIENT", "PAUSE", "3000", "WRITE"])
+            .await
+            .unwrap();
+    }
+    let mut paused_keys = (0..).map(|i| format!("paused-{i}"));
+    eventually("a new cluster connection", DEADLINE, || {
+        let key = paused_keys.next().unwrap();
+        let url = url.clone();
+        async move {
+            if reconnects() > before {
+                return Some(());
+            }
+            let r = Call::post(&url).key(&key).body(key.clone()).await;
+            assert!(
+                !(200..300).contains(&r.status),
+                "a write while writes are paused"
+            );
+            None
+        }
+    })
+    .await;
+    let mut resumed_keys = (0..).map(|i| format!("resumed-{i}"));
+    eventually("the end of the pause", DEADLINE, || {
+        let key = resumed_keys.next().unwrap();
+        let url = url.clone();
+        async move {
+            let r = Call::post(&url).key(&key).body(key.clone()).await;
+            (r.status == 201).then_some(())
+        }
+    })
+    .await;
 
     // Its only seed is dead, yet fresh keys on every master work.
     let (promoted_keys, other_keys) = keys_by_master(other, its_replica, "after", 3).await;

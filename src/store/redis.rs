@@ -155,30 +155,36 @@ impl ClusterNodes {
         let Some(template) = self.seeds.first() else {
             return;
         };
-        let mut learned: Vec<ConnectionInfo> = Vec::new();
-        for (host, port) in slot_nodes(&slots) {
-            // Same user, password, TLS settings as the seeds; only the address differs.
-            let addr = match template.addr() {
-                ConnectionAddr::TcpTls {
-                    insecure,
-                    tls_params,
-                    ..
-                } => ConnectionAddr::TcpTls {
-                    host,
-                    port,
-                    insecure: *insecure,
-                    tls_params: tls_params.clone(),
-                },
-                _ => ConnectionAddr::Tcp(host, port),
-            };
-            if !learned.iter().any(|n| *n.addr() == addr) {
-                learned.push(template.clone().set_addr(addr));
-            }
-        }
+        let learned = nodes_named(template, &slots);
         if !learned.is_empty() {
             *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = learned;
         }
     }
+}
+
+/// Every node a `CLUSTER SLOTS` answer names, once each, with the user,
+/// password and TLS settings of `template` (a seed); only the address differs.
+fn nodes_named(template: &ConnectionInfo, slots: &Value) -> Vec<ConnectionInfo> {
+    let mut out: Vec<ConnectionInfo> = Vec::new();
+    for (host, port) in slot_nodes(slots) {
+        let addr = match template.addr() {
+            ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => ConnectionAddr::Tcp(host, port),
+        };
+        if !out.iter().any(|n| *n.addr() == addr) {
+            out.push(template.clone().set_addr(addr));
+        }
+    }
+    out
 }
 
 /// (host, port) of every node in a `CLUSTER SLOTS` answer; nodes without a
@@ -719,5 +725,66 @@ impl Operations for RedisStore {
             self.check_durability(&mut conn).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::BulkString(host.as_bytes().to_vec()),
+            Value::Int(port),
+            Value::BulkString(b"0123abcd".to_vec()),
+            Value::Map(vec![]),
+        ])
+    }
+
+    fn range(start: i64, end: i64, nodes: Vec<Value>) -> Value {
+        let mut parts = vec![Value::Int(start), Value::Int(end)];
+        parts.extend(nodes);
+        Value::Array(parts)
+    }
+
+    #[test]
+    fn every_node_of_the_topology_once_with_the_seeds_settings() {
+        let slots = Value::Array(vec![
+            range(
+                0,
+                5460,
+                vec![node("10.0.0.1", 7000), node("10.0.0.4", 7000)],
+            ),
+            range(5461, 10922, vec![node("10.0.0.2", 7000), node("", 7001)]),
+            range(10923, 11000, vec![node("10.0.0.3", 7000), node("?", 7002)]),
+            // A range split in two names the same nodes again.
+            range(11001, 16383, vec![node("10.0.0.3", 7000)]),
+        ]);
+        let seed =
+            connection_info("rediss://10.0.0.9:7000", Some("idemproxy"), Some("pw")).unwrap();
+        let learned = nodes_named(&seed, &slots);
+        let addrs: Vec<String> = learned.iter().map(|n| n.addr().to_string()).collect();
+        assert_eq!(
+            addrs,
+            [
+                "10.0.0.1:7000",
+                "10.0.0.4:7000",
+                "10.0.0.2:7000",
+                "10.0.0.3:7000"
+            ]
+        );
+        for n in &learned {
+            assert!(
+                matches!(n.addr(), ConnectionAddr::TcpTls { .. }),
+                "TLS like the seed"
+            );
+            assert_eq!(n.redis_settings().username(), Some("idemproxy"));
+            assert_eq!(n.redis_settings().password(), Some("pw"));
+        }
+        let plain = connection_info("redis://10.0.0.9:7000", None, None).unwrap();
+        assert!(nodes_named(&plain, &slots)
+            .iter()
+            .all(|n| matches!(n.addr(), ConnectionAddr::Tcp(..))));
+        assert!(nodes_named(&plain, &Value::Nil).is_empty());
     }
 }
