@@ -3,16 +3,19 @@
 //! three small Lua scripts beside this file. Every operation touches one key.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{LazyLock, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Script, TlsCertificates, Value};
-use tracing::{info, warn};
+use redis::{
+    Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, Script,
+    TlsCertificates, Value,
+};
+use tracing::{debug, info, warn};
 
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
@@ -26,10 +29,15 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("re
 pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
 
 /// After this many store failures in a row (timeouts, broken or refused
-/// connections, a demoted master) the connection is dropped and made anew: a
-/// blackholed TCP connection never errors by itself, the client reconnects
-/// only on I/O errors, and after a Sentinel failover the master has moved.
+/// connections, a demoted master) the connection is made anew: a blackholed
+/// TCP connection never errors by itself, the client reconnects only on I/O
+/// errors, and after a Sentinel failover the master has moved. A cluster
+/// connection is replaced only once a new one is up (see [`ClusterNodes`]).
 const FAILURES_BEFORE_RECONNECT: u32 = 2;
+
+/// At most one cluster reconnect per this long: while a master fails over,
+/// its keys fail for seconds, and each reconnect opens a connection per node.
+const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
 
 /// One connection type for the three modes, so the store code is the same.
 #[derive(Clone)]
@@ -79,15 +87,139 @@ enum Source {
         sentinel: tokio::sync::Mutex<SentinelClient>,
         config: ConnectionManagerConfig,
     },
-    Cluster {
-        client: redis::cluster::ClusterClient,
-    },
+    Cluster(Arc<ClusterNodes>),
+}
+
+/// Cluster mode: the nodes a connection starts from. The configured seeds
+/// alone are not enough: when the only seed is the master that died, a
+/// connection made from them fails until that node returns, although its
+/// replica took over and every other master is healthy. So every node of the
+/// last topology seen is remembered, and a new connection starts from all of
+/// them; and the working connection is kept until a new one is up (the
+/// cluster client follows MOVED, refreshes its slot map and repairs node
+/// connections by itself; a new one only helps with nodes that hang).
+struct ClusterNodes {
+    seeds: Vec<ConnectionInfo>,
+    /// Every node `CLUSTER SLOTS` named last time it was asked (at connect and at each ping).
+    learned: Mutex<Vec<ConnectionInfo>>,
+    op_timeout: Duration,
+    certs: Option<TlsCertificates>,
+    /// A reconnect is running (one at a time, in the background).
+    reconnecting: AtomicBool,
+    last_reconnect: Mutex<Option<Instant>>,
+}
+
+impl ClusterNodes {
+    fn client(
+        &self,
+        nodes: Vec<ConnectionInfo>,
+    ) -> redis::RedisResult<redis::cluster::ClusterClient> {
+        let mut builder = redis::cluster::ClusterClient::builder(nodes)
+            .connection_timeout(self.op_timeout)
+            .response_timeout(self.op_timeout)
+            .retries(3);
+        if let Some(c) = &self.certs {
+            builder = builder.certs(c.clone());
+        }
+        builder.build()
+    }
+
+    /// A connection through the seeds and every node learned, then what it tells of the topology.
+    async fn connect(&self) -> redis::RedisResult<ClusterConnection> {
+        let mut nodes = self.seeds.clone();
+        for node in self
+            .learned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            if !nodes.iter().any(|n| n.addr() == node.addr()) {
+                nodes.push(node.clone());
+            }
+        }
+        let mut conn = self.client(nodes)?.get_async_connection().await?;
+        self.learn(&mut conn).await;
+        Ok(conn)
+    }
+
+    /// Remembers the nodes `CLUSTER SLOTS` names (masters and replicas). Best
+    /// effort: an ACL without `+cluster|slots` leaves the last list in place.
+    async fn learn(&self, conn: &mut ClusterConnection) {
+        let slots: Value = match redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await {
+            Ok(v) => v,
+            Err(e) => {
+                debug!(error = %e, "CLUSTER SLOTS failed; the known cluster nodes stay as they were");
+                return;
+            }
+        };
+        let Some(template) = self.seeds.first() else {
+            return;
+        };
+        let learned = nodes_named(template, &slots);
+        if !learned.is_empty() {
+            *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = learned;
+        }
+    }
+}
+
+/// Every node a `CLUSTER SLOTS` answer names, once each, with the user,
+/// password and TLS settings of `template` (a seed); only the address differs.
+fn nodes_named(template: &ConnectionInfo, slots: &Value) -> Vec<ConnectionInfo> {
+    let mut out: Vec<ConnectionInfo> = Vec::new();
+    for (host, port) in slot_nodes(slots) {
+        let addr = match template.addr() {
+            ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => ConnectionAddr::Tcp(host, port),
+        };
+        if !out.iter().any(|n| *n.addr() == addr) {
+            out.push(template.clone().set_addr(addr));
+        }
+    }
+    out
+}
+
+/// (host, port) of every node in a `CLUSTER SLOTS` answer; nodes without a
+/// usable address (an empty host or `?`, meaning unknown) are left out.
+fn slot_nodes(slots: &Value) -> Vec<(String, u16)> {
+    let mut out = Vec::new();
+    let Value::Array(ranges) = slots else {
+        return out;
+    };
+    for range in ranges {
+        let Value::Array(parts) = range else { continue };
+        for node in parts.iter().skip(2) {
+            let Value::Array(fields) = node else { continue };
+            let (Some(Value::BulkString(host)), Some(Value::Int(port))) =
+                (fields.first(), fields.get(1))
+            else {
+                continue;
+            };
+            let host = String::from_utf8_lossy(host).into_owned();
+            if host.is_empty() || host == "?" {
+                continue;
+            }
+            if let Ok(port) = u16::try_from(*port) {
+                out.push((host, port));
+            }
+        }
+    }
+    out
 }
 
 pub struct RedisStore {
     source: Source,
-    /// `None` until the first operation, and after a connection was given up.
-    conn: RwLock<Option<Conn>>,
+    /// `None` until the first operation, and (standalone, Sentinel) after a
+    /// connection was given up. Shared with a cluster reconnect running in the background.
+    conn: Arc<RwLock<Option<Conn>>>,
     /// One connect at a time; the others wait for its result.
     connecting: tokio::sync::Mutex<()>,
     failures_in_a_row: AtomicU32,
@@ -208,26 +340,27 @@ impl RedisStore {
                 }
             }
             RedisMode::Cluster => {
-                let nodes: Vec<redis::ConnectionInfo> = cfg
+                let seeds: Vec<redis::ConnectionInfo> = cfg
                     .nodes
                     .iter()
                     .map(|u| connection_info(u, user, password.as_deref()))
                     .collect::<Result<_, _>>()?;
-                let mut builder = redis::cluster::ClusterClient::builder(nodes)
-                    .connection_timeout(cfg.op_timeout)
-                    .response_timeout(cfg.op_timeout)
-                    .retries(3);
-                if let Some(c) = certs {
-                    builder = builder.certs(c);
-                }
-                Source::Cluster {
-                    client: builder.build().map_err(setup)?,
-                }
+                let nodes = ClusterNodes {
+                    seeds,
+                    learned: Mutex::new(Vec::new()),
+                    op_timeout: cfg.op_timeout,
+                    certs,
+                    reconnecting: AtomicBool::new(false),
+                    last_reconnect: Mutex::new(None),
+                };
+                // Built once here so that a bad seed list is a start-up error.
+                nodes.client(nodes.seeds.clone()).map_err(setup)?;
+                Source::Cluster(Arc::new(nodes))
             }
         };
         Ok(RedisStore {
             source,
-            conn: RwLock::new(None),
+            conn: Arc::new(RwLock::new(None)),
             connecting: tokio::sync::Mutex::new(()),
             failures_in_a_row: AtomicU32::new(0),
             op_timeout: cfg.op_timeout,
@@ -284,12 +417,9 @@ impl RedisStore {
                         .map_err(|e| self.backend(e))?,
                 )
             }
-            Source::Cluster { client } => Conn::Cluster(
-                client
-                    .get_async_connection()
-                    .await
-                    .map_err(|e| self.backend(e))?,
-            ),
+            Source::Cluster(nodes) => {
+                Conn::Cluster(nodes.connect().await.map_err(|e| self.backend(e))?)
+            }
         };
         *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
         Ok(fresh)
@@ -305,6 +435,10 @@ impl RedisStore {
             return;
         }
         self.failures_in_a_row.store(0, Ordering::Relaxed);
+        if let Source::Cluster(nodes) = &self.source {
+            self.reconnect_cluster(nodes);
+            return;
+        }
         if self
             .conn
             .write()
@@ -314,6 +448,51 @@ impl RedisStore {
         {
             warn!("store keeps failing; the connection will be made anew");
         }
+    }
+
+    /// Makes a new cluster connection in the background, through every node
+    /// known, and swaps it in once it is up; until then, and if it fails, the
+    /// current one (which keeps healing itself) stays in use.
+    fn reconnect_cluster(&self, nodes: &Arc<ClusterNodes>) {
+        if self
+            .conn
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            // Nothing to replace: the next operation connects.
+            return;
+        }
+        {
+            let mut last = nodes
+                .last_reconnect
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < CLUSTER_RECONNECT_SPACING)
+                || nodes.reconnecting.swap(true, Ordering::AcqRel)
+            {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            nodes.reconnecting.store(false, Ordering::Release);
+            return;
+        };
+        let (nodes, slot) = (nodes.clone(), self.conn.clone());
+        runtime.spawn(async move {
+            match nodes.connect().await {
+                Ok(fresh) => {
+                    *slot.write().unwrap_or_else(|e| e.into_inner()) = Some(Conn::Cluster(fresh));
+                    info!("store kept failing; made a new cluster connection through every known node");
+                }
+                Err(e) => warn!(
+                    error = %e,
+                    "store keeps failing and no new cluster connection could be made; the current one stays"
+                ),
+            }
+            nodes.reconnecting.store(false, Ordering::Release);
+        });
     }
 
     /// `WAIT n timeout` on the key's node. Fewer acknowledgements, or a WAIT
@@ -538,9 +717,74 @@ impl Operations for RedisStore {
                     .map_err(|e| self.backend(e))?;
             }
         }
+        if let (Source::Cluster(nodes), Conn::Cluster(c)) = (&self.source, &mut conn) {
+            // Keeps the known nodes current, for a reconnect that cannot rely on the seeds.
+            nodes.learn(c).await;
+        }
         if !self.checked.swap(true, Ordering::Relaxed) {
             self.check_durability(&mut conn).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::BulkString(host.as_bytes().to_vec()),
+            Value::Int(port),
+            Value::BulkString(b"0123abcd".to_vec()),
+            Value::Map(vec![]),
+        ])
+    }
+
+    fn range(start: i64, end: i64, nodes: Vec<Value>) -> Value {
+        let mut parts = vec![Value::Int(start), Value::Int(end)];
+        parts.extend(nodes);
+        Value::Array(parts)
+    }
+
+    #[test]
+    fn every_node_of_the_topology_once_with_the_seeds_settings() {
+        let slots = Value::Array(vec![
+            range(
+                0,
+                5460,
+                vec![node("10.0.0.1", 7000), node("10.0.0.4", 7000)],
+            ),
+            range(5461, 10922, vec![node("10.0.0.2", 7000), node("", 7001)]),
+            range(10923, 11000, vec![node("10.0.0.3", 7000), node("?", 7002)]),
+            // A range split in two names the same nodes again.
+            range(11001, 16383, vec![node("10.0.0.3", 7000)]),
+        ]);
+        let seed =
+            connection_info("rediss://10.0.0.9:7000", Some("idemproxy"), Some("pw")).unwrap();
+        let learned = nodes_named(&seed, &slots);
+        let addrs: Vec<String> = learned.iter().map(|n| n.addr().to_string()).collect();
+        assert_eq!(
+            addrs,
+            [
+                "10.0.0.1:7000",
+                "10.0.0.4:7000",
+                "10.0.0.2:7000",
+                "10.0.0.3:7000"
+            ]
+        );
+        for n in &learned {
+            assert!(
+                matches!(n.addr(), ConnectionAddr::TcpTls { .. }),
+                "TLS like the seed"
+            );
+            assert_eq!(n.redis_settings().username(), Some("idemproxy"));
+            assert_eq!(n.redis_settings().password(), Some("pw"));
+        }
+        let plain = connection_info("redis://10.0.0.9:7000", None, None).unwrap();
+        assert!(nodes_named(&plain, &slots)
+            .iter()
+            .all(|n| matches!(n.addr(), ConnectionAddr::Tcp(..))));
+        assert!(nodes_named(&plain, &Value::Nil).is_empty());
     }
 }

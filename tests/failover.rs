@@ -1,0 +1,527 @@
+//! Store failover on a real 6-node Redis Cluster (3 masters, 3 replicas): the
+//! master that is the proxy's only seed is SIGKILLed under traffic, and no
+//! operation runs twice, no record is lost, healthy masters keep answering.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use tokio::time::Instant;
+
+use support::{
+    config_text, eventually, kill_child, redis_args, Call, Proxy, TestUpstream, DEADLINE,
+};
+
+/// A port that is free, whose +10000 (the cluster bus) is free too, and that
+/// is not one of `taken` (nothing listens on those yet: the OS may offer one again).
+fn free_port_with_bus(taken: &[u16]) -> u16 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        if port < 55_000
+            && !taken
+                .iter()
+                .any(|&t| [port, port + 10_000].contains(&t) || t + 10_000 == port)
+            && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+        {
+            return port;
+        }
+    }
+}
+
+/// A cluster redis-server with its own directory; killed on drop.
+struct Node {
+    child: Option<Child>,
+    port: u16,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        kill_child(&mut self.child);
+    }
+}
+
+async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let mut c = client.get_multiplexed_async_connection().await?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query_async(&mut c).await
+}
+
+fn text(v: redis::Value) -> String {
+    redis::from_redis_value::<String>(v).unwrap_or_default()
+}
+
+/// `INFO <section>` (or `CLUSTER INFO`) of one node, empty when it does not answer.
+async fn info(port: u16, args: &[&str]) -> String {
+    redis_cmd(port, args).await.map(text).unwrap_or_default()
+}
+
+/// Six nodes, three masters with one replica each; failures are detected within
+/// a second. `cluster-require-full-coverage no`: otherwise Redis itself refuses
+/// every key (CLUSTERDOWN) between a master's failure and its replica's promotion.
+struct Cluster {
+    nodes: Vec<Node>,
+    /// (master port, its replica's port), as `redis-cli --cluster create` paired them.
+    shards: Vec<(u16, u16)>,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            let taken: Vec<u16> = nodes.iter().map(|n: &Node| n.port).collect();
+            let port = free_port_with_bus(&taken);
+            let sub = dir.path().join(port.to_string());
+            std::fs::create_dir(&sub).unwrap();
+            let args = redis_args(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-require-full-coverage",
+                    "no",
+                ],
+            );
+            nodes.push(Node {
+                child: Some(spawn(&sub, &args)),
+                port,
+            });
+        }
+        for n in &nodes {
+            let port = n.port;
+            eventually(&format!("redis on {port}"), DEADLINE, || async move {
+                redis_cmd(port, &["PING"]).await.ok().map(|_| ())
+            })
+            .await;
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        for n in &nodes {
+            let port = n.port;
+            eventually(
+                "every node to see the whole cluster",
+                DEADLINE,
+                || async move {
+                    let info = info(port, &["CLUSTER", "INFO"]).await;
+                    (info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:6"))
+                        .then_some(())
+                },
+            )
+            .await;
+        }
+        let mut shards = Vec::new();
+        for n in &nodes {
+            let port = n.port;
+            // A replica in sync (the failover needs one), named by its master's port.
+            let master = eventually("the replica to sync", DEADLINE, || async move {
+                let info = info(port, &["INFO", "replication"]).await;
+                if info.contains("role:master") {
+                    return Some(None);
+                }
+                let master: u16 = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("master_port:"))?
+                    .trim()
+                    .parse()
+                    .ok()?;
+                info.contains("master_link_status:up")
+                    .then_some(Some(master))
+            })
+            .await;
+            if let Some(master) = master {
+                shards.push((master, port));
+            }
+        }
+        shards.sort();
+        assert_eq!(
+            shards.len(),
+            3,
+            "three masters with a replica each: {shards:?}"
+        );
+        Cluster {
+            nodes,
+            shards,
+            _dir: dir,
+        }
+    }
+
+    fn kill(&mut self, port: u16) {
+        for n in &mut self.nodes {
+            if n.port == port {
+                kill_child(&mut n.child);
+            }
+        }
+    }
+
+    /// The master port that serves each slot, as `port` sees it.
+    async fn slot_owners(port: u16) -> Vec<(i64, i64, u16)> {
+        let slots = redis_cmd(port, &["CLUSTER", "SLOTS"]).await.unwrap();
+        let redis::Value::Array(ranges) = slots else {
+            panic!("CLUSTER SLOTS: {slots:?}")
+        };
+        ranges
+            .into_iter()
+            .map(|range| {
+                let redis::Value::Array(parts) = range else {
+                    panic!("a slot range: {range:?}")
+                };
+                let start: i64 = redis::from_redis_value(parts[0].clone()).unwrap();
+                let end: i64 = redis::from_redis_value(parts[1].clone()).unwrap();
+                let redis::Value::Array(master) = parts[2].clone() else {
+                    panic!("a master: {:?}", parts[2])
+                };
+                let port: i64 = redis::from_redis_value(master[1].clone()).unwrap();
+                (start, end, port as u16)
+            })
+            .collect()
+    }
+}
+
+fn spawn(dir: &Path, args: &[String]) -> Child {
+    Command::new("redis-server")
+        .args(args)
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server")
+}
+
+/// The store key of an idempotency key sent without Authorization.
+fn store_key(key: &str) -> String {
+    format!("idemproxy:{}", idemproxy::key::record_id([], key))
+}
+
+/// Fresh keys per side at most: the traffic is paced and stops once the failover is over.
+const KEYS: usize = 500;
+/// Each side sends at most one fresh key (and every other time a retry) per this long.
+const PACE: Duration = Duration::from_millis(25);
+
+const ROUTES: &str = r#"
+[defaults]
+lease = "10s"
+
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+"#;
+
+/// Keys `<prefix>-<n>`, `n` of each: those whose record's slot the master `port`
+/// serves, and the others (slots as node `ask` computes and assigns them).
+async fn keys_by_master(ask: u16, port: u16, prefix: &str, n: usize) -> (Vec<String>, Vec<String>) {
+    let owners = Cluster::slot_owners(ask).await;
+    let candidates: Vec<String> = (0..n * 6).map(|i| format!("{prefix}-{i}")).collect();
+    let mut pipe = redis::pipe();
+    for key in &candidates {
+        pipe.cmd("CLUSTER").arg("KEYSLOT").arg(store_key(key));
+    }
+    let client = redis::Client::open(format!("redis://127.0.0.1:{ask}/")).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let slots: Vec<i64> = pipe.query_async(&mut conn).await.unwrap();
+    let (mut on_port, mut others) = (Vec::new(), Vec::new());
+    for (key, slot) in candidates.into_iter().zip(slots) {
+        let owner = owners
+            .iter()
+            .find(|(start, end, _)| (*start..=*end).contains(&slot))
+            .map(|o| o.2)
+            .expect("every slot is served");
+        match owner == port {
+            true if on_port.len() < n => on_port.push(key),
+            false if others.len() < n => others.push(key),
+            _ => {}
+        }
+    }
+    assert!(on_port.len() == n && others.len() == n, "not enough keys");
+    (on_port, others)
+}
+
+const VICTIM: usize = 0;
+const HEALTHY: usize = 1;
+/// Phases of the failover, by when a request was sent.
+const BEFORE: u8 = 0;
+const FAILING: u8 = 1;
+const PROMOTED: u8 = 2;
+
+/// What the clients saw.
+#[derive(Default)]
+struct Log {
+    /// The first 2xx answer's body, per key.
+    answered: BTreeMap<String, Bytes>,
+    /// Fresh keys answered 2xx, by side and phase.
+    ok: [[usize; 3]; 2],
+    /// Fresh keys refused, by side and phase.
+    refused: [[usize; 3]; 2],
+    /// A key on a healthy master that was not answered.
+    healthy_refused: Vec<String>,
+    /// A retry of an answered key that was executed again or got another answer.
+    wrong_retries: Vec<String>,
+}
+
+/// One side's traffic: a fresh key per tick, and every other tick a retry of
+/// one of its keys answered before. Bounded by its keys and by `stop`.
+async fn traffic(
+    url: String,
+    side: usize,
+    keys: Vec<String>,
+    phase: Arc<AtomicU8>,
+    log: Arc<Mutex<Log>>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut pace = tokio::time::interval(PACE);
+    let mut answered: Vec<String> = Vec::new();
+    for (i, key) in keys.into_iter().enumerate() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        pace.tick().await;
+        let during = phase.load(Ordering::Acquire) as usize;
+        let r = Call::post(&url).key(&key).body(key.clone()).await;
+        {
+            let mut log = log.lock().unwrap();
+            if (200..300).contains(&r.status) {
+                assert!(!r.is_replay(), "{key}: a fresh key replayed");
+                log.ok[side][during] += 1;
+                log.answered.insert(key.clone(), r.body.clone());
+                answered.push(key);
+            } else {
+                log.refused[side][during] += 1;
+                if side == HEALTHY {
+                    log.healthy_refused
+                        .push(format!("{key} (phase {during}): {}", r.status));
+                }
+            }
+        }
+        if i % 2 == 1 && !answered.is_empty() {
+            let earlier = &answered[i * 7 % answered.len()];
+            let r = Call::post(&url).key(earlier).body(earlier.clone()).await;
+            let mut log = log.lock().unwrap();
+            if (200..300).contains(&r.status) && !r.is_replay() {
+                log.wrong_retries.push(format!("{earlier}: executed again"));
+            } else if r.is_replay() && Some(&r.body) != log.answered.get(earlier) {
+                log.wrong_retries.push(format!("{earlier}: another answer"));
+            } else if !r.is_replay() && side == HEALTHY {
+                // (A retry on the failing master may get 503, or 409 while its completion is retried.)
+                log.healthy_refused
+                    .push(format!("{earlier} retry (phase {during}): {}", r.status));
+            }
+        }
+    }
+}
+
+/// The proxy's only seed is the master that dies. While its replica takes over,
+/// keys on the other masters keep answering; afterwards every key works through
+/// the nodes the proxy learned; no key is executed twice and every executed
+/// key replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_only_seed_master_dies_under_traffic() {
+    let mut cluster = Cluster::start().await;
+    let (victim, its_replica) = cluster.shards[0];
+    let other = cluster.shards[1].0;
+    let upstream = TestUpstream::start().await;
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nmode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{victim}\"]\n"
+    );
+    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let url = proxy.url("/v1/payments");
+    let (victim_keys, healthy_keys) = keys_by_master(other, victim, "fo", KEYS).await;
+
+    let phase = Arc::new(AtomicU8::new(BEFORE));
+    let log = Arc::new(Mutex::new(Log::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let loops = [(VICTIM, victim_keys), (HEALTHY, healthy_keys)].map(|(side, keys)| {
+        tokio::spawn(traffic(
+            url.clone(),
+            side,
+            keys,
+            phase.clone(),
+            log.clone(),
+            stop.clone(),
+        ))
+    });
+    let ok = |side: usize, phase: u8| log.lock().unwrap().ok[side][phase as usize];
+    eventually(
+        "answers on both sides before the kill",
+        DEADLINE,
+        || async { (ok(VICTIM, BEFORE) >= 5 && ok(HEALTHY, BEFORE) >= 5).then_some(()) },
+    )
+    .await;
+
+    cluster.kill(victim);
+    phase.store(FAILING, Ordering::Release);
+    let killed = Instant::now();
+    eventually("the replica to be promoted", DEADLINE, || async {
+        info(its_replica, &["INFO", "replication"])
+            .await
+            .contains("role:master")
+            .then_some(())
+    })
+    .await;
+    phase.store(PROMOTED, Ordering::Release);
+    let promoted = killed.elapsed();
+    // Until the failed master's keys work again (or a healthy key was refused, or the deadline).
+    let until = Instant::now() + DEADLINE;
+    while ok(VICTIM, PROMOTED) < 5
+        && log.lock().unwrap().healthy_refused.is_empty()
+        && Instant::now() < until
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Release);
+    for l in loops {
+        l.await.unwrap();
+    }
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    eprintln!(
+        "promoted {promoted:?} after the kill; fresh keys answered {:?}, refused {:?} ([victim, healthy] × [before, failing, promoted])",
+        log.ok, log.refused
+    );
+    assert!(
+        log.healthy_refused.is_empty(),
+        "keys on healthy masters were refused while one master failed over: {:?}",
+        log.healthy_refused
+    );
+    assert!(log.wrong_retries.is_empty(), "{:?}", log.wrong_retries);
+    assert!(
+        log.ok[HEALTHY][FAILING as usize] >= 5,
+        "too little traffic on healthy masters during the failover: {:?}",
+        log.ok
+    );
+    assert!(
+        log.ok[VICTIM][PROMOTED as usize] >= 5,
+        "the failed master's keys never worked again through its promoted replica: {:?}",
+        log.ok
+    );
+
+    // Settled: every key the upstream executed was executed once and replays
+    // (whether or not its client got the answer): no record was lost.
+    let executed = executions(&upstream);
+    let twice: Vec<_> = executed.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(twice.is_empty(), "executed more than once: {twice:?}");
+    for key in log.answered.keys() {
+        assert_eq!(
+            executed.get(key),
+            Some(&1),
+            "{key}: answered 2xx but not executed"
+        );
+    }
+    for key in executed.keys() {
+        let url = url.clone();
+        let r = eventually(&format!("{key} to replay"), DEADLINE, || {
+            let url = url.clone();
+            async move {
+                let r = Call::post(&url).key(key).body(key.clone()).await;
+                // 409: its completion is still being retried in the background.
+                (r.status != 409).then_some(r)
+            }
+        })
+        .await;
+        assert!(r.is_replay(), "{key}: record lost, answered {}", r.status);
+        if let Some(first) = log.answered.get(key) {
+            assert_eq!(&r.body, first, "{key}: another answer");
+        }
+    }
+    assert_eq!(executions(&upstream), executed, "a retry executed again");
+
+    // A new connection can be made although the only seed is dead: writes
+    // pause on every master, so that operations keep failing and the proxy
+    // reconnects, through the nodes it learned.
+    let masters = [its_replica, cluster.shards[1].0, cluster.shards[2].0];
+    let reconnects = || {
+        proxy
+            .logs()
+            .iter()
+            .filter(|l| l.contains("made a new cluster connection"))
+            .count()
+    };
+    let before = reconnects();
+    for port in masters {
+        redis_cmd(port, &["CLIENT", "PAUSE", "3000", "WRITE"])
+            .await
+            .unwrap();
+    }
+    let mut paused_keys = (0..).map(|i| format!("paused-{i}"));
+    eventually("a new cluster connection", DEADLINE, || {
+        let key = paused_keys.next().unwrap();
+        let url = url.clone();
+        async move {
+            if reconnects() > before {
+                return Some(());
+            }
+            let r = Call::post(&url).key(&key).body(key.clone()).await;
+            assert!(
+                !(200..300).contains(&r.status),
+                "a write while writes are paused"
+            );
+            None
+        }
+    })
+    .await;
+    let mut resumed_keys = (0..).map(|i| format!("resumed-{i}"));
+    eventually("the end of the pause", DEADLINE, || {
+        let key = resumed_keys.next().unwrap();
+        let url = url.clone();
+        async move {
+            let r = Call::post(&url).key(&key).body(key.clone()).await;
+            (r.status == 201).then_some(())
+        }
+    })
+    .await;
+
+    // Its only seed is dead, yet fresh keys on every master work.
+    let (promoted_keys, other_keys) = keys_by_master(other, its_replica, "after", 3).await;
+    for key in promoted_keys.iter().chain(&other_keys) {
+        let r = Call::post(&url).key(key).body(key.clone()).await;
+        assert_eq!(r.status, 201, "{key} after the failover");
+        assert!(Call::post(&url)
+            .key(key)
+            .body(key.clone())
+            .await
+            .is_replay());
+    }
+}
+
+/// Executions per idempotency key, as the upstream saw them.
+fn executions(upstream: &TestUpstream) -> HashMap<String, usize> {
+    let mut out = HashMap::new();
+    for s in upstream.seen() {
+        if let Some(k) = s
+            .headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+        {
+            *out.entry(k.to_string()).or_default() += 1;
+        }
+    }
+    out
+}
