@@ -448,10 +448,13 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
             Verdict::InFlight => {
                 // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
-                let retry_after = match ttl {
+                let left = match ttl {
                     Some(ttl) => ttl,
                     None => app.store.pttl(&id.store_key).await.map_err(store_down)?,
                 };
+                // At most the lease: the first may have finished between the two round
+                // trips, and then PTTL is its record's TTL, not a lease.
+                let retry_after = left.min(policy.lease);
                 Err(Stop::Refuse(Problem::Conflict { retry_after }))
             }
         };
