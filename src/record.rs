@@ -190,7 +190,9 @@ impl Record {
                 let status = b.get_u16();
                 let body_stored = b.get_u8() & 1 == 1;
                 let count = b.get_u16() as usize;
-                let mut headers = Vec::with_capacity(count);
+                // Each header takes at least 6 bytes: a short or hostile value
+                // cannot make us reserve room for 65,535 of them.
+                let mut headers = Vec::with_capacity(count.min(b.remaining() / 6));
                 for _ in 0..count {
                     let name = get_str16(&mut b)?;
                     let name = HeaderName::from_bytes(&name)
