@@ -166,7 +166,8 @@ enum Stop {
     /// Forwarded without protection (an optional route without a key).
     Unprotected,
     /// The store failed; `may_pass`: `on_store_error = "pass"` may forward it
-    /// (never when too few replicas acknowledged the reservation).
+    /// (not when the store answered: a reservation unconfirmed on the
+    /// replicas, a full memory store).
     StoreDown { may_pass: bool },
 }
 
@@ -256,9 +257,7 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Hand
         Stop::Refuse(p) => refusal(ctx, policy, &p),
         Stop::Replay(f) => match ctx.app.budget.take(f.body.len() as u64) {
             Some(room) => {
-                let mut resp = replay(*f, &policy.replayed_header);
-                let body = std::mem::replace(resp.body_mut(), Body::Full(None));
-                *resp.body_mut() = body.counted(room);
+                let resp = replay(*f, &policy.replayed_header).map(|b| b.counted(room));
                 Handled::new(resp, Outcome::Replayed)
             }
             None => ctx.problem(&Problem::ProxyBusy),
