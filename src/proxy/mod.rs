@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::HeaderValue;
+use http::header::{HeaderValue, CONNECTION};
 use http::{HeaderMap, HeaderName, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
@@ -247,6 +247,7 @@ async fn enforce(
 /// and forwards it as if the proxy were absent; enforcement answers.
 async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Handled {
     let policy = &route.policy;
+    let unread = !matches!(req.body, Body::Full(_));
     let mut handled = match stop {
         stop if policy.mode == Mode::Shadow => {
             if let Some(would_be) = stop.shadow_outcome() {
@@ -268,6 +269,13 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Hand
         }
         Stop::StoreDown { .. } => ctx.problem(&Problem::StoreUnavailable),
     };
+    // Answered here before the request body was read to its end: the
+    // connection cannot carry another request, so say so rather than close it silently.
+    let forwarded = matches!(handled.outcome, Outcome::Passthrough | Outcome::StoreBypass);
+    if unread && !forwarded {
+        let closing = HeaderValue::from_static("close");
+        handled.response.headers_mut().insert(CONNECTION, closing);
+    }
     handled.record_id = req.record_id;
     handled
 }
