@@ -79,24 +79,24 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
     let names: Vec<String> = cmds.iter().map(|c| command(c)).collect();
     assert_eq!(
         names,
-        ["set", "evalsha"],
-        "a new key: reserve (SET NX PX GET) and complete (script), nothing else: {cmds:#?}"
+        ["evalsha", "evalsha"],
+        "a new key: reserve and complete (two scripts), nothing else: {cmds:#?}"
     );
     let after_new = evalsha_calls(redis).await;
-    assert_eq!(after_new - before, 1, "one script call: the completion");
+    assert_eq!(after_new - before, 2, "two script calls: reserve, complete");
 
     let again = Call::post(&url).key("k-rt").body("x").await;
     assert!(again.is_replay());
     let cmds = monitor.record_commands("marker-replay").await;
     let names: Vec<String> = cmds.iter().map(|c| command(c)).collect();
-    assert_eq!(names, ["set"], "a replay is one round trip: {cmds:#?}");
-    assert_eq!(evalsha_calls(redis).await, after_new);
+    assert_eq!(names, ["evalsha"], "a replay is one round trip: {cmds:#?}");
+    assert_eq!(evalsha_calls(redis).await, after_new + 1);
 
     // A mismatch is one round trip too.
     Call::post(&url).key("k-rt").body("other").await;
     assert_eq!(monitor.record_commands("marker-mismatch").await.len(), 1);
 
-    // A conflict asks for the remaining lease as well (for Retry-After): two.
+    // A conflict is one round trip too: the reserve answers with the remaining lease.
     let held = Call::post(&url)
         .key("k-rt2")
         .header("x-test-hold", "1")
@@ -111,7 +111,7 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
         .iter()
         .map(|c| command(c))
         .collect();
-    assert_eq!(names, ["set", "pttl"]);
+    assert_eq!(names, ["evalsha"]);
     env.upstream.release(1);
     held.await.unwrap();
 }
@@ -315,3 +315,51 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
 }
 
 on_both_backends!(operations_are_safe_to_send_twice);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_record_is_fetched_only_with_room_for_it() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let store = format!("[store]\nbackend = \"redis\"\nurl = \"{}\"\n", redis.url());
+    let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+    let config = config_with(&upstream.url(), "max_buffered = \"1MiB\"", &store, routes);
+    let proxy = Proxy::start(&config).await;
+    let url = proxy.url("/v1/payments");
+    let size = 600 * 1024;
+    let big = || {
+        Call::post(&url)
+            .key("k-large")
+            .header("x-test-body-bytes", &size.to_string())
+            .body("x")
+    };
+    assert_eq!(big().await.status, 201);
+    let mut monitor = Monitor::start(&redis).await;
+    // Another request holds 700 KiB of the 1 MiB budget at the upstream.
+    let held = Call::post(&url)
+        .key("k-held")
+        .header("x-test-hold", "1")
+        .spawn(vec![b'h'; 700 * 1024]);
+    upstream.wait_hits(2).await;
+    monitor.record_commands("marker-held").await;
+    let busy = big().await;
+    assert_eq!(busy.status, 503);
+    assert_eq!(busy.json()["type"], "proxy-busy");
+    let cmds = monitor.record_commands("marker-busy").await;
+    assert!(
+        cmds.iter()
+            .all(|c| !c.to_ascii_lowercase().contains("\"get\"")),
+        "the 600 KiB record was not fetched without room for it: {cmds:#?}"
+    );
+    upstream.release(1);
+    held.await.unwrap();
+    let replay = big().await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, binary(size));
+    let cmds = monitor.record_commands("marker-replay").await;
+    assert!(
+        cmds.iter()
+            .any(|c| c.to_ascii_lowercase().contains("\"get\"")),
+        "with room, the record is fetched: {cmds:#?}"
+    );
+    assert_eq!(upstream.hits(), 2, "executed once");
+}

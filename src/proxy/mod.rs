@@ -30,7 +30,7 @@ use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
-use crate::store::{Reservation, StoreError};
+use crate::store::{Inspected, Reservation, StoreError, INLINE_RECORD};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -412,6 +412,11 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         route: route.name.to_string(),
     })
     .encode();
+    // Room for what a reserve may bring back with its answer (a record up to INLINE_RECORD).
+    let _inline = app
+        .budget
+        .take(INLINE_RECORD)
+        .ok_or(Stop::Refuse(Problem::ProxyBusy))?;
     let mut claim = Claim::new(app.clone(), id.store_key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
@@ -423,14 +428,17 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         let found = app
             .store
             .reserve(&id.store_key, processing.clone(), policy.lease);
-        let (verdict, ttl) = match found.await.map_err(store_down)? {
-            Reservation::Reserved => (Verdict::Ours, None),
-            Reservation::Existing { record, ttl } => {
-                (Verdict::of(record, token, &id.fingerprint), ttl)
-            }
-            Reservation::Unreadable(e) => {
-                error!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "the record under this key cannot be read; not forwarding");
-                (Verdict::Unreadable, None)
+        let judged = match found.await.map_err(store_down)? {
+            Reservation::Reserved => Ok(Some((Verdict::Ours, None))),
+            found => judge(ctx, id, token, found).await,
+        };
+        let (verdict, ttl) = match judged {
+            Ok(Some(judged)) => judged,
+            // The record went between the reserve and its fetch: reserve again.
+            Ok(None) => continue,
+            Err(stop) => {
+                claim.disarm();
+                return Err(stop);
             }
         };
         if matches!(verdict, Verdict::InFlight) && waits && Instant::now() < wait_until {
@@ -466,6 +474,38 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             }
         };
     }
+}
+
+/// What holds the key, judged. A record too large to come with the reserve's
+/// answer is fetched only with room for it in the budget; `None` when it went
+/// away in between.
+async fn judge(
+    ctx: &Ctx<'_>,
+    id: &Identity,
+    token: Token,
+    found: Reservation,
+) -> Result<Option<(Verdict, Option<Duration>)>, Stop> {
+    let unreadable = |e: &dyn std::fmt::Display| {
+        error!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "the record under this key cannot be read; not forwarding");
+        Ok(Some((Verdict::Unreadable, None)))
+    };
+    let (record, ttl) = match found {
+        Reservation::Reserved => return Ok(Some((Verdict::Ours, None))),
+        Reservation::Existing { record, ttl } => (record, ttl),
+        Reservation::Unreadable(e) => return unreadable(&e),
+        Reservation::Large { len } => {
+            let Some(_room) = ctx.app.budget.take(len) else {
+                return Err(Stop::Refuse(Problem::ProxyBusy));
+            };
+            match ctx.app.store.get(&id.store_key).await {
+                Ok(None) => return Ok(None),
+                Ok(Some(Inspected { record, ttl })) => (record, Some(ttl)),
+                Err(StoreError::Decode(e)) => return unreadable(&e),
+                Err(e) => return Err(store_down(ctx, id, e)),
+            }
+        }
+    };
+    Ok(Some((Verdict::of(record, token, &id.fingerprint), ttl)))
 }
 
 /// The store failed while reserving. The claim (still armed) releases whatever

@@ -121,16 +121,18 @@ impl MemoryStore {
 
 /// Each operation takes the lock once: it is as atomic as the Redis command or script it mirrors.
 impl Operations for MemoryStore {
+    /// The value is shared, not copied: `inline` does not matter here.
     async fn reserve(
         &self,
         key: &str,
         value: Bytes,
         lease: Duration,
+        _inline: u64,
     ) -> Result<Option<Held>, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
         if let Some(e) = map.live(key, now) {
-            return Ok(Some(Held {
+            return Ok(Some(Held::Value {
                 value: e.value.clone(),
                 ttl: Some(e.expires - now),
             }));
@@ -240,7 +242,7 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..100 {
             assert!(store
-                .reserve(&format!("k{i}"), v(), short)
+                .reserve(&format!("k{i}"), v(), short, 0)
                 .await
                 .unwrap()
                 .is_none());
@@ -249,7 +251,7 @@ mod tests {
         // Each later write clears a few of the expired ones.
         for i in 0..10 {
             let _ = store
-                .reserve(&format!("new{i}"), v(), Duration::from_secs(60))
+                .reserve(&format!("new{i}"), v(), Duration::from_secs(60), 0)
                 .await;
         }
         let map = store.lock();
@@ -263,7 +265,7 @@ mod tests {
         let mut value = vec![1u8, STATE_PROCESSING];
         value.extend_from_slice(&token.0);
         let value = Bytes::from(value);
-        let reserved = store.reserve("k", value, Duration::from_millis(2)).await;
+        let reserved = store.reserve("k", value, Duration::from_millis(2), 0).await;
         assert!(reserved.unwrap().is_none());
         assert!(store
             .renew("k", token, Duration::from_secs(60))
@@ -272,7 +274,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(5)).await; // past the first expiry
         for i in 0..10 {
             let _ = store
-                .reserve(&format!("other{i}"), v(), Duration::from_secs(60))
+                .reserve(&format!("other{i}"), v(), Duration::from_secs(60), 0)
                 .await;
         }
         assert!(
@@ -285,23 +287,26 @@ mod tests {
     async fn reserve_reports_what_holds_the_key_and_its_time_left() {
         let store = MemoryStore::new(1 << 20);
         assert!(store
-            .reserve("k", v(), Duration::from_secs(30))
+            .reserve("k", v(), Duration::from_secs(30), 0)
             .await
             .unwrap()
             .is_none());
         tokio::time::advance(Duration::from_secs(10)).await;
         let held = store
-            .reserve("k", v(), Duration::from_secs(30))
+            .reserve("k", v(), Duration::from_secs(30), 0)
             .await
             .unwrap();
         let held = held.expect("the key is taken");
-        assert_eq!(held.value, v());
-        assert_eq!(held.ttl, Some(Duration::from_secs(20)));
+        let Held::Value { value, ttl } = held else {
+            panic!("the memory store shares values whatever their size")
+        };
+        assert_eq!(value, v());
+        assert_eq!(ttl, Some(Duration::from_secs(20)));
         assert_eq!(store.pttl("k").await.unwrap(), Duration::from_secs(20));
         tokio::time::advance(Duration::from_secs(20)).await;
         assert_eq!(store.pttl("k").await.unwrap(), Duration::ZERO);
         assert!(store
-            .reserve("k", v(), Duration::from_secs(30))
+            .reserve("k", v(), Duration::from_secs(30), 0)
             .await
             .unwrap()
             .is_none());
@@ -317,16 +322,16 @@ mod tests {
         mine.resize(40, 0);
         let ttl = Duration::from_secs(10);
         assert!(store
-            .reserve("k1", Bytes::from(mine), ttl)
+            .reserve("k1", Bytes::from(mine), ttl, 0)
             .await
             .unwrap()
             .is_none());
         assert!(store
-            .reserve("k2", v40.clone(), ttl)
+            .reserve("k2", v40.clone(), ttl, 0)
             .await
             .unwrap()
             .is_none());
-        let full = store.reserve("k3", v40.clone(), ttl).await;
+        let full = store.reserve("k3", v40.clone(), ttl, 0).await;
         assert!(matches!(full, Err(StoreError::Full)), "84 + 42 > 100");
         // A completion may take the store over its limit: the operation ran.
         let big = Bytes::from(vec![0u8; 90]);
@@ -337,7 +342,7 @@ mod tests {
         assert_eq!(store.lock().bytes, 2 + 90 + 2 + 40);
         tokio::time::advance(Duration::from_secs(61)).await;
         assert!(
-            store.reserve("k3", v40, ttl).await.unwrap().is_none(),
+            store.reserve("k3", v40, ttl, 0).await.unwrap().is_none(),
             "room again after expiry"
         );
         assert_eq!(store.lock().bytes, 2 + 40);

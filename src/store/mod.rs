@@ -73,6 +73,9 @@ pub enum Reservation {
     /// A value holds the key that this build cannot decode: not ours, and not
     /// to be overwritten or bypassed (the operation may have run).
     Unreadable(DecodeError),
+    /// A record larger than [`INLINE_RECORD`] holds the key: fetch it with
+    /// [`Store::get`] once there is room for `len` bytes.
+    Large { len: u64 },
 }
 
 /// What `complete` did.
@@ -92,23 +95,33 @@ pub struct Inspected {
     pub ttl: Duration,
 }
 
-/// A value a backend found under a key.
-pub(crate) struct Held {
-    pub value: Bytes,
-    /// What is left of the key's lease or TTL, when the backend knows it without another round trip.
-    pub ttl: Option<Duration>,
+/// What a backend found under a key it was asked to reserve.
+pub(crate) enum Held {
+    Value {
+        value: Bytes,
+        /// What is left of the key's lease or TTL, when the backend knows it without another round trip.
+        ttl: Option<Duration>,
+    },
+    /// A value larger than the caller wanted inline: only its length.
+    Large { len: u64 },
 }
+
+/// The largest record a reserve brings back with its answer; a larger one is
+/// fetched only once there is room for it in the memory budget (§8).
+pub const INLINE_RECORD: u64 = 64 * 1024;
 
 /// The operations each backend implements, with the same shapes; [`Store`]
 /// adds timing, timeouts, metrics and record decoding around them. Every one
 /// touches one key and is safe to send twice.
 pub(crate) trait Operations {
-    /// `SET NX` with the lease; `Some` with what holds the key when it is taken.
+    /// `SET NX` with the lease; `Some` with what holds the key when it is
+    /// taken (its value only when it is at most `inline` bytes).
     async fn reserve(
         &self,
         key: &str,
         value: Bytes,
         lease: Duration,
+        inline: u64,
     ) -> Result<Option<Held>, StoreError>;
     /// What is left of the key's lease or TTL; zero when it is gone.
     async fn pttl(&self, key: &str) -> Result<Duration, StoreError>;
@@ -242,12 +255,13 @@ impl Store {
         let found = self
             .timed(
                 "reserve",
-                backend!(&self.inner, b => b.reserve(key, processing, lease)),
+                backend!(&self.inner, b => b.reserve(key, processing, lease, INLINE_RECORD)),
             )
             .await?;
         match found {
             None => Ok(Reservation::Reserved),
-            Some(Held { value, ttl }) => Ok(match Record::decode(value) {
+            Some(Held::Large { len }) => Ok(Reservation::Large { len }),
+            Some(Held::Value { value, ttl }) => Ok(match Record::decode(value) {
                 Ok(record) => Reservation::Existing { record, ttl },
                 Err(e) => Reservation::Unreadable(e),
             }),

@@ -21,6 +21,7 @@ use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
 
+static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("reserve.lua")));
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -286,6 +287,27 @@ fn connection_info(
         settings = settings.set_password(p);
     }
     Ok(info.set_redis_settings(settings))
+}
+
+/// `reserve.lua`'s answer for a taken key: `{value, pttl}` or `{length, pttl}`.
+fn held(pair: Vec<Value>) -> Result<Held, StoreError> {
+    let bad = || StoreError::Backend("unexpected reserve answer".into());
+    let mut pair = pair.into_iter();
+    let (Some(found), Some(Value::Int(pttl)), None) = (pair.next(), pair.next(), pair.next())
+    else {
+        return Err(bad());
+    };
+    let ttl = Some(Duration::from_millis(pttl.max(0) as u64));
+    match found {
+        Value::BulkString(v) => Ok(Held::Value {
+            value: Bytes::from(v),
+            ttl,
+        }),
+        Value::Int(len) => Ok(Held::Large {
+            len: len.max(0) as u64,
+        }),
+        _ => Err(bad()),
+    }
 }
 
 impl RedisStore {
@@ -581,36 +603,41 @@ impl RedisStore {
 }
 
 impl Operations for RedisStore {
-    /// `SET key value NX PX lease GET` (Redis >= 7.0): reserves, or returns what holds
-    /// the key, in one native command — cheaper for Redis than a script. Sent twice,
-    /// the second returns the caller's own reservation, recognised by its token.
+    /// `reserve.lua`: `SET NX PX` with the lease, or what holds the key with
+    /// its remaining time — the value only when it is at most `inline` bytes
+    /// (a large record's bytes are fetched once the caller has room for them).
     async fn reserve(
         &self,
         key: &str,
         value: Bytes,
         lease: Duration,
+        inline: u64,
     ) -> Result<Option<Held>, StoreError> {
         let mut conn = self.conn().await?;
-        let found: Option<Vec<u8>> = redis::cmd("SET")
-            .arg(key)
+        let found: Value = RESERVE
+            .key(key)
             .arg(value.as_ref())
-            .arg("NX")
-            .arg("PX")
             .arg(ms(lease))
-            .arg("GET")
-            .query_async(&mut conn)
+            .arg(inline)
+            .invoke_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        if found.is_none() && self.wait_replicas > 0 {
+        let held = match found {
+            Value::Nil => None,
+            Value::Array(pair) => Some(held(pair)?),
+            other => {
+                return Err(StoreError::Backend(format!(
+                    "unexpected reserve answer {other:?}"
+                )))
+            }
+        };
+        if held.is_none() && self.wait_replicas > 0 {
             let token = Token::of_record(&value).ok_or_else(|| {
                 StoreError::Backend("a reservation without an owner token".into())
             })?;
             self.wait_for_replicas(&mut conn, key, token).await?;
         }
-        Ok(found.map(|v| Held {
-            value: Bytes::from(v),
-            ttl: None,
-        }))
+        Ok(held)
     }
 
     /// What is left of a key's lease or TTL (for `Retry-After`); zero when it is gone.
@@ -700,7 +727,7 @@ impl Operations for RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let scripts = [&*COMPLETE, &*RENEW, &*RELEASE];
+        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE];
         let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")
