@@ -1,6 +1,6 @@
 //! The Redis store: standalone, Sentinel or Cluster behind one connection type.
-//! Reserving is a native `SET NX PX GET`; the compare-and-set operations are
-//! three small Lua scripts beside this file. Every operation touches one key.
+//! Every operation is a small Lua script beside this file (reserve, complete,
+//! renew, release) or a plain read, and touches one key.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
