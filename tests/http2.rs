@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, Version};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -262,10 +262,12 @@ impl VersionUpstream {
                     log.lock()
                         .unwrap()
                         .push((req.version(), req.headers().clone()));
+                    // The body is read before the answer: answering first
+                    // would reset the stream under a client still sending.
                     async move {
-                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(
-                            version,
-                        ))))
+                        let _ = req.into_body().collect().await;
+                        let answer = Response::new(Full::new(Bytes::from(version)));
+                        Ok::<_, std::convert::Infallible>(answer)
                     }
                 });
                 let io = TokioIo::new(stream);
