@@ -46,6 +46,7 @@ impl App {
         let store = Store::new(&config.store, metrics.clone())?;
         let upstream = Upstream::new(
             config.server.upstream.clone(),
+            config.server.upstream_protocol,
             config.server.upstream_timeout,
             config.server.upstream_idle_timeout,
         );

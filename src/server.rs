@@ -9,15 +9,16 @@ use std::time::Duration;
 
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tracing::{error, info, warn};
 
 use crate::app::App;
 use crate::body::Body;
-use crate::config::Config;
+use crate::config::{Config, ServerConfig};
 use crate::conn::{Busy, BusyGuard, Guarded};
 use crate::store::StoreSetupError;
 use crate::{admin, proxy};
@@ -28,6 +29,18 @@ const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const HARD_STOP_WINDOW: Duration = Duration::from_secs(2);
 /// How often the store is pinged once it has answered (faster before that).
 const PING_EVERY: Duration = Duration::from_secs(2);
+/// HTTP/2 streams one client connection may have open at once; beyond it a
+/// new stream is refused (`REFUSED_STREAM`, safe to retry).
+const H2_MAX_CONCURRENT_STREAMS: u32 = 100;
+/// HTTP/2 flow-control windows: what a client may send before the proxy
+/// reads it, per stream and per connection. The protocol's own default
+/// (64 KiB - 1), not hyper's 1 MiB: a connection then holds at most this much
+/// unread body, as an HTTP/1.1 connection holds about its header buffer.
+const H2_WINDOW: u32 = 65_535;
+/// Answer bytes queued per HTTP/2 stream before the client's window takes them.
+const H2_SEND_BUFFER: usize = 64 * 1024;
+/// How long an HTTP/2 keep-alive ping may go unanswered before the connection is closed.
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -111,6 +124,7 @@ fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListe
         proxy = %addr(listener),
         admin = %addr(admin),
         upstream = %config.server.upstream,
+        upstream_protocol = %config.server.upstream_protocol,
         store = ?config.store.backend,
         routes = config.routes.len(),
         "listening"
@@ -130,10 +144,7 @@ async fn accept(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(config.server.max_connections));
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(config.server.header_read_timeout)
-        .max_buf_size(config.server.max_header_bytes.max(8192));
+    let http = connection_builder(&config.server);
     app.accepting.store(true, Ordering::Release);
     tokio::pin!(shutdown);
     loop {
@@ -162,8 +173,11 @@ async fn accept(
         let (s, io) = (&config.server, busy.clone());
         let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
         let app = app.clone();
+        let began = Arc::new(Notify::new());
+        let begin = began.clone();
         let service = service_fn(move |req| {
             let (app, in_progress) = (app.clone(), busy.enter());
+            begin.notify_one();
             async move {
                 let resp = proxy::handle(app, req, peer).await;
                 Ok::<_, Infallible>(resp.map(|body| Tracked {
@@ -172,13 +186,58 @@ async fn accept(
                 }))
             }
         });
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let conn = graceful.watch(
+            http.serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned(),
+        );
+        let deadline = s.header_read_timeout;
         tokio::spawn(async move {
-            let _ = conn.await;
+            serve(conn, &began, deadline).await;
             drop(slot);
         });
     }
     app.accepting.store(false, Ordering::Release);
+}
+
+/// Serves a connection, closing it if no request has begun within
+/// `deadline`. Until the first bytes tell HTTP/1.1 from HTTP/2, neither
+/// protocol's own limits run: a client that sends nothing, or trickles the
+/// HTTP/2 preface or its first header block, would otherwise hold its slot
+/// until `idle_timeout`. Later requests: HTTP/1.1 has its header timeout;
+/// on HTTP/2, bytes that keep arriving keep the connection open.
+async fn serve(conn: impl Future, began: &Notify, deadline: Duration) {
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = &mut conn => return,
+        () = began.notified() => {}
+        () = tokio::time::sleep(deadline) => return,
+    }
+    let _ = conn.await;
+}
+
+/// One builder for client connections: HTTP/1.1, or cleartext HTTP/2 when
+/// the connection opens with the HTTP/2 preface (prior knowledge, as gRPC
+/// clients use it). The §8 bounds hold per stream as per request.
+fn connection_builder(s: &ServerConfig) -> auto::Builder<TokioExecutor> {
+    let mut http = auto::Builder::new(TokioExecutor::new());
+    http.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(s.header_read_timeout)
+        .max_buf_size(s.max_header_bytes.max(8192));
+    http.http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS)
+        // Decoded header list beyond it: 431, as HTTP/1.1's header buffer gives.
+        .max_header_list_size(u32::try_from(s.max_header_bytes).unwrap_or(u32::MAX))
+        .initial_stream_window_size(H2_WINDOW)
+        .initial_connection_window_size(H2_WINDOW)
+        .max_send_buf_size(H2_SEND_BUFFER)
+        // The ping finds a dead peer under a long request. It comes later than
+        // `idle_timeout`, so that an idle connection is closed by that timeout
+        // rather than kept open by its own pings (an answer is traffic).
+        .keep_alive_interval(s.idle_timeout + Duration::from_secs(1))
+        .keep_alive_timeout(H2_PING_TIMEOUT);
+    http
 }
 
 /// A response body; its request counts as in progress (so its connection is

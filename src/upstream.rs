@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use http::header::{self, HeaderName, HeaderValue};
-use http::{HeaderMap, Request, Response, Uri};
+use http::{HeaderMap, Request, Response, Uri, Version};
 use http_body::Body as _;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -12,7 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
-use crate::config;
+use crate::config::{self, UpstreamProtocol};
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1, plus the
 /// legacy `Keep-Alive` and `Proxy-Connection`): never forwarded, never stored.
@@ -80,27 +80,55 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
-/// The upstream: base URL and a keep-alive connection pool.
+/// The upstream: base URL and keep-alive connection pools, one per protocol.
 pub struct Upstream {
-    client: Client<HttpConnector, Body>,
+    /// HTTP/1.1: a pool of connections, one request at a time on each.
+    http1: Client<HttpConnector, Body>,
+    /// Cleartext HTTP/2 with prior knowledge: requests multiplexed on one connection.
+    h2c: Client<HttpConnector, Body>,
+    protocol: UpstreamProtocol,
     base: config::UpstreamUrl,
     pub timeout: Duration,
 }
 
 impl Upstream {
-    pub fn new(base: config::UpstreamUrl, timeout: Duration, idle_timeout: Duration) -> Self {
+    pub fn new(
+        base: config::UpstreamUrl,
+        protocol: UpstreamProtocol,
+        timeout: Duration,
+        idle_timeout: Duration,
+    ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(5))));
-        let client = Client::builder(TokioExecutor::new())
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(idle_timeout)
-            .pool_max_idle_per_host(1024)
+            .pool_max_idle_per_host(1024);
+        let http1 = builder.build(connector.clone());
+        // A client only ever builds its pools on first use: the one a
+        // protocol never chooses costs nothing.
+        let h2c = builder
+            .http2_only(true)
+            .timer(TokioTimer::new())
             .build(connector);
         Upstream {
-            client,
+            http1,
+            h2c,
+            protocol,
             base,
             timeout,
+        }
+    }
+
+    /// The version a request goes upstream with, given the one it came in with.
+    fn version_for(&self, inbound: Version) -> Version {
+        match (self.protocol, inbound) {
+            (UpstreamProtocol::H2c, _) | (UpstreamProtocol::Auto, Version::HTTP_2) => {
+                Version::HTTP_2
+            }
+            _ => Version::HTTP_11,
         }
     }
 
@@ -118,25 +146,42 @@ impl Upstream {
             .map_err(|e| UpstreamError::Connect(format!("cannot build the upstream URI: {e}")))
     }
 
-    /// Prepares a client request for the upstream: URI, hop-by-hop headers
-    /// removed, `X-Forwarded-For` / `X-Forwarded-Proto` added. `Host` is kept.
+    /// Prepares a client request for the upstream: URI, version, hop-by-hop
+    /// headers removed, `X-Forwarded-For` / `X-Forwarded-Proto` added. The
+    /// client's authority is kept as `Host` (over HTTP/2 it came as
+    /// `:authority`; the upstream URI's authority names the upstream itself).
     pub fn prepare(
         &self,
         mut parts: http::request::Parts,
         body: Body,
         peer: SocketAddr,
     ) -> Result<Request<Body>, UpstreamError> {
+        let version = self.version_for(parts.version);
+        let client_authority = parts.uri.authority().cloned();
         parts.uri = self.uri_for(&parts.uri)?;
-        parts.version = http::Version::HTTP_11;
+        parts.version = version;
         let h = &mut parts.headers;
+        // `TE: trailers` is the one `TE` HTTP/2 allows (RFC 9113 §8.2.2), and
+        // gRPC needs it; on HTTP/1.1 `TE` is hop-by-hop like the rest.
+        let te_trailers = version == Version::HTTP_2 && asks_for_trailers(h);
         strip_hop_by_hop(h);
+        if te_trailers {
+            h.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
+        if let Some(authority) = client_authority.filter(|_| !h.contains_key(header::HOST)) {
+            if let Ok(v) = HeaderValue::from_str(authority.as_str()) {
+                h.insert(header::HOST, v);
+            }
+        }
         let xff = forwarded_for(h, peer);
         h.insert(X_FORWARDED_FOR, xff);
-        // hyper's client sends a body of unknown length on GET, HEAD and
-        // CONNECT as no body at all unless `Transfer-Encoding` says otherwise
-        // (it was stripped above, being hop-by-hop): say it again, so a
-        // chunked body on such a request reaches the upstream (§8).
-        if !body.is_end_stream()
+        // hyper's HTTP/1.1 client sends a body of unknown length on GET, HEAD
+        // and CONNECT as no body at all unless `Transfer-Encoding` says
+        // otherwise (it was stripped above, being hop-by-hop): say it again,
+        // so a chunked body on such a request reaches the upstream (§8).
+        // HTTP/2 frames every body and forbids the header.
+        if version == Version::HTTP_11
+            && !body.is_end_stream()
             && body.size_hint().exact().is_none()
             && !h.contains_key(header::CONTENT_LENGTH)
         {
@@ -166,7 +211,11 @@ impl Upstream {
 
     /// Sends a request and waits for the response headers; the caller bounds the time.
     pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        match self.client.request(req).await {
+        let client = match req.version() {
+            Version::HTTP_2 => &self.h2c,
+            _ => &self.http1,
+        };
+        match client.request(req).await {
             Err(e) if e.is_connect() => Err(UpstreamError::Connect(describe(&e))),
             Err(e) => Err(UpstreamError::Exchange(describe(&e))),
             Ok(mut resp) => {
@@ -175,6 +224,18 @@ impl Upstream {
             }
         }
     }
+}
+
+/// Whether `TE` lists `trailers` (the client will read trailers).
+fn asks_for_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .any(|t| {
+            let t = t.split(|&b| b == b';').next().unwrap_or_default();
+            t.trim_ascii().eq_ignore_ascii_case(b"trailers")
+        })
 }
 
 /// The `X-Forwarded-For` to send: every incoming line, in order, joined with

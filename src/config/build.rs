@@ -11,7 +11,7 @@ use super::grammar::{ConfHeader, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore};
 use super::{
     Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, ServerConfig, Source,
-    StoreConfig, UpstreamUrl,
+    StoreConfig, UpstreamProtocol, UpstreamUrl,
 };
 use crate::policy::Policy;
 use crate::routes::{Route, RouteName, RouteTable};
@@ -173,6 +173,7 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         client_write_timeout: duration(raw.client_write_timeout, Duration::from_secs(30)),
         idle_timeout: duration(raw.idle_timeout, Duration::from_secs(60)),
         upstream_idle_timeout: duration(raw.upstream_idle_timeout, Duration::from_secs(1)),
+        upstream_protocol: raw.upstream_protocol.unwrap_or(UpstreamProtocol::Http1),
     })
 }
 

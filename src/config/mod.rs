@@ -125,6 +125,31 @@ pub struct ServerConfig {
     /// timeout of common application servers, so that a request is not
     /// written onto a connection the upstream is closing.
     pub upstream_idle_timeout: Duration,
+    /// What the proxy speaks to the upstream.
+    pub upstream_protocol: UpstreamProtocol,
+}
+
+/// The protocol of the requests sent to the upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1, whatever the client spoke (the default: every server speaks it).
+    Http1,
+    /// Cleartext HTTP/2 with prior knowledge, whatever the client spoke.
+    H2c,
+    /// The inbound request's version: HTTP/2 for HTTP/2 (e.g. gRPC), else HTTP/1.1.
+    Auto,
+}
+
+/// The spelling the configuration file uses, for logs.
+impl fmt::Display for UpstreamProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            UpstreamProtocol::Http1 => "http1",
+            UpstreamProtocol::H2c => "h2c",
+            UpstreamProtocol::Auto => "auto",
+        })
+    }
 }
 
 /// The upstream base URL, checked: `http://host[:port]` with an optional path prefix.

@@ -12,7 +12,7 @@ use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
 use super::grammar::{ByteSize, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
-use super::{Backend, RedisMode};
+use super::{Backend, RedisMode, UpstreamProtocol};
 use crate::policy::{Concurrent, FingerprintBody, KeyMode, Mode, OnStoreError, UnknownOutcome};
 use crate::routes::PathPattern;
 
@@ -46,6 +46,7 @@ pub(super) struct RawServer {
     pub client_write_timeout: Option<HumanDuration>,
     pub idle_timeout: Option<HumanDuration>,
     pub upstream_idle_timeout: Option<HumanDuration>,
+    pub upstream_protocol: Option<UpstreamProtocol>,
 }
 
 #[derive(Debug, Default, Deserialize)]
