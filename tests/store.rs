@@ -203,8 +203,9 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
 /// The store's own contract, on both backends, through the library API:
 /// every operation is safe to send twice (the client re-sends after reconnects).
 async fn store_for(backend: Backend, redis: Option<&RedisServer>) -> idemproxy::store::Store {
-    let mut text = String::from("[server]\nupstream = \"http://127.0.0.1:1\"\n");
-    text.push_str(&store_section(backend, redis));
+    let text = ConfigBuilder::new("http://127.0.0.1:1")
+        .backend(backend, redis)
+        .build();
     let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
     idemproxy::store::Store::new(
         &cfg.store,
