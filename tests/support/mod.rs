@@ -4,6 +4,7 @@
 //! - `redis`: a `redis-server` of the test's own, and cluster, sentinel and replica setups;
 //! - `upstream`: a programmable upstream (`TestUpstream`) that counts and holds requests;
 //! - `proxy`: the `idemproxy` binary as a child process (`Proxy`);
+//! - `inprocess`: the proxy started from the library, for tests that pause time;
 //! - `client`: a small HTTP client (`Call`, `Resp`, raw sockets);
 //! - `config`: `ConfigBuilder`, the configuration text tests start the proxy with;
 //! - `env`: `Env`, a standard set of the above, and `on_both_backends!`;
@@ -17,6 +18,7 @@
 mod client;
 mod config;
 mod env;
+mod inprocess;
 mod process;
 mod proxy;
 mod redis;
@@ -26,6 +28,7 @@ mod upstream;
 pub use client::*;
 pub use config::*;
 pub use env::*;
+pub use inprocess::*;
 pub use process::*;
 pub use proxy::*;
 pub use redis::*;
