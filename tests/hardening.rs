@@ -8,11 +8,11 @@ use std::time::Duration;
 use support::relay::{Fault, Relay};
 use support::*;
 
-const ROUTES: &str =
-    "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\non_store_error = \"pass\"\n";
-
-fn redis_store(url: &str, extra: &str) -> String {
-    format!("[store]\nbackend = \"redis\"\nurl = \"{url}\"\n{extra}\n")
+/// One route that would pass requests through when the store fails, where allowed.
+fn config(upstream: &TestUpstream, redis_url: &str) -> ConfigBuilder {
+    ConfigBuilder::new(&upstream.url())
+        .redis_url(redis_url)
+        .route("payments", "/v1/payments", "on_store_error = \"pass\"")
 }
 
 /// The store key of a client key sent without scope headers.
@@ -25,8 +25,10 @@ async fn a_failed_wait_releases_the_reservation_and_never_forwards() {
     // WAIT unknown to the server: like an ACL without +wait.
     let redis = RedisServer::start_with(&["--rename-command", "WAIT", ""]).await;
     let upstream = TestUpstream::start().await;
-    let store = redis_store(&redis.url(), "wait_replicas = 1");
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let text = config(&upstream, &redis.url())
+        .store("wait_replicas = 1")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-wait")
         .body("x")
@@ -49,8 +51,8 @@ async fn a_client_that_hangs_up_while_the_reserve_is_in_flight_leaves_no_reserva
     let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
     let upstream = TestUpstream::start().await;
     let url = format!("redis://{}/0", relay.addr);
-    let store = redis_store(&url, "op_timeout = \"3s\"");
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let text = config(&upstream, &url).store("op_timeout = \"3s\"").build();
+    let proxy = Proxy::start(&text).await;
     // The reserve takes 2 × 300 ms; the client gives up after 100 ms.
     relay.set(Fault::Delay(300));
     let call = Call::post(&proxy.url("/v1/payments"))
@@ -79,8 +81,7 @@ async fn a_client_that_hangs_up_while_the_reserve_is_in_flight_leaves_no_reserva
 async fn a_record_the_proxy_cannot_read_is_500_never_forwarded_or_bypassed() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let store = redis_store(&redis.url(), "");
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let proxy = Proxy::start(&config(&upstream, &redis.url()).build()).await;
     // Garbage, and a record of a newer format version than this build knows.
     let mut newer = vec![99u8, b'F'];
     newer.extend_from_slice(&[0; 64]);

@@ -18,6 +18,8 @@ pub enum Fault {
     Reset,
     /// Relay the request; when the far side starts to answer, reset the near side.
     ResetOnReply,
+    /// Delay each chunk by this many milliseconds.
+    Delay(u64),
 }
 
 pub struct Relay {
@@ -98,11 +100,15 @@ async fn handle(mut client: TcpStream, target: SocketAddr, mut mode: watch::Rece
     }
 }
 
-/// Whether bytes may pass now: false when the mode says to drop the connection;
-/// never returns while the mode is `Blackhole`.
+/// Whether bytes may pass (after the mode's delay): false when the mode says to drop
+/// the connection; never returns while the mode is `Blackhole`.
 async fn gate(mode: &mut watch::Receiver<Fault>) -> bool {
     let m = *mode.borrow();
     match m {
+        Fault::Delay(ms) => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            true
+        }
         Fault::Blackhole => std::future::pending().await,
         Fault::Reset => false,
         Fault::Pass | Fault::ResetOnReply => true,
