@@ -185,8 +185,10 @@ const FRESH_WITH_REPLAY_HEADER: &[u8] = b"HTTP/1.1 201 Created\r\nContent-Length
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstreams_own_replay_header_never_marks_a_fresh_answer() {
     let upstream = RawUpstream::start(FRESH_WITH_REPLAY_HEADER).await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url, "", routes)).await;
+    let text = ConfigBuilder::new(&upstream.url)
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let url = proxy.url("/v1/payments");
     let fresh = Call::post(&url).key("k-own-header").body("x").await;
     assert_eq!(fresh.status, 201);
@@ -199,8 +201,10 @@ async fn an_upstreams_own_replay_header_never_marks_a_fresh_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_uuid_request_id_goes_upstream_unchanged_and_is_logged_beside_ours() {
     let upstream = TestUpstream::start().await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), "", routes)).await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-rid")
         .header("x-request-id", "order-42/attempt-1")
@@ -224,8 +228,10 @@ async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
         b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\ndone",
     )
     .await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nmode = \"shadow\"\n";
-    let config = config_with(&upstream.url, "body_read_timeout = \"300ms\"", "", routes);
+    let config = ConfigBuilder::new(&upstream.url)
+        .server("body_read_timeout = \"300ms\"")
+        .route("payments", "/v1/payments", "mode = \"shadow\"")
+        .build();
     let proxy = Proxy::start(&config).await;
     let addr = proxy
         .url("")

@@ -141,6 +141,10 @@ impl Env {
         Self::builder(backend).start().await
     }
 
+    pub async fn with_routes(backend: Backend, routes: &str) -> Env {
+        Self::builder(backend).routes(routes).start().await
+    }
+
     pub fn url(&self, path: &str) -> String {
         self.proxy.url(path)
     }
