@@ -264,7 +264,10 @@ async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
 async fn budgeted() -> (TestUpstream, Proxy) {
     let upstream = TestUpstream::start().await;
     let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let config = config_with(&upstream.url(), "max_buffered = \"1MiB\"", "", routes);
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("max_buffered = \"1MiB\"")
+        .routes(routes)
+        .build();
     let proxy = Proxy::start(&config).await;
     (upstream, proxy)
 }
