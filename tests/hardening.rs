@@ -373,14 +373,10 @@ async fn a_replay_without_room_is_503_and_replays_once_there_is_room() {
 async fn a_client_that_stops_reading_is_disconnected_and_its_replay_memory_freed() {
     use tokio::io::AsyncWriteExt;
     let upstream = TestUpstream::start().await;
-    let routes =
-        "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nmax_response_body = \"32MiB\"\n";
-    let config = config_with(
-        &upstream.url(),
-        "client_write_timeout = \"500ms\"",
-        "",
-        routes,
-    );
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("client_write_timeout = \"500ms\"")
+        .route("payments", "/v1/payments", "max_response_body = \"32MiB\"")
+        .build();
     let proxy = Proxy::start(&config).await;
     let size = 16 << 20;
     let first = Call::post(&proxy.url("/v1/payments"))
@@ -422,9 +418,11 @@ async fn a_client_that_stops_reading_is_disconnected_and_its_replay_memory_freed
 async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = TestUpstream::start().await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let server = "idle_timeout = \"300ms\"\nheader_read_timeout = \"30s\"";
-    let proxy = Proxy::start(&config_with(&upstream.url(), server, "", routes)).await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("idle_timeout = \"300ms\"\nheader_read_timeout = \"30s\"")
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
     // A request that takes longer than idle_timeout at the upstream is not cut.
     let slow = Call::post(&proxy.url("/v1/payments"))
         .key("k-slow")
@@ -453,8 +451,10 @@ async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_memory_store_refuses_new_keys_and_keeps_every_record() {
     let upstream = TestUpstream::start().await;
-    let store = "[store]\nbackend = \"memory\"\nmemory_limit = \"1000\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), store, ROUTES)).await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .store("memory_limit = \"1000\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
     let url = proxy.url("/v1/payments");
     // Each finished record holds the upstream's JSON echo (several hundred bytes).
     let mut answered = Vec::new();
