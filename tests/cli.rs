@@ -199,8 +199,11 @@ async fn unreachable_store_is_not_a_startup_failure() {
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = dead.local_addr().unwrap().port();
     drop(dead);
-    let store = format!("[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{port}/0\"\nop_timeout = \"200ms\"\n");
-    let proxy = Proxy::spawn(&config_text(&upstream.url(), &store, ROUTES), &[]).await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis_url(&format!("redis://127.0.0.1:{port}/0"))
+        .store("op_timeout = \"200ms\"")
+        .build();
+    let proxy = Proxy::spawn(&text, &[]).await;
     assert_eq!(get(&proxy.admin_url("/healthz")).await.unwrap().status, 200);
     assert_eq!(
         get(&proxy.admin_url("/readyz")).await.unwrap().status,
@@ -239,8 +242,8 @@ async fn unreachable_store_is_not_a_startup_failure() {
 async fn sigterm_lets_the_request_in_flight_finish_and_exits_0() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let store = store_section(Backend::Redis, Some(&redis));
-    let mut proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let text = ConfigBuilder::new(&upstream.url()).redis(&redis).build();
+    let mut proxy = Proxy::start(&text).await;
     let url = proxy.url("/v1/payments");
     let in_flight = Call::post(&url)
         .key("k-term")
@@ -264,7 +267,7 @@ async fn sigterm_lets_the_request_in_flight_finish_and_exits_0() {
     assert_eq!(r.status, 201, "the request in flight gets its real answer");
     assert_eq!(proxy.wait_exit().await, Some(0));
     // The record is there for a new process.
-    let proxy2 = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let proxy2 = Proxy::start(&text).await;
     let again = Call::post(&proxy2.url("/v1/payments"))
         .key("k-term")
         .header("x-test-hold", "1")

@@ -25,7 +25,10 @@ async fn read_head(s: &mut TcpStream) -> String {
 async fn a_busy_answer_before_the_body_says_connection_close() {
     let upstream = TestUpstream::start().await;
     let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let config = config_with(&upstream.url(), "max_buffered = \"1MiB\"", "", routes);
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("max_buffered = \"1MiB\"")
+        .routes(routes)
+        .build();
     let proxy = Proxy::start(&config).await;
     let addr = proxy
         .url("")
@@ -53,8 +56,10 @@ async fn a_busy_answer_before_the_body_says_connection_close() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_after_the_whole_body_keeps_the_connection() {
     let upstream = TestUpstream::start().await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), "", routes)).await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
     let addr = proxy
         .url("")
         .trim_start_matches("http://")

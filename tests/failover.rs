@@ -16,7 +16,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use support::{
-    config_text, eventually, kill_child, redis_args, Call, Proxy, TestUpstream, DEADLINE,
+    eventually, kill_child, redis_args, Call, ConfigBuilder, Proxy, TestUpstream, DEADLINE,
 };
 
 /// A port that is free, whose +10000 (the cluster bus) is free too, and that
@@ -349,10 +349,13 @@ async fn the_only_seed_master_dies_under_traffic() {
     let (victim, its_replica) = cluster.shards[0];
     let other = cluster.shards[1].0;
     let upstream = TestUpstream::start().await;
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nmode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{victim}\"]\n"
-    );
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .redis_store(&format!(
+            "mode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{victim}\"]"
+        ))
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::start(&config).await;
     let url = proxy.url("/v1/payments");
     let (victim_keys, healthy_keys) = keys_by_master(other, victim, "fo", KEYS).await;
 

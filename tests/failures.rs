@@ -568,12 +568,10 @@ async fn lost_lease_the_late_finisher_does_not_overwrite() {
 async fn sigkill_mid_request_frees_the_key_after_the_lease() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nlease = \"1s\"\n";
-    let text = config_text(
-        &upstream.url(),
-        &store_section(Backend::Redis, Some(&redis)),
-        routes,
-    );
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis(&redis)
+        .route("payments", "/v1/payments", "lease = \"1s\"")
+        .build();
     let mut a = Proxy::start(&text).await;
     let first = tokio::spawn({
         let url = a.url("/v1/payments");
@@ -615,11 +613,7 @@ async fn send_ignoring_errors(url: &str) -> Option<Resp> {
 async fn three_proxies_300_concurrent_same_key_requests_one_execution() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let text = config_text(
-        &upstream.url(),
-        &store_section(Backend::Redis, Some(&redis)),
-        ROUTES,
-    );
+    let text = ConfigBuilder::new(&upstream.url()).redis(&redis).build();
     let proxies = [
         Proxy::start(&text).await,
         Proxy::start(&text).await,
@@ -655,13 +649,10 @@ async fn three_proxies_300_concurrent_same_key_requests_one_execution() {
 async fn shutdown_grace_running_out_stores_the_unknown_outcome_and_exits_0() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let store = store_section(Backend::Redis, Some(&redis));
-    let text = config_with(
-        &upstream.url(),
-        "shutdown_grace = \"500ms\"",
-        &store,
-        ROUTES,
-    );
+    let text = ConfigBuilder::new(&upstream.url())
+        .server("shutdown_grace = \"500ms\"")
+        .redis(&redis)
+        .build();
     let mut proxy = Proxy::start(&text).await;
     let stuck = tokio::spawn({
         let url = proxy.url("/v1/payments");

@@ -8,11 +8,11 @@ use std::time::Duration;
 use support::relay::{Fault, Relay};
 use support::*;
 
-const ROUTES: &str =
-    "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\non_store_error = \"pass\"\n";
-
-fn redis_store(url: &str, extra: &str) -> String {
-    format!("[store]\nbackend = \"redis\"\nurl = \"{url}\"\n{extra}\n")
+/// One route that would pass requests through when the store fails, where allowed.
+fn config(upstream: &TestUpstream, redis_url: &str) -> ConfigBuilder {
+    ConfigBuilder::new(&upstream.url())
+        .redis_url(redis_url)
+        .route("payments", "/v1/payments", "on_store_error = \"pass\"")
 }
 
 /// The store key of a client key sent without scope headers.
@@ -25,8 +25,10 @@ async fn a_failed_wait_releases_the_reservation_and_never_forwards() {
     // WAIT unknown to the server: like an ACL without +wait.
     let redis = RedisServer::start_with(&["--rename-command", "WAIT", ""]).await;
     let upstream = TestUpstream::start().await;
-    let store = redis_store(&redis.url(), "wait_replicas = 1");
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let text = config(&upstream, &redis.url())
+        .store("wait_replicas = 1")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-wait")
         .body("x")
@@ -49,8 +51,8 @@ async fn a_client_that_hangs_up_while_the_reserve_is_in_flight_leaves_no_reserva
     let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
     let upstream = TestUpstream::start().await;
     let url = format!("redis://{}/0", relay.addr);
-    let store = redis_store(&url, "op_timeout = \"3s\"");
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let text = config(&upstream, &url).store("op_timeout = \"3s\"").build();
+    let proxy = Proxy::start(&text).await;
     // The reserve takes 2 × 300 ms; the client gives up after 100 ms.
     relay.set(Fault::Delay(300));
     let call = Call::post(&proxy.url("/v1/payments"))
@@ -79,8 +81,7 @@ async fn a_client_that_hangs_up_while_the_reserve_is_in_flight_leaves_no_reserva
 async fn a_record_the_proxy_cannot_read_is_500_never_forwarded_or_bypassed() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let store = redis_store(&redis.url(), "");
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, ROUTES)).await;
+    let proxy = Proxy::start(&config(&upstream, &redis.url()).build()).await;
     // Garbage, and a record of a newer format version than this build knows.
     let mut newer = vec![99u8, b'F'];
     newer.extend_from_slice(&[0; 64]);
@@ -184,8 +185,10 @@ const FRESH_WITH_REPLAY_HEADER: &[u8] = b"HTTP/1.1 201 Created\r\nContent-Length
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstreams_own_replay_header_never_marks_a_fresh_answer() {
     let upstream = RawUpstream::start(FRESH_WITH_REPLAY_HEADER).await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url, "", routes)).await;
+    let text = ConfigBuilder::new(&upstream.url)
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let url = proxy.url("/v1/payments");
     let fresh = Call::post(&url).key("k-own-header").body("x").await;
     assert_eq!(fresh.status, 201);
@@ -198,8 +201,10 @@ async fn an_upstreams_own_replay_header_never_marks_a_fresh_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_uuid_request_id_goes_upstream_unchanged_and_is_logged_beside_ours() {
     let upstream = TestUpstream::start().await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), "", routes)).await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-rid")
         .header("x-request-id", "order-42/attempt-1")
@@ -223,8 +228,10 @@ async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
         b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\ndone",
     )
     .await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nmode = \"shadow\"\n";
-    let config = config_with(&upstream.url, "body_read_timeout = \"300ms\"", "", routes);
+    let config = ConfigBuilder::new(&upstream.url)
+        .server("body_read_timeout = \"300ms\"")
+        .route("payments", "/v1/payments", "mode = \"shadow\"")
+        .build();
     let proxy = Proxy::start(&config).await;
     let addr = proxy
         .url("")
@@ -257,7 +264,10 @@ async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
 async fn budgeted() -> (TestUpstream, Proxy) {
     let upstream = TestUpstream::start().await;
     let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let config = config_with(&upstream.url(), "max_buffered = \"1MiB\"", "", routes);
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("max_buffered = \"1MiB\"")
+        .routes(routes)
+        .build();
     let proxy = Proxy::start(&config).await;
     (upstream, proxy)
 }
@@ -363,14 +373,10 @@ async fn a_replay_without_room_is_503_and_replays_once_there_is_room() {
 async fn a_client_that_stops_reading_is_disconnected_and_its_replay_memory_freed() {
     use tokio::io::AsyncWriteExt;
     let upstream = TestUpstream::start().await;
-    let routes =
-        "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\nmax_response_body = \"32MiB\"\n";
-    let config = config_with(
-        &upstream.url(),
-        "client_write_timeout = \"500ms\"",
-        "",
-        routes,
-    );
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("client_write_timeout = \"500ms\"")
+        .route("payments", "/v1/payments", "max_response_body = \"32MiB\"")
+        .build();
     let proxy = Proxy::start(&config).await;
     let size = 16 << 20;
     let first = Call::post(&proxy.url("/v1/payments"))
@@ -412,9 +418,11 @@ async fn a_client_that_stops_reading_is_disconnected_and_its_replay_memory_freed
 async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = TestUpstream::start().await;
-    let routes = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let server = "idle_timeout = \"300ms\"\nheader_read_timeout = \"30s\"";
-    let proxy = Proxy::start(&config_with(&upstream.url(), server, "", routes)).await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("idle_timeout = \"300ms\"\nheader_read_timeout = \"30s\"")
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
     // A request that takes longer than idle_timeout at the upstream is not cut.
     let slow = Call::post(&proxy.url("/v1/payments"))
         .key("k-slow")
@@ -443,8 +451,10 @@ async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_memory_store_refuses_new_keys_and_keeps_every_record() {
     let upstream = TestUpstream::start().await;
-    let store = "[store]\nbackend = \"memory\"\nmemory_limit = \"1000\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), store, ROUTES)).await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .store("memory_limit = \"1000\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
     let url = proxy.url("/v1/payments");
     // Each finished record holds the upstream's JSON echo (several hundred bytes).
     let mut answered = Vec::new();

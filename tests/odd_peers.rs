@@ -10,16 +10,17 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use support::{config_text, Call, Proxy, TestUpstream, DEADLINE};
-
-const ROUTES: &str = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
+use support::{Call, ConfigBuilder, Proxy, TestUpstream, DEADLINE};
 
 /// A path no route protects.
 const PASS: &str = "/v1/open";
 
 /// The proxy in front of `upstream` with the one protected route, memory store.
 async fn proxy_for(upstream: &str) -> Proxy {
-    Proxy::start(&config_text(upstream, "", ROUTES)).await
+    let config = ConfigBuilder::new(upstream)
+        .route("payments", "/v1/payments", "")
+        .build();
+    Proxy::start(&config).await
 }
 
 /// Sends raw bytes (the request should say `Connection: close`) and reads the

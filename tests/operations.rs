@@ -24,24 +24,10 @@ async fn admin(proxy: &Proxy, method: &str, path: &str, token: Option<&str>, bod
 }
 
 async fn env_with_token(backend: Backend) -> Env {
-    let redis = match backend {
-        Backend::Redis => Some(RedisServer::start().await),
-        Backend::Memory => None,
-    };
-    let upstream = TestUpstream::start().await;
-    let text = config_text(
-        &upstream.url(),
-        &store_section(backend, redis.as_ref()),
-        ROUTES,
-    );
-    let proxy = Proxy::start_with_env(&text, &[("IDEMPROXY_ADMIN_TOKEN", TOKEN)]).await;
-    Env {
-        redis,
-        upstream,
-        proxy,
-        redis_relay: None,
-        upstream_relay: None,
-    }
+    Env::builder(backend)
+        .proxy_env("IDEMPROXY_ADMIN_TOKEN", TOKEN)
+        .start()
+        .await
 }
 
 on_both_backends!(
@@ -337,9 +323,8 @@ async fn admin_api_is_off_without_a_token() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_broken() {
     let upstream = TestUpstream::start().await;
-    let store = store_section(Backend::Memory, None);
-    let one_route = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, one_route)).await;
+    let one_route = ConfigBuilder::new(&upstream.url()).route("payments", "/v1/payments", "");
+    let proxy = Proxy::start(&one_route.build()).await;
     let new_url = proxy.url("/v1/new");
     Call::post(&new_url).key("k-new").body("x").await;
     assert!(
@@ -352,8 +337,8 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_brok
     );
 
     // Keep the listen addresses: the proxy bound port 0, which is what the file says.
-    let two_routes = format!("{one_route}[[routes]]\nname = \"new\"\npath = \"/v1/new\"\n");
-    proxy.rewrite_config(&config_text(&upstream.url(), &store, &two_routes));
+    let two_routes = one_route.route("new", "/v1/new", "");
+    proxy.rewrite_config(&two_routes.build());
     proxy.signal("HUP");
     proxy.wait_log("configuration reloaded").await;
     Call::post(&new_url).key("k-new2").body("x").await;
@@ -388,9 +373,8 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_brok
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_reload_keeps_the_config_and_a_later_reload_still_applies() {
     let upstream = TestUpstream::start().await;
-    let store = store_section(Backend::Memory, None);
-    let one_route = "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, one_route)).await;
+    let one_route = ConfigBuilder::new(&upstream.url()).route("payments", "/v1/payments", "");
+    let proxy = Proxy::start(&one_route.build()).await;
     let new_url = proxy.url("/v1/new");
 
     // CRLF lines with non-ASCII text before the error: once a panic that ended
@@ -408,9 +392,8 @@ async fn a_failed_reload_keeps_the_config_and_a_later_reload_still_applies() {
         "not protected: the old configuration still applies"
     );
 
-    let two_routes =
-        format!("# ☕ fixed\n{one_route}[[routes]]\nname = \"new\"\npath = \"/v1/new\"\n");
-    let fixed = config_text(&upstream.url(), &store, &two_routes).replace('\n', "\r\n");
+    let two_routes = one_route.route("new", "/v1/new", "").build();
+    let fixed = format!("# ☕ fixed\n{two_routes}").replace('\n', "\r\n");
     proxy.rewrite_config(&fixed);
     proxy.signal("HUP");
     proxy.wait_log("configuration reloaded").await;

@@ -4,177 +4,10 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::*;
-
-/// A port that is free, and whose +10000 (the cluster bus) is free too.
-fn free_port_with_bus() -> u16 {
-    loop {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return port;
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A redis-server (or sentinel) process with its own directory; killed on drop.
-struct Node {
-    child: Option<Child>,
-    port: u16,
-}
-
-impl Node {
-    fn spawn(dir: &Path, args: &[String]) -> Child {
-        Command::new("redis-server")
-            .args(args)
-            .current_dir(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server")
-    }
-
-    fn kill(&mut self) {
-        kill_child(&mut self.child);
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
-    let mut c = client.get_multiplexed_async_connection().await?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query_async(&mut c).await
-}
-
-async fn wait_pong(port: u16) {
-    eventually(&format!("redis on {port}"), DEADLINE, || async move {
-        redis_cmd(port, &["PING"]).await.ok().map(|_| ())
-    })
-    .await;
-}
-
-fn text(v: redis::Value) -> String {
-    redis::from_redis_value::<String>(v).unwrap_or_default()
-}
-
-/// A master and a replica of it (no persistence), the replica in sync.
-async fn master_and_replica(dir: &Path) -> (Node, Node) {
-    let args = |port: u16| redis_args(port, &[]);
-    let mp = free_port();
-    let master = Node {
-        child: Some(Node::spawn(dir, &args(mp))),
-        port: mp,
-    };
-    wait_pong(mp).await;
-    let rp = free_port();
-    let mut replica_args = args(rp);
-    replica_args.extend(["--replicaof".into(), "127.0.0.1".into(), mp.to_string()]);
-    let replica = Node {
-        child: Some(Node::spawn(dir, &replica_args)),
-        port: rp,
-    };
-    eventually("the replica to sync", DEADLINE, || async move {
-        let info = text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
-        info.contains("master_link_status:up").then_some(())
-    })
-    .await;
-    (master, replica)
-}
-
-// ---------------------------------------------------------------------------
-// Redis Cluster
-
-struct Cluster {
-    nodes: Vec<Node>,
-    _dir: tempfile::TempDir,
-}
-
-impl Cluster {
-    async fn start() -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
-        let mut nodes = Vec::new();
-        for _ in 0..3 {
-            let port = free_port_with_bus();
-            let sub = dir.path().join(port.to_string());
-            std::fs::create_dir(&sub).unwrap();
-            let args = redis_args(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
-            );
-            nodes.push(Node {
-                child: Some(Node::spawn(&sub, &args)),
-                port,
-            });
-        }
-        for n in &nodes {
-            wait_pong(n.port).await;
-        }
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        for n in &nodes {
-            let port = n.port;
-            eventually("cluster_state:ok", DEADLINE, || async move {
-                let info = text(redis_cmd(port, &["CLUSTER", "INFO"]).await.ok()?);
-                info.contains("cluster_state:ok").then_some(())
-            })
-            .await;
-        }
-        Cluster { nodes, _dir: dir }
-    }
-
-    /// How many record keys each master holds.
-    async fn keys_per_node(&self) -> Vec<usize> {
-        let mut out = Vec::new();
-        for n in &self.nodes {
-            let keys: Vec<String> =
-                redis::from_redis_value(redis_cmd(n.port, &["KEYS", "idemproxy:*"]).await.unwrap())
-                    .unwrap();
-            out.push(keys.len());
-        }
-        out
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn core_behaviour_on_a_three_master_cluster() {
@@ -182,10 +15,12 @@ async fn core_behaviour_on_a_three_master_cluster() {
     let upstream = TestUpstream::start().await;
     // Seed with one node only: the client discovers the others and follows MOVED.
     let one_seed = format!(
-        "[store]\nbackend = \"redis\"\nmode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{}\"]\n",
+        "mode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{}\"]",
         cluster.nodes[0].port
     );
-    let text = config_text(&upstream.url(), &one_seed, ROUTES);
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis_store(&one_seed)
+        .build();
     let proxies = [
         Proxy::start(&text).await,
         Proxy::start(&text).await,
@@ -292,107 +127,14 @@ async fn core_behaviour_on_a_three_master_cluster() {
 // ---------------------------------------------------------------------------
 // Sentinel
 
-struct SentinelSetup {
-    master: Node,
-    replica: Node,
-    sentinels: Vec<Node>,
-    _dir: tempfile::TempDir,
-}
-
-impl SentinelSetup {
-    async fn start() -> SentinelSetup {
-        let dir = tempfile::tempdir().unwrap();
-        let (master, replica) = master_and_replica(dir.path()).await;
-        let mp = master.port;
-        let mut sentinels = Vec::new();
-        for i in 0..3 {
-            let sp = free_port();
-            let conf = dir.path().join(format!("sentinel-{i}.conf"));
-            std::fs::write(
-                &conf,
-                format!(
-                    "port {sp}\nbind 127.0.0.1\nsentinel monitor mymaster 127.0.0.1 {mp} 2\n\
-                     sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n\
-                     sentinel parallel-syncs mymaster 1\n"
-                ),
-            )
-            .unwrap();
-            let args = vec![conf.display().to_string(), "--sentinel".to_string()];
-            sentinels.push(Node {
-                child: Some(Node::spawn(dir.path(), &args)),
-                port: sp,
-            });
-        }
-        for s in &sentinels {
-            let port = s.port;
-            eventually(
-                "sentinels to know the replica and each other",
-                DEADLINE,
-                || async move {
-                    let v = redis_cmd(port, &["SENTINEL", "CKQUORUM", "mymaster"])
-                        .await
-                        .ok()?;
-                    let replicas: Vec<redis::Value> = redis::from_redis_value(
-                        redis_cmd(port, &["SENTINEL", "REPLICAS", "mymaster"])
-                            .await
-                            .ok()?,
-                    )
-                    .ok()?;
-                    let master: Vec<redis::Value> = redis::from_redis_value(
-                        redis_cmd(port, &["SENTINEL", "MASTER", "mymaster"])
-                            .await
-                            .ok()?,
-                    )
-                    .ok()?;
-                    let others = master
-                        .chunks(2)
-                        .find(|kv| text(kv[0].clone()) == "num-other-sentinels")
-                        .map(|kv| text(kv[1].clone()));
-                    (text(v).starts_with("OK")
-                        && !replicas.is_empty()
-                        && others.as_deref() == Some("2"))
-                    .then_some(())
-                },
-            )
-            .await;
-        }
-        SentinelSetup {
-            master,
-            replica,
-            sentinels,
-            _dir: dir,
-        }
-    }
-
-    fn store(&self) -> String {
-        let s: Vec<String> = self
-            .sentinels
-            .iter()
-            .map(|n| format!("\"redis://127.0.0.1:{}\"", n.port))
-            .collect();
-        format!(
-            "[store]\nbackend = \"redis\"\nmode = \"sentinel\"\nsentinels = [{}]\nmaster_name = \"mymaster\"\nop_timeout = \"300ms\"\n",
-            s.join(", ")
-        )
-    }
-
-    async fn master_port(&self) -> Option<u16> {
-        let v = redis_cmd(
-            self.sentinels[0].port,
-            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
-        )
-        .await
-        .ok()?;
-        let addr: Vec<String> = redis::from_redis_value(v).ok()?;
-        addr.get(1)?.parse().ok()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_failover_recovers_without_restarting_the_proxy() {
     let mut setup = SentinelSetup::start().await;
     let upstream = TestUpstream::start().await;
-    let proxy = Proxy::start(&config_text(&upstream.url(), &setup.store(), ROUTES)).await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis_store(&setup.store_lines())
+        .build();
+    let proxy = Proxy::start(&text).await;
     let url = proxy.url("/v1/payments");
     let before = Call::post(&url).key("s-before").body("x").await;
     assert_eq!(before.status, 201);
@@ -461,12 +203,12 @@ async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge(
     let (master, mut replica) = master_and_replica(dir.path()).await;
     let mp = master.port;
     let upstream = TestUpstream::start().await;
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{mp}/0\"\nwait_replicas = 1\nwait_timeout = \"100ms\"\n"
-    );
-    let routes =
-        "[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\non_store_error = \"pass\"\n";
-    let proxy = Proxy::start(&config_text(&upstream.url(), &store, routes)).await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis_url(&format!("redis://127.0.0.1:{mp}/0"))
+        .store("wait_replicas = 1\nwait_timeout = \"100ms\"")
+        .route("payments", "/v1/payments", "on_store_error = \"pass\"")
+        .build();
+    let proxy = Proxy::start(&text).await;
     let url = proxy.url("/v1/payments");
     assert_eq!(Call::post(&url).key("w-ok").body("x").await.status, 201);
     assert!(Call::post(&url).key("w-ok").body("x").await.is_replay());
@@ -477,7 +219,7 @@ async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge(
         "the master to notice the replica is gone",
         DEADLINE,
         || async move {
-            let info = text(redis_cmd(mp, &["INFO", "replication"]).await.ok()?);
+            let info = reply_text(redis_cmd(mp, &["INFO", "replication"]).await.ok()?);
             info.contains("connected_slaves:0").then_some(())
         },
     )
@@ -570,18 +312,17 @@ async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
         ),
     )
     .unwrap();
-    let _redis = Node {
-        child: Some(Node::spawn(dir.path(), &[conf.display().to_string()])),
-        port,
-    };
+    let _redis = Node::start(dir.path(), port, &[conf.display().to_string()]);
     wait_pong(admin_port).await; // the plain port is for the test's own checks
     let upstream = TestUpstream::start().await;
     let ca = dir.path().join("ca.pem");
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nurl = \"rediss://127.0.0.1:{port}/0\"\nusername = \"idemproxy\"\ntls_ca_file = \"{}\"\n",
-        ca.display()
-    );
-    let text = config_text(&upstream.url(), &store, ROUTES);
+    let tls = ConfigBuilder::new(&upstream.url())
+        .redis_url(&format!("rediss://127.0.0.1:{port}/0"))
+        .store("username = \"idemproxy\"");
+    let text = tls
+        .clone()
+        .store(&format!("tls_ca_file = \"{}\"", ca.display()))
+        .build();
     let proxy = Proxy::start_with_env(&text, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
     let url = proxy.url("/v1/payments");
     let first = Call::post(&url).key("t-1").body("x").await;
@@ -609,11 +350,7 @@ async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
     proxy.wait_log("refused CONFIG GET").await;
 
     // Without the CA, the server's certificate is not trusted: never ready.
-    let no_ca = config_text(
-        &upstream.url(),
-        &format!("[store]\nbackend = \"redis\"\nurl = \"rediss://127.0.0.1:{port}/0\"\nusername = \"idemproxy\"\nop_timeout = \"300ms\"\n"),
-        ROUTES,
-    );
+    let no_ca = tls.store("op_timeout = \"300ms\"").build();
     let untrusting = Proxy::spawn(&no_ca, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
     untrusting.wait_log("store ping failed").await;
     assert_eq!(
@@ -633,24 +370,14 @@ async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
 async fn startup_check_warns_about_eviction_and_missing_persistence() {
     let upstream = TestUpstream::start().await;
     let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]).await;
-    let proxy = Proxy::start(&config_text(
-        &upstream.url(),
-        &store_section(Backend::Redis, Some(&evicting)),
-        ROUTES,
-    ))
-    .await;
+    let proxy = Proxy::start(&ConfigBuilder::new(&upstream.url()).redis(&evicting).build()).await;
     let line = proxy.wait_log("set maxmemory-policy noeviction").await;
     assert_eq!(line["level"], "WARN");
     assert_eq!(line["maxmemory_policy"], "allkeys-lru");
     proxy.wait_log("no persistence").await;
 
     let durable = RedisServer::start_with(&["--appendonly", "yes"]).await;
-    let proxy = Proxy::start(&config_text(
-        &upstream.url(),
-        &store_section(Backend::Redis, Some(&durable)),
-        ROUTES,
-    ))
-    .await;
+    let proxy = Proxy::start(&ConfigBuilder::new(&upstream.url()).redis(&durable).build()).await;
     proxy.wait_log("store durability check").await;
     assert!(!proxy
         .logs()

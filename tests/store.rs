@@ -203,8 +203,9 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
 /// The store's own contract, on both backends, through the library API:
 /// every operation is safe to send twice (the client re-sends after reconnects).
 async fn store_for(backend: Backend, redis: Option<&RedisServer>) -> idemproxy::store::Store {
-    let mut text = String::from("[server]\nupstream = \"http://127.0.0.1:1\"\n");
-    text.push_str(&store_section(backend, redis));
+    let text = ConfigBuilder::new("http://127.0.0.1:1")
+        .backend(backend, redis)
+        .build();
     let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
     idemproxy::store::Store::new(
         &cfg.store,
@@ -320,9 +321,12 @@ on_both_backends!(operations_are_safe_to_send_twice);
 async fn a_large_record_is_fetched_only_with_room_for_it() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let store = format!("[store]\nbackend = \"redis\"\nurl = \"{}\"\n", redis.url());
     let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let config = config_with(&upstream.url(), "max_buffered = \"1MiB\"", &store, routes);
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("max_buffered = \"1MiB\"")
+        .redis(&redis)
+        .routes(routes)
+        .build();
     let proxy = Proxy::start(&config).await;
     let url = proxy.url("/v1/payments");
     let size = 600 * 1024;

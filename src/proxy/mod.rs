@@ -9,13 +9,14 @@ mod verdict;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONNECTION};
 use http::{HeaderMap, HeaderName, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 use tracing::{error, info, warn};
 use uuid::Uuid;
 

@@ -1,9 +1,7 @@
 //! A fault-injecting TCP relay: put it between the proxy and Redis, or the
 //! proxy and the upstream, and switch its behaviour while traffic runs.
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -14,8 +12,6 @@ use tokio::sync::watch;
 pub enum Fault {
     /// Relay bytes both ways.
     Pass,
-    /// Hold every byte (both ways) until the mode changes; new connections are accepted and held.
-    Pause,
     /// Accept, read and drop everything, never answer.
     Blackhole,
     /// Accept, then reset at once (like a refused connection, after the handshake).
@@ -29,7 +25,6 @@ pub enum Fault {
 pub struct Relay {
     pub addr: SocketAddr,
     mode: watch::Sender<Fault>,
-    target: Arc<std::sync::Mutex<SocketAddr>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -38,34 +33,21 @@ impl Relay {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
         let addr = listener.local_addr().unwrap();
         let (mode, _) = watch::channel(Fault::Pass);
-        let target = Arc::new(std::sync::Mutex::new(target));
         let m = mode.clone();
-        let t = target.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
                 let rx = m.subscribe();
-                let target = *t.lock().unwrap();
                 tokio::spawn(handle(client, target, rx));
             }
         });
-        Relay {
-            addr,
-            mode,
-            target,
-            task,
-        }
+        Relay { addr, mode, task }
     }
 
     pub fn set(&self, fault: Fault) {
         self.mode.send_replace(fault);
-    }
-
-    /// Points new connections elsewhere (e.g. a restarted server).
-    pub fn retarget(&self, target: SocketAddr) {
-        *self.target.lock().unwrap() = target;
     }
 }
 
@@ -118,24 +100,18 @@ async fn handle(mut client: TcpStream, target: SocketAddr, mut mode: watch::Rece
     }
 }
 
-/// Waits while paused; applies a delay; false when the mode says to drop the connection.
+/// Whether bytes may pass (after the mode's delay): false when the mode says to drop
+/// the connection; never returns while the mode is `Blackhole`.
 async fn gate(mode: &mut watch::Receiver<Fault>) -> bool {
-    loop {
-        let m = *mode.borrow();
-        match m {
-            Fault::Pause => {
-                if mode.changed().await.is_err() {
-                    return false;
-                }
-            }
-            Fault::Delay(ms) => {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-                return true;
-            }
-            Fault::Blackhole => return std::future::pending().await,
-            Fault::Reset => return false,
-            Fault::Pass | Fault::ResetOnReply => return true,
+    let m = *mode.borrow();
+    match m {
+        Fault::Delay(ms) => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            true
         }
+        Fault::Blackhole => std::future::pending().await,
+        Fault::Reset => false,
+        Fault::Pass | Fault::ResetOnReply => true,
     }
 }
 

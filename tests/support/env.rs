@@ -1,0 +1,192 @@
+//! `Env`: the standard set a scenario runs against (a redis-server or not, the test
+//! upstream, the proxy binary, fault relays when asked for), and `on_both_backends!`.
+
+use super::relay::Relay;
+use super::{metric_at, ConfigBuilder, Proxy, RedisServer, TestUpstream, ROUTES};
+
+/// The store a scenario runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Redis,
+    Memory,
+}
+
+pub struct Env {
+    pub redis: Option<RedisServer>,
+    pub upstream: TestUpstream,
+    pub proxy: Proxy,
+    /// Between the proxy and Redis, when asked for.
+    pub redis_relay: Option<Relay>,
+    /// Between the proxy and the upstream, when asked for.
+    pub upstream_relay: Option<Relay>,
+}
+
+/// Builds an [`Env`] with the parts a test needs.
+pub struct EnvBuilder {
+    backend: Backend,
+    routes: String,
+    server: String,
+    store: String,
+    proxy_env: Vec<(String, String)>,
+    redis_relay: bool,
+    upstream_relay: bool,
+    upstream_url: Option<String>,
+}
+
+impl EnvBuilder {
+    /// Replaces the standard [`ROUTES`] (and `[defaults]`).
+    pub fn routes(mut self, routes: &str) -> Self {
+        self.routes = routes.to_string();
+        self
+    }
+
+    /// Extra `key = value` lines for [server].
+    pub fn server(mut self, lines: &str) -> Self {
+        self.server = lines.to_string();
+        self
+    }
+
+    /// Extra `key = value` lines for [store].
+    pub fn store(mut self, lines: &str) -> Self {
+        self.store = lines.to_string();
+        self
+    }
+
+    /// An environment variable for the proxy process.
+    pub fn proxy_env(mut self, name: &str, value: &str) -> Self {
+        self.proxy_env.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Put a fault relay between the proxy and Redis.
+    pub fn redis_relay(mut self) -> Self {
+        self.redis_relay = true;
+        self
+    }
+
+    /// Put a fault relay between the proxy and the upstream.
+    pub fn upstream_relay(mut self) -> Self {
+        self.upstream_relay = true;
+        self
+    }
+
+    /// Send upstream traffic to this URL instead of the test upstream.
+    pub fn upstream_url(mut self, url: &str) -> Self {
+        self.upstream_url = Some(url.to_string());
+        self
+    }
+
+    pub async fn start(self) -> Env {
+        let redis = match self.backend {
+            Backend::Redis => Some(RedisServer::start().await),
+            Backend::Memory => None,
+        };
+        let redis_relay = match (&redis, self.redis_relay) {
+            (Some(r), true) => Some(Relay::start(([127, 0, 0, 1], r.port).into()).await),
+            _ => None,
+        };
+        let upstream = TestUpstream::start().await;
+        let upstream_relay = if self.upstream_relay {
+            Some(Relay::start(upstream.addr).await)
+        } else {
+            None
+        };
+        let upstream_url = match (&self.upstream_url, &upstream_relay) {
+            (Some(u), _) => u.clone(),
+            (None, Some(r)) => format!("http://{}", r.addr),
+            (None, None) => upstream.url(),
+        };
+        let mut config = ConfigBuilder::new(&upstream_url)
+            .server(&self.server)
+            .routes(&self.routes);
+        match (&redis, &redis_relay) {
+            (Some(_), Some(relay)) => {
+                config = config.redis_url(&format!("redis://{}/0", relay.addr))
+            }
+            (Some(r), None) => config = config.redis(r),
+            (None, _) => {}
+        }
+        let text = config.store(&self.store).build();
+        let env: Vec<(&str, &str)> = self
+            .proxy_env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let proxy = Proxy::start_with_env(&text, &env).await;
+        Env {
+            redis,
+            upstream,
+            proxy,
+            redis_relay,
+            upstream_relay,
+        }
+    }
+}
+
+impl Env {
+    pub fn builder(backend: Backend) -> EnvBuilder {
+        EnvBuilder {
+            backend,
+            routes: ROUTES.to_string(),
+            server: String::new(),
+            store: String::new(),
+            proxy_env: Vec::new(),
+            redis_relay: false,
+            upstream_relay: false,
+            upstream_url: None,
+        }
+    }
+
+    pub async fn start(backend: Backend) -> Env {
+        Self::builder(backend).start().await
+    }
+
+    pub async fn with_routes(backend: Backend, routes: &str) -> Env {
+        Self::builder(backend).routes(routes).start().await
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        self.proxy.url(path)
+    }
+
+    /// The store keys, when the store is Redis (the memory store cannot be looked into).
+    pub async fn store_keys(&self) -> Option<Vec<String>> {
+        match &self.redis {
+            Some(r) => Some(r.keys().await),
+            None => None,
+        }
+    }
+
+    /// The value of one metric series from /metrics (0 when absent).
+    pub async fn metric(&self, series: &str) -> f64 {
+        metric(&self.proxy, series).await
+    }
+}
+
+/// The value of one metric series (name with its labels, as exposed) from /metrics; 0 when absent.
+pub async fn metric(proxy: &Proxy, series: &str) -> f64 {
+    metric_at(proxy.admin, series).await
+}
+
+/// Declares each scenario `async fn name(backend: Backend)` as a test on Redis and one on memory.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod on_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Redis).await
+                }
+            )*
+        }
+        mod on_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Memory).await
+                }
+            )*
+        }
+    };
+}

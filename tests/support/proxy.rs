@@ -1,0 +1,175 @@
+//! The proxy as the real binary (`idemproxy --config <file>`): its addresses, JSON logs,
+//! signals and exit code.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use super::{eventually, get, kill_child, DEADLINE};
+
+pub struct Proxy {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    logs: Arc<Mutex<Vec<String>>>,
+    _config: tempfile::NamedTempFile,
+}
+
+pub fn write_config(toml: &str) -> tempfile::NamedTempFile {
+    use std::io::Write;
+    let mut f = tempfile::Builder::new()
+        .suffix(".toml")
+        .tempfile()
+        .expect("temp config");
+    f.write_all(toml.as_bytes()).expect("write config");
+    f
+}
+
+impl Proxy {
+    /// Starts `idemproxy --config <toml> --log-format json` and waits until `/readyz` is 200.
+    pub async fn start(toml: &str) -> Proxy {
+        Self::start_with_env(toml, &[]).await
+    }
+
+    pub async fn start_with_env(toml: &str, env: &[(&str, &str)]) -> Proxy {
+        let proxy = Self::spawn(toml, env).await;
+        proxy.wait_ready().await;
+        proxy
+    }
+
+    /// Starts the binary and waits for its "listening" line, not for readiness.
+    pub async fn spawn(toml: &str, env: &[(&str, &str)]) -> Proxy {
+        let config = write_config(toml);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .arg("--config")
+            .arg(config.path())
+            .args(["--log-format", "json"])
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn idemproxy");
+        let stderr = child.stderr.take().expect("stderr");
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(line.clone());
+                let _ = tx.send(line);
+            }
+        });
+        let listening = tokio::task::spawn_blocking(move || {
+            let until = std::time::Instant::now() + DEADLINE;
+            loop {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                match rx.recv_timeout(left) {
+                    Ok(line) => {
+                        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                            if v["message"] == "listening" {
+                                return Ok(v);
+                            }
+                        }
+                    }
+                    Err(_) => return Err("no \"listening\" line"),
+                }
+            }
+        })
+        .await
+        .expect("join");
+        let v = match listening {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = child.kill();
+                panic!(
+                    "idemproxy did not start: {e}; logs:\n{}",
+                    logs.lock().unwrap().join("\n")
+                );
+            }
+        };
+        let addr = v["proxy"].as_str().unwrap().parse().unwrap();
+        let admin = v["admin"].as_str().unwrap().parse().unwrap();
+        Proxy {
+            child: Some(child),
+            addr,
+            admin,
+            logs,
+            _config: config,
+        }
+    }
+
+    pub async fn wait_ready(&self) {
+        let url = format!("http://{}/readyz", self.admin);
+        eventually("/readyz to answer 200", DEADLINE, || {
+            let url = url.clone();
+            async move { (get(&url).await.ok()?.status == 200).then_some(()) }
+        })
+        .await;
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    pub fn logs(&self) -> Vec<String> {
+        self.logs.lock().unwrap().clone()
+    }
+
+    /// Waits for a log line containing `text` and returns it parsed (JSON logs).
+    pub async fn wait_log(&self, text: &str) -> serde_json::Value {
+        let logs = self.logs.clone();
+        let text = text.to_string();
+        eventually(&format!("a log line with {text:?}"), DEADLINE, || {
+            let found = logs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|l| l.contains(&text))
+                .cloned();
+            async move { found.map(|l| serde_json::from_str(&l).expect("JSON log line")) }
+        })
+        .await
+    }
+
+    /// Replaces the configuration file (for SIGHUP reload tests).
+    pub fn rewrite_config(&self, text: &str) {
+        std::fs::write(self._config.path(), text).expect("rewrite config");
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    }
+
+    /// Waits for the process to exit and returns its exit code.
+    pub async fn wait_exit(&mut self) -> Option<i32> {
+        let mut child = self.child.take().expect("running");
+        tokio::task::spawn_blocking(move || child.wait().ok().and_then(|s| s.code()))
+            .await
+            .expect("join")
+    }
+
+    pub fn kill(&mut self) {
+        kill_child(&mut self.child);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

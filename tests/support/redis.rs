@@ -1,0 +1,379 @@
+//! Redis for the tests: a `redis-server` of the test's own (`RedisServer`), and the
+//! topologies the scale-out tests need (`Cluster`, `SentinelSetup`, `master_and_replica`).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{eventually, free_port, free_port_with_bus, kill_child, DEADLINE};
+
+/// Arguments for a test redis-server: loopback only, no persistence, then `extra`.
+pub fn redis_args(port: u16, extra: &[&str]) -> Vec<String> {
+    let port = port.to_string();
+    [
+        "--port",
+        &port,
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
+}
+
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub async fn start() -> RedisServer {
+        Self::start_with(&[]).await
+    }
+
+    pub async fn start_with(extra: &[&str]) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut server = RedisServer {
+            child: None,
+            port: 0,
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        for _ in 0..5 {
+            server.port = free_port();
+            if server.spawn().await {
+                return server;
+            }
+        }
+        panic!("redis-server did not start (is it installed?)");
+    }
+
+    /// Starts the server on its port; false when it did not come up (port taken).
+    async fn spawn(&mut self) -> bool {
+        let child = Command::new("redis-server")
+            .args(redis_args(self.port, &[]))
+            .args(["--dir", &self.dir.path().display().to_string()])
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if let Ok(mut c) = self.conn().await {
+                if redis::cmd("PING")
+                    .query_async::<String>(&mut c)
+                    .await
+                    .is_ok()
+                {
+                    return true;
+                }
+            }
+            if let Some(Ok(Some(_))) = self.child.as_mut().map(|c| c.try_wait()) {
+                break; // exited: port taken
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stop();
+        false
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub async fn conn(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        redis::Client::open(self.url())?
+            .get_multiplexed_async_connection()
+            .await
+    }
+
+    pub async fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = self.conn().await.expect("connect to test redis");
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query_async(&mut c).await.expect("redis command")
+    }
+
+    pub async fn keys(&self) -> Vec<String> {
+        self.cmd(&["KEYS", "*"]).await
+    }
+
+    /// Stops the server (SIGKILL: nothing is saved).
+    pub fn stop(&mut self) {
+        kill_child(&mut self.child);
+    }
+
+    /// Starts it again on the same port.
+    pub async fn restart(&mut self) {
+        self.stop();
+        assert!(
+            self.spawn().await,
+            "redis-server did not restart on port {}",
+            self.port
+        );
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Topologies: plain nodes, a master with a replica, a cluster, sentinels.
+
+/// A redis-server (or sentinel) process with its own directory; killed on drop.
+pub struct Node {
+    child: Option<Child>,
+    pub port: u16,
+}
+
+impl Node {
+    /// Starts `redis-server args` in `dir`; the caller waits for it (`wait_pong`).
+    pub fn start(dir: &Path, port: u16, args: &[String]) -> Node {
+        let child = Command::new("redis-server")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        Node {
+            child: Some(child),
+            port,
+        }
+    }
+
+    pub fn kill(&mut self) {
+        kill_child(&mut self.child);
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One command to the redis-server on `port`, on a connection of its own.
+pub async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let mut c = client.get_multiplexed_async_connection().await?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query_async(&mut c).await
+}
+
+/// Waits until the redis-server on `port` answers PING.
+pub async fn wait_pong(port: u16) {
+    eventually(&format!("redis on {port}"), DEADLINE, || async move {
+        redis_cmd(port, &["PING"]).await.ok().map(|_| ())
+    })
+    .await;
+}
+
+/// A reply as text ("" when it is not text).
+pub fn reply_text(v: redis::Value) -> String {
+    redis::from_redis_value::<String>(v).unwrap_or_default()
+}
+
+/// A master and a replica of it (no persistence), the replica in sync.
+pub async fn master_and_replica(dir: &Path) -> (Node, Node) {
+    let mp = free_port();
+    let master = Node::start(dir, mp, &redis_args(mp, &[]));
+    wait_pong(mp).await;
+    let rp = free_port();
+    let mp_text = mp.to_string();
+    let replica = Node::start(
+        dir,
+        rp,
+        &redis_args(rp, &["--replicaof", "127.0.0.1", &mp_text]),
+    );
+    eventually("the replica to sync", DEADLINE, || async move {
+        let info = reply_text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
+        info.contains("master_link_status:up").then_some(())
+    })
+    .await;
+    (master, replica)
+}
+
+/// A three-master Redis Cluster, no replicas, every slot served.
+pub struct Cluster {
+    pub nodes: Vec<Node>,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    pub async fn start() -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let port = free_port_with_bus();
+            let sub = dir.path().join(port.to_string());
+            std::fs::create_dir(&sub).unwrap();
+            let args = redis_args(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            );
+            nodes.push(Node::start(&sub, port, &args));
+        }
+        for n in &nodes {
+            wait_pong(n.port).await;
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        for n in &nodes {
+            let port = n.port;
+            eventually("cluster_state:ok", DEADLINE, || async move {
+                let info = reply_text(redis_cmd(port, &["CLUSTER", "INFO"]).await.ok()?);
+                info.contains("cluster_state:ok").then_some(())
+            })
+            .await;
+        }
+        Cluster { nodes, _dir: dir }
+    }
+
+    /// How many record keys each master holds.
+    pub async fn keys_per_node(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for n in &self.nodes {
+            let keys: Vec<String> =
+                redis::from_redis_value(redis_cmd(n.port, &["KEYS", "idemproxy:*"]).await.unwrap())
+                    .unwrap();
+            out.push(keys.len());
+        }
+        out
+    }
+}
+
+/// A master, its replica and three sentinels watching them as "mymaster".
+pub struct SentinelSetup {
+    pub master: Node,
+    pub replica: Node,
+    pub sentinels: Vec<Node>,
+    _dir: tempfile::TempDir,
+}
+
+impl SentinelSetup {
+    pub async fn start() -> SentinelSetup {
+        let dir = tempfile::tempdir().unwrap();
+        let (master, replica) = master_and_replica(dir.path()).await;
+        let mp = master.port;
+        let mut sentinels = Vec::new();
+        for i in 0..3 {
+            let sp = free_port();
+            let conf = dir.path().join(format!("sentinel-{i}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {sp}\nbind 127.0.0.1\nsentinel monitor mymaster 127.0.0.1 {mp} 2\n\
+                     sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n\
+                     sentinel parallel-syncs mymaster 1\n"
+                ),
+            )
+            .unwrap();
+            let args = vec![conf.display().to_string(), "--sentinel".to_string()];
+            sentinels.push(Node::start(dir.path(), sp, &args));
+        }
+        for s in &sentinels {
+            let port = s.port;
+            eventually(
+                "sentinels to know the replica and each other",
+                DEADLINE,
+                || async move {
+                    let v = redis_cmd(port, &["SENTINEL", "CKQUORUM", "mymaster"])
+                        .await
+                        .ok()?;
+                    let replicas: Vec<redis::Value> = redis::from_redis_value(
+                        redis_cmd(port, &["SENTINEL", "REPLICAS", "mymaster"])
+                            .await
+                            .ok()?,
+                    )
+                    .ok()?;
+                    let master: Vec<redis::Value> = redis::from_redis_value(
+                        redis_cmd(port, &["SENTINEL", "MASTER", "mymaster"])
+                            .await
+                            .ok()?,
+                    )
+                    .ok()?;
+                    let others = master
+                        .chunks(2)
+                        .find(|kv| reply_text(kv[0].clone()) == "num-other-sentinels")
+                        .map(|kv| reply_text(kv[1].clone()));
+                    (reply_text(v).starts_with("OK")
+                        && !replicas.is_empty()
+                        && others.as_deref() == Some("2"))
+                    .then_some(())
+                },
+            )
+            .await;
+        }
+        SentinelSetup {
+            master,
+            replica,
+            sentinels,
+            _dir: dir,
+        }
+    }
+
+    /// The `[store]` lines (after `backend = "redis"`) that reach the master through the sentinels.
+    pub fn store_lines(&self) -> String {
+        let s: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|n| format!("\"redis://127.0.0.1:{}\"", n.port))
+            .collect();
+        format!(
+            "mode = \"sentinel\"\nsentinels = [{}]\nmaster_name = \"mymaster\"\nop_timeout = \"300ms\"\n",
+            s.join(", ")
+        )
+    }
+
+    pub async fn master_port(&self) -> Option<u16> {
+        let v = redis_cmd(
+            self.sentinels[0].port,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
+        )
+        .await
+        .ok()?;
+        let addr: Vec<String> = redis::from_redis_value(v).ok()?;
+        addr.get(1)?.parse().ok()
+    }
+}
