@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use support::{config_text, config_with, Proxy, RedisServer, TestUpstream, DEADLINE};
+use support::{ConfigBuilder, Proxy, RedisServer, TestUpstream, DEADLINE};
 
 const ROUTES: &str = r#"
 [defaults]
@@ -121,13 +121,15 @@ async fn post(proto: &str, url: &str, key: Option<&str>, body: &str) -> Answer {
 }
 
 async fn memory_proxy(upstream: &str, server_extra: &str) -> Proxy {
-    let store = "[store]\nbackend = \"memory\"\n";
-    Proxy::start(&config_with(upstream, server_extra, store, ROUTES)).await
+    let config = ConfigBuilder::new(upstream)
+        .server(server_extra)
+        .routes(ROUTES);
+    Proxy::start(&config.build()).await
 }
 
 async fn redis_proxy(upstream: &str, redis: &RedisServer) -> Proxy {
-    let store = format!("[store]\nbackend = \"redis\"\nurl = \"{}\"\n", redis.url());
-    Proxy::start(&config_text(upstream, &store, ROUTES)).await
+    let config = ConfigBuilder::new(upstream).redis(redis).routes(ROUTES);
+    Proxy::start(&config.build()).await
 }
 
 // ---------------------------------------------------------------------------
