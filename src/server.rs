@@ -7,9 +7,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::Request;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -130,8 +133,11 @@ async fn accept(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(config.server.max_connections));
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
+    // The auto builder only for its upgradeable connection that the graceful
+    // shutdown can watch (hyper-util has none for `http1::UpgradeableConnection`).
+    let mut http = auto::Builder::new(TokioExecutor::new()).http1_only();
+    http.http1()
+        .timer(TokioTimer::new())
         .header_read_timeout(config.server.header_read_timeout)
         .max_buf_size(config.server.max_header_bytes.max(8192));
     app.accepting.store(true, Ordering::Release);
@@ -162,7 +168,9 @@ async fn accept(
         let (s, io) = (&config.server, busy.clone());
         let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
         let app = app.clone();
-        let service = service_fn(move |req| {
+        let service = service_fn(move |mut req: Request<Incoming>| {
+            // For an upgrade tunnel to keep its connection counted as busy while it lives.
+            req.extensions_mut().insert(busy.clone());
             let (app, in_progress) = (app.clone(), busy.enter());
             async move {
                 let resp = proxy::handle(app, req, peer).await;
@@ -172,7 +180,8 @@ async fn accept(
                 }))
             }
         });
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let conn = http.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {
             let _ = conn.await;
             drop(slot);

@@ -2,9 +2,11 @@
 //! phase by phase — key → body → fingerprint and scope → reserve and verdict →
 //! forward and complete — and any phase may stop it with a [`Stop`], a value
 //! that says what enforcement answers; shadow mode turns every stop into a
-//! plain forward in one place ([`stopped`]).
+//! plain forward in one place ([`stopped`]). An upgrade request (a WebSocket)
+//! is never protected: it becomes a tunnel ([`tunnel`]).
 
 mod job;
+mod tunnel;
 mod verdict;
 
 use std::net::SocketAddr;
@@ -31,6 +33,7 @@ use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
 use crate::store::{Reservation, StoreError};
+use crate::upstream::UpstreamError;
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -94,6 +97,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
     let routes = app.routes();
     let route = routes.find(&method, uri.path());
     let handled = match route {
+        // Never protected, on any path: a tunnel has no answer to store (§9).
+        _ if tunnel::is_upgrade(&req) => tunnel::open(&ctx, req).await,
         None => {
             let (parts, body) = req.into_parts();
             forward(&ctx, parts, Body::Stream(body), Outcome::Passthrough).await
@@ -142,18 +147,26 @@ async fn forward(
     body: Body,
     outcome: Outcome,
 ) -> Handled {
-    let upstream = &ctx.app.upstream;
-    let sent = match upstream.prepare(parts, body, ctx.peer) {
-        Ok(req) => upstream.send_with_timeout(req).await,
+    let prepared = ctx.app.upstream.prepare(parts, body, ctx.peer);
+    match send(ctx, prepared).await {
+        Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
+        Err(problem) => problem,
+    }
+}
+
+/// Sends an unprotected request upstream; a failure is already the problem to answer.
+async fn send(
+    ctx: &Ctx<'_>,
+    prepared: Result<Request<Body>, UpstreamError>,
+) -> Result<Response<Incoming>, Handled> {
+    let sent = match prepared {
+        Ok(req) => ctx.app.upstream.send_with_timeout(req).await,
         Err(e) => Err(e),
     };
-    match sent {
-        Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
-        Err(e) => {
-            warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
-            ctx.problem(&Problem::from_upstream(&e, true))
-        }
-    }
+    sent.map_err(|e| {
+        warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
+        ctx.problem(&Problem::from_upstream(&e, true))
+    })
 }
 
 /// Why a protected request left the protected path before it was forwarded.
