@@ -164,7 +164,7 @@ async fn accept(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let busy = Busy::default();
+        let busy = Busy::holding(slot);
         let (s, io) = (&config.server, busy.clone());
         let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
         let app = app.clone();
@@ -184,7 +184,6 @@ async fn accept(
         let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {
             let _ = conn.await;
-            drop(slot);
         });
     }
     app.accepting.store(false, Ordering::Release);

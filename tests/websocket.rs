@@ -278,6 +278,33 @@ async fn a_refused_handshake_is_relayed_as_a_plain_answer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_holds_its_connection_slot_until_it_closes() {
+    let (mut server, proxy) = start("max_connections = 1").await;
+    let mut first = connect(&proxy, "/chat").await;
+    echoes(&mut first, Message::text("holding the only slot")).await;
+    let url = format!("ws://{}/chat", proxy.addr);
+    let mut second = tokio::spawn(tokio_tungstenite::connect_async(url));
+    // Not served while the tunnel holds the slot (waiting is the subject here)...
+    let early = tokio::time::timeout(Duration::from_millis(500), &mut second).await;
+    assert!(
+        early.is_err(),
+        "a second connection was served beyond max_connections"
+    );
+    // ...and served once the tunnel has closed.
+    first.close(None).await.expect("close");
+    wait_closed(&mut first).await;
+    assert_eq!(server.next_event().await, "close: ");
+    // The tunnel ends when both sides have closed their sockets.
+    drop(first);
+    let (mut second, _) = tokio::time::timeout(DEADLINE, second)
+        .await
+        .expect("the second handshake in time")
+        .expect("join")
+        .expect("the second handshake");
+    echoes(&mut second, Message::text("my turn")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_tunnel_outlives_the_idle_timeout() {
     let (_server, proxy) = start("idle_timeout = \"500ms\"").await;
     let mut ws = connect(&proxy, "/chat").await;
