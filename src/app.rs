@@ -22,7 +22,8 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// Bytes held for protected bodies, recorded responses and replays (`max_buffered`).
     pub budget: Arc<Budget>,
-    /// Forward-and-store tasks: they outlive a client that went away, and draining waits for them.
+    /// Forward-and-store tasks and upgrade tunnels: they outlive the request
+    /// that started them, and draining waits for them (until the grace runs out).
     pub tasks: TaskTracker,
     /// The main listener is bound and accepting.
     pub accepting: AtomicBool,

@@ -12,30 +12,49 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
 /// Requests in progress on one connection, from the handler's start to the
-/// end of its response body.
+/// end of its response body (or of its upgrade tunnel).
+///
+/// It also holds the connection's slot of `max_connections`: the slot is free
+/// once the last holder is gone — the client socket ([`Guarded`] keeps a
+/// `Busy`), and a tunnel that outlives hyper's connection (it keeps a [`BusyGuard`]).
 #[derive(Clone, Default)]
-pub struct Busy(Arc<AtomicUsize>);
+pub struct Busy(Arc<Counter>);
+
+#[derive(Default)]
+struct Counter {
+    requests: AtomicUsize,
+    _slot: Option<OwnedSemaphorePermit>,
+}
 
 impl Busy {
+    /// The counter of a connection that holds `slot` for as long as it lives.
+    pub fn holding(slot: OwnedSemaphorePermit) -> Self {
+        Busy(Arc::new(Counter {
+            requests: AtomicUsize::new(0),
+            _slot: Some(slot),
+        }))
+    }
+
     /// Counts a request until the guard is dropped.
     pub fn enter(&self) -> BusyGuard {
-        self.0.fetch_add(1, Ordering::AcqRel);
+        self.0.requests.fetch_add(1, Ordering::AcqRel);
         BusyGuard(self.0.clone())
     }
 
     fn idle(&self) -> bool {
-        self.0.load(Ordering::Acquire) == 0
+        self.0.requests.load(Ordering::Acquire) == 0
     }
 }
 
-pub struct BusyGuard(Arc<AtomicUsize>);
+pub struct BusyGuard(Arc<Counter>);
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.requests.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -17,8 +17,9 @@
 //!
 //! What a route does is its `policy`, built from the file by `config`. Every
 //! answer the proxy makes itself is a `problem`. Every other request streams
-//! through untouched (`upstream`); `server` accepts and drains, with the
-//! per-connection deadlines of `conn`.
+//! through untouched (`upstream`); an HTTP/1.1 `Upgrade` (a WebSocket) is never
+//! protected and becomes a tunnel (`proxy::tunnel`); `server` accepts and
+//! drains, with the per-connection deadlines of `conn`.
 #![forbid(unsafe_code)]
 
 pub mod admin;

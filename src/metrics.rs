@@ -33,6 +33,8 @@ pub enum Outcome {
     Unreadable,
     /// No room in the memory budget (§8): answered 503 `proxy-busy`.
     Busy,
+    /// An HTTP/1.1 `Upgrade` (a WebSocket) the upstream accepted with 101: now a tunnel.
+    Upgraded,
 }
 
 impl Outcome {
@@ -54,6 +56,7 @@ impl Outcome {
             Outcome::BadRequest => "bad_request",
             Outcome::Unreadable => "unreadable",
             Outcome::Busy => "busy",
+            Outcome::Upgraded => "upgraded",
         }
     }
 }

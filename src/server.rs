@@ -7,6 +7,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::Request;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -169,13 +171,15 @@ async fn accept(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let busy = Busy::default();
+        let busy = Busy::holding(slot);
         let (s, io) = (&config.server, busy.clone());
         let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
         let app = app.clone();
         let began = Arc::new(Notify::new());
         let begin = began.clone();
-        let service = service_fn(move |req| {
+        let service = service_fn(move |mut req: Request<Incoming>| {
+            // For an upgrade tunnel to keep its connection counted as busy while it lives.
+            req.extensions_mut().insert(busy.clone());
             let (app, in_progress) = (app.clone(), busy.enter());
             begin.notify_one();
             async move {
@@ -193,7 +197,6 @@ async fn accept(
         let deadline = s.header_read_timeout;
         tokio::spawn(async move {
             serve(conn, &began, deadline).await;
-            drop(slot);
         });
     }
     app.accepting.store(false, Ordering::Release);

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use http::header::{self, HeaderName, HeaderValue};
-use http::{HeaderMap, Request, Response, Uri, Version};
+use http::{HeaderMap, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -53,6 +53,24 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
     for name in &HOP_BY_HOP {
         headers.remove(name);
+    }
+}
+
+/// The `Upgrade` lines of a message, to put back with [`restore_upgrade`] after stripping.
+fn upgrade_lines(headers: &HeaderMap) -> Vec<HeaderValue> {
+    headers.get_all(header::UPGRADE).iter().cloned().collect()
+}
+
+/// Puts back, on a stripped upgrade message, what the next hop needs to
+/// switch protocols: its `Upgrade` lines and `Connection: upgrade` (the other
+/// `Connection` tokens described only the previous hop).
+fn restore_upgrade(headers: &mut HeaderMap, lines: Vec<HeaderValue>) {
+    if lines.is_empty() {
+        return;
+    }
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    for line in lines {
+        headers.append(header::UPGRADE, line);
     }
 }
 
@@ -197,6 +215,20 @@ impl Upstream {
         Ok(Request::from_parts(parts, body))
     }
 
+    /// Prepares an upgrade request (a WebSocket handshake) as [`Upstream::prepare`]
+    /// does, but keeps `Connection: upgrade` and `Upgrade`: the upstream must see them to answer 101.
+    pub fn prepare_upgrade(
+        &self,
+        parts: http::request::Parts,
+        body: Body,
+        peer: SocketAddr,
+    ) -> Result<Request<Body>, UpstreamError> {
+        let lines = upgrade_lines(&parts.headers);
+        let mut req = self.prepare(parts, body, peer)?;
+        restore_upgrade(req.headers_mut(), lines);
+        Ok(req)
+    }
+
     /// Sends a request and waits for the response headers, at most `timeout`
     /// (pass-through: a long body stream afterwards is not cut).
     pub async fn send_with_timeout(
@@ -218,6 +250,13 @@ impl Upstream {
         match client.request(req).await {
             Err(e) if e.is_connect() => Err(UpstreamError::Connect(describe(&e))),
             Err(e) => Err(UpstreamError::Exchange(describe(&e))),
+            // A 101 is relayed to the client, which needs its `Upgrade` to know what it switched to.
+            Ok(mut resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                let lines = upgrade_lines(resp.headers());
+                strip_hop_by_hop(resp.headers_mut());
+                restore_upgrade(resp.headers_mut(), lines);
+                Ok(resp)
+            }
             Ok(mut resp) => {
                 strip_hop_by_hop(resp.headers_mut());
                 Ok(resp)
@@ -304,6 +343,34 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert_eq!(h["x-keep"], "yes");
+    }
+
+    #[test]
+    fn an_upgrade_keeps_its_upgrade_lines_and_only_the_upgrade_token() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade, x-secret"),
+        );
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.append(header::UPGRADE, HeaderValue::from_static("h2c"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert("x-keep", HeaderValue::from_static("yes"));
+        let lines = upgrade_lines(&h);
+        strip_hop_by_hop(&mut h);
+        restore_upgrade(&mut h, lines);
+        assert_eq!(h.len(), 4, "{h:?}");
+        assert_eq!(h[header::CONNECTION], "upgrade");
+        let upgrade: Vec<_> = h.get_all(header::UPGRADE).iter().collect();
+        assert_eq!(upgrade, ["websocket", "h2c"]);
+        assert_eq!(h["x-keep"], "yes");
+        // Nothing to restore: the message is stripped as any other.
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        restore_upgrade(&mut h, upgrade_lines(&HeaderMap::new()));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty());
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! phase by phase — key → body → fingerprint and scope → reserve and verdict →
 //! forward and complete — and any phase may stop it with a [`Stop`], a value
 //! that says what enforcement answers; shadow mode turns every stop into a
-//! plain forward in one place ([`stopped`]).
+//! plain forward in one place ([`stopped`]). An upgrade request (a WebSocket)
+//! is never protected: it becomes a tunnel ([`tunnel`]).
 
 mod job;
+mod tunnel;
 mod verdict;
 
 use std::net::SocketAddr;
@@ -32,6 +34,7 @@ use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
 use crate::store::{Inspected, Reservation, StoreError, INLINE_RECORD};
+use crate::upstream::UpstreamError;
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -95,6 +98,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
     let routes = app.routes();
     let route = routes.find(&method, uri.path());
     let handled = match route {
+        // Never protected, on any path: a tunnel has no answer to store (§9).
+        _ if tunnel::is_upgrade(&req) => tunnel::open(&ctx, req).await,
         None => {
             let (parts, body) = req.into_parts();
             forward(&ctx, parts, Body::Stream(body), Outcome::Passthrough).await
@@ -143,18 +148,26 @@ async fn forward(
     body: Body,
     outcome: Outcome,
 ) -> Handled {
-    let upstream = &ctx.app.upstream;
-    let sent = match upstream.prepare(parts, body, ctx.peer) {
-        Ok(req) => upstream.send_with_timeout(req).await,
+    let prepared = ctx.app.upstream.prepare(parts, body, ctx.peer);
+    match send(ctx, prepared).await {
+        Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
+        Err(problem) => problem,
+    }
+}
+
+/// Sends an unprotected request upstream; a failure is already the problem to answer.
+async fn send(
+    ctx: &Ctx<'_>,
+    prepared: Result<Request<Body>, UpstreamError>,
+) -> Result<Response<Incoming>, Handled> {
+    let sent = match prepared {
+        Ok(req) => ctx.app.upstream.send_with_timeout(req).await,
         Err(e) => Err(e),
     };
-    match sent {
-        Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
-        Err(e) => {
-            warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
-            ctx.problem(&Problem::from_upstream(&e, true))
-        }
-    }
+    sent.map_err(|e| {
+        warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
+        ctx.problem(&Problem::from_upstream(&e, true))
+    })
 }
 
 /// Why a protected request left the protected path before it was forwarded.
@@ -173,6 +186,18 @@ enum Stop {
 }
 
 impl Stop {
+    /// Does the proxy answer this itself (rather than forward the request)?
+    fn answered_here(&self, policy: &Policy) -> bool {
+        match self {
+            _ if policy.mode == Mode::Shadow => false,
+            Stop::Unprotected => false,
+            Stop::StoreDown { may_pass } => {
+                !(*may_pass && policy.on_store_error == OnStoreError::Pass)
+            }
+            Stop::Refuse(_) | Stop::Replay(_) => true,
+        }
+    }
+
     /// What shadow mode counts: the answer enforcement would have given about
     /// the key and its record. (A body too large, or a store down, is not counted.)
     fn shadow_outcome(&self) -> Option<Outcome> {
@@ -246,9 +271,14 @@ async fn enforce(
 
 /// A stopped request: shadow mode counts what enforcement would have answered
 /// and forwards it as if the proxy were absent; enforcement answers.
-async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Handled {
+async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> Handled {
     let policy = &route.policy;
-    let unread = !matches!(req.body, Body::Full(_));
+    let h2 = req.parts.version >= http::Version::HTTP_2;
+    if h2 && stop.answered_here(policy) && !matches!(req.body, Body::Full(_)) {
+        drain(&mut req.body).await;
+    }
+    // (HTTP/1 only: HTTP/2 has no `Connection`, and a stream ends by itself.)
+    let unread = !matches!(req.body, Body::Full(_)) && req.parts.version < http::Version::HTTP_2;
     let mut handled = match stop {
         stop if policy.mode == Mode::Shadow => {
             if let Some(would_be) = stop.shadow_outcome() {
@@ -279,6 +309,24 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, req: Pending) -> Hand
     }
     handled.record_id = req.record_id;
     handled
+}
+
+/// Reads what is left of a request body the proxy answers without (up to
+/// 64 KiB, at most 1 s): an HTTP/2 answer that ends the stream while the
+/// client still uploads makes clients report a stream error instead of it.
+async fn drain(body: &mut Body) {
+    let deadline = tokio::time::sleep(Duration::from_secs(1));
+    tokio::pin!(deadline);
+    let mut left: usize = 64 * 1024;
+    while left > 0 {
+        tokio::select! {
+            frame = http_body_util::BodyExt::frame(body) => match frame {
+                Some(Ok(f)) => left = left.saturating_sub(f.data_ref().map_or(0, Bytes::len)),
+                _ => return,
+            },
+            () = &mut deadline => return,
+        }
+    }
 }
 
 /// A refusal as enforcement answers it; a retry of an answer too large to keep is marked as a replay.
@@ -406,13 +454,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let (app, policy) = (ctx.app, &route.policy);
     let token = Token::new();
     let created_ms = now_ms();
-    let processing = Record::Processing(Processing {
-        token,
-        fingerprint: id.fingerprint,
-        created_ms,
-        route: route.name.to_string(),
-    })
-    .encode();
+    let processing = processing(route, id, token, created_ms);
     // Room for what a reserve may bring back with its answer (a record up to INLINE_RECORD).
     let _inline = app
         .budget
@@ -475,6 +517,17 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             }
         };
     }
+}
+
+/// The `processing` record a reserve writes.
+fn processing(route: &Route, id: &Identity, token: Token, created_ms: u64) -> Bytes {
+    Record::Processing(Processing {
+        token,
+        fingerprint: id.fingerprint,
+        created_ms,
+        route: route.name.to_string(),
+    })
+    .encode()
 }
 
 /// What holds the key, judged. A record too large to come with the reserve's

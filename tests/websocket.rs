@@ -1,0 +1,338 @@
+//! Upgrade tunnels (§9): a real WebSocket client and a real WebSocket server
+//! (tokio-tungstenite) talking through the proxy binary.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use support::{metric, Call, Proxy, DEADLINE};
+
+type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// A text message that asks the server to close the connection itself.
+const CLOSE_ME: &str = "server, close please";
+
+/// A path on which the server refuses the handshake with a 403.
+const FORBIDDEN: &str = "/forbidden";
+
+/// A WebSocket echo server: echoes text and binary messages, closes with code
+/// 4000 when asked to, refuses handshakes on [`FORBIDDEN`], and reports each
+/// close it sees on `events`.
+struct EchoServer {
+    addr: SocketAddr,
+    events: mpsc::UnboundedReceiver<String>,
+}
+
+impl EchoServer {
+    async fn start() -> EchoServer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, events) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(echo(stream, tx.clone()));
+            }
+        });
+        EchoServer { addr, events }
+    }
+
+    /// The next close (or error) the server saw, within the deadline.
+    async fn next_event(&mut self) -> String {
+        tokio::time::timeout(DEADLINE, self.events.recv())
+            .await
+            .expect("an event from the WebSocket server in time")
+            .expect("server running")
+    }
+}
+
+async fn echo(stream: TcpStream, events: mpsc::UnboundedSender<String>) {
+    // The shape tungstenite's handshake callback must have.
+    #[allow(clippy::result_large_err)]
+    let refuse_forbidden = |req: &Request, resp: Response| {
+        if req.uri().path() != FORBIDDEN {
+            return Ok(resp);
+        }
+        let mut refusal = ErrorResponse::new(Some("no sockets here".to_string()));
+        *refusal.status_mut() = http::StatusCode::FORBIDDEN;
+        Err(refusal)
+    };
+    let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, refuse_forbidden).await else {
+        let _ = events.send("handshake failed".to_string());
+        return;
+    };
+    while let Some(msg) = ws.next().await {
+        let sent = match msg {
+            Ok(Message::Text(t)) if t.as_str() == CLOSE_ME => {
+                ws.close(Some(CloseFrame {
+                    code: CloseCode::Library(4000),
+                    reason: "server says bye".into(),
+                }))
+                .await
+            }
+            Ok(m @ (Message::Text(_) | Message::Binary(_))) => ws.send(m).await,
+            Ok(Message::Close(frame)) => {
+                let reason = frame.map(|f| f.reason.to_string()).unwrap_or_default();
+                let _ = events.send(format!("close: {reason}"));
+                // tungstenite answers the close on the next read; keep reading.
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let _ = events.send(format!("error: {e}"));
+                return;
+            }
+        };
+        if let Err(e) = sent {
+            let _ = events.send(format!("send error: {e}"));
+            return;
+        }
+    }
+}
+
+fn config(upstream: SocketAddr, server_extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+upstream = "http://{upstream}"
+upstream_timeout = "10s"
+{server_extra}
+
+[store]
+backend = "memory"
+
+[[routes]]
+name = "feed"
+methods = ["GET"]
+path = "/v1/feed"
+
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+"#
+    )
+}
+
+async fn start(server_extra: &str) -> (EchoServer, Proxy) {
+    let server = EchoServer::start().await;
+    let mut extra = server_extra.to_string();
+    if !extra.contains("shutdown_grace") {
+        extra.push_str("\nshutdown_grace = \"10s\"");
+    }
+    let proxy = Proxy::start(&config(server.addr, &extra)).await;
+    (server, proxy)
+}
+
+async fn connect(proxy: &Proxy, path: &str) -> Client {
+    let url = format!("ws://{}{path}", proxy.addr);
+    let (ws, resp) = tokio::time::timeout(DEADLINE, tokio_tungstenite::connect_async(url))
+        .await
+        .expect("handshake in time")
+        .expect("WebSocket handshake through the proxy");
+    assert_eq!(resp.status(), 101);
+    ws
+}
+
+/// The next message the client receives, within the deadline.
+async fn recv(ws: &mut Client) -> Message {
+    tokio::time::timeout(DEADLINE, ws.next())
+        .await
+        .expect("a message in time")
+        .expect("the connection is open")
+        .expect("a message, not an error")
+}
+
+async fn echoes(ws: &mut Client, msg: Message) {
+    ws.send(msg.clone()).await.expect("send");
+    assert_eq!(recv(ws).await, msg);
+}
+
+/// Ends once the client's connection has ended (a close, an error or the end of the stream).
+async fn wait_closed(ws: &mut Client) {
+    loop {
+        match tokio::time::timeout(DEADLINE, ws.next()).await {
+            Err(_) => panic!("the tunnel was not closed in time"),
+            Ok(None | Some(Err(_)) | Some(Ok(Message::Close(_)))) => return,
+            Ok(Some(Ok(_))) => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_binary_and_large_messages_echo_through_the_tunnel() {
+    let (_server, proxy) = start("").await;
+    let mut ws = connect(&proxy, "/chat").await;
+    echoes(&mut ws, Message::text("hello through the proxy")).await;
+    echoes(&mut ws, Message::binary(vec![0u8, 1, 2, 255, 254])).await;
+    let large: Vec<u8> = (0..4 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+    echoes(&mut ws, Message::binary(large)).await;
+    echoes(&mut ws, Message::text("still open after 4 MiB")).await;
+    let series = r#"idemproxy_requests_total{route="",outcome="upgraded"}"#;
+    assert_eq!(metric(&proxy, series).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_from_the_client_reaches_the_server_and_is_answered() {
+    let (mut server, proxy) = start("").await;
+    let mut ws = connect(&proxy, "/chat").await;
+    echoes(&mut ws, Message::text("before the close")).await;
+    ws.close(Some(CloseFrame {
+        code: CloseCode::Normal,
+        reason: "client says bye".into(),
+    }))
+    .await
+    .expect("send the close");
+    assert_eq!(server.next_event().await, "close: client says bye");
+    // The server's answer to the close comes back through the tunnel, then the end.
+    match recv(&mut ws).await {
+        Message::Close(Some(f)) => assert_eq!(f.code, CloseCode::Normal),
+        other => panic!("expected the server's close, got {other:?}"),
+    }
+    let end = tokio::time::timeout(DEADLINE, ws.next()).await;
+    assert!(matches!(end, Ok(None)), "{end:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_from_the_server_reaches_the_client_and_is_answered() {
+    let (mut server, proxy) = start("").await;
+    let mut ws = connect(&proxy, "/chat").await;
+    ws.send(Message::text(CLOSE_ME)).await.expect("send");
+    match recv(&mut ws).await {
+        Message::Close(Some(f)) => {
+            assert_eq!(f.code, CloseCode::Library(4000));
+            assert_eq!(f.reason.as_str(), "server says bye");
+        }
+        other => panic!("expected the server's close, got {other:?}"),
+    }
+    // Reading on sends the client's answer (tungstenite echoes the close), then the connection ends.
+    let end = tokio::time::timeout(DEADLINE, ws.next()).await;
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    assert_eq!(server.next_event().await, "close: server says bye");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_on_a_protected_route_needs_no_key_and_reserves_nothing() {
+    let (_server, proxy) = start("").await;
+    let mut ws = connect(&proxy, "/v1/feed").await;
+    echoes(&mut ws, Message::text("no key needed")).await;
+    // With a key it is not protected either: the key is not reserved.
+    let url = format!("ws://{}/v1/feed", proxy.addr);
+    let mut req =
+        tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(url)
+            .expect("request");
+    req.headers_mut()
+        .insert("idempotency-key", "ws-1".parse().unwrap());
+    let (mut keyed, _) = tokio_tungstenite::connect_async(req)
+        .await
+        .expect("a keyed handshake through the proxy");
+    echoes(&mut keyed, Message::text("a key changes nothing")).await;
+    let upgraded = r#"idemproxy_requests_total{route="feed",outcome="upgraded"}"#;
+    assert_eq!(metric(&proxy, upgraded).await, 2.0);
+    let reserves = r#"idemproxy_store_duration_seconds_count{op="reserve"}"#;
+    assert_eq!(metric(&proxy, reserves).await, 0.0, "nothing was reserved");
+    // The same series counts a protected request: the zero above is not a misspelt name.
+    // (Whatever the WebSocket server makes of a POST: the key is reserved before it is sent.)
+    let _ = Call::post(&proxy.url("/v1/payments"))
+        .key("p-1")
+        .send()
+        .await;
+    assert_eq!(metric(&proxy, reserves).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_handshake_is_relayed_as_a_plain_answer() {
+    let (_server, proxy) = start("").await;
+    let url = format!("ws://{}{FORBIDDEN}", proxy.addr);
+    let refused = tokio_tungstenite::connect_async(url).await;
+    match refused {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+            assert_eq!(resp.status(), 403);
+            // (tungstenite's client reads the body raw: the proxy relays it chunked.)
+            let body = String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default());
+            assert!(body.contains("no sockets here"), "{body:?}");
+        }
+        other => panic!("expected the upstream's 403, got {other:?}"),
+    }
+    let passthrough = r#"idemproxy_requests_total{route="",outcome="passthrough"}"#;
+    assert_eq!(metric(&proxy, passthrough).await, 1.0);
+    let upgraded = r#"idemproxy_requests_total{route="",outcome="upgraded"}"#;
+    assert_eq!(metric(&proxy, upgraded).await, 0.0);
+    // A refusal leaves nothing behind: the next handshake is a tunnel.
+    echoes(
+        &mut connect(&proxy, "/chat").await,
+        Message::text("and now"),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_holds_its_connection_slot_until_it_closes() {
+    let (mut server, proxy) = start("max_connections = 1").await;
+    let mut first = connect(&proxy, "/chat").await;
+    echoes(&mut first, Message::text("holding the only slot")).await;
+    let url = format!("ws://{}/chat", proxy.addr);
+    let mut second = tokio::spawn(tokio_tungstenite::connect_async(url));
+    // Not served while the tunnel holds the slot (waiting is the subject here)...
+    let early = tokio::time::timeout(Duration::from_millis(500), &mut second).await;
+    assert!(
+        early.is_err(),
+        "a second connection was served beyond max_connections"
+    );
+    // ...and served once the tunnel has closed.
+    first.close(None).await.expect("close");
+    wait_closed(&mut first).await;
+    assert_eq!(server.next_event().await, "close: ");
+    // The tunnel ends when both sides have closed their sockets.
+    drop(first);
+    let (mut second, _) = tokio::time::timeout(DEADLINE, second)
+        .await
+        .expect("the second handshake in time")
+        .expect("join")
+        .expect("the second handshake");
+    echoes(&mut second, Message::text("my turn")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_tunnel_outlives_the_idle_timeout() {
+    let (_server, proxy) = start("idle_timeout = \"500ms\"").await;
+    let mut ws = connect(&proxy, "/chat").await;
+    echoes(&mut ws, Message::text("before the quiet")).await;
+    // Nothing either way for four idle timeouts: the subject of the test, not a synchronisation.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    echoes(&mut ws, Message::text("after the quiet")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_closes_a_live_tunnel_at_the_end_of_the_grace() {
+    let grace = Duration::from_secs(2);
+    let (_server, mut proxy) = start("shutdown_grace = \"2s\"").await;
+    let mut ws = connect(&proxy, "/chat").await;
+    echoes(&mut ws, Message::text("before SIGTERM")).await;
+    let signalled = Instant::now();
+    proxy.signal("TERM");
+    proxy.wait_log("draining connections").await;
+    // Within the grace the tunnel still carries messages.
+    echoes(&mut ws, Message::text("during the grace")).await;
+    wait_closed(&mut ws).await;
+    assert!(
+        signalled.elapsed() >= grace,
+        "closed {:?} after SIGTERM, before the grace ran out",
+        signalled.elapsed()
+    );
+    proxy
+        .wait_log("tunnel closed: the shutdown grace ran out")
+        .await;
+    assert_eq!(proxy.wait_exit().await, Some(0));
+}
