@@ -199,6 +199,7 @@ class Proxy:
 listen = "127.0.0.1:{self.port}"
 admin_listen = "127.0.0.1:{self.admin_port}"
 upstream = "http://127.0.0.1:{upstream_port}"
+{os.environ.get("HOSTILE_SERVER_EXTRA", "")}
 
 [store]
 backend = "redis"

@@ -512,7 +512,7 @@ fn memory_bounds_are_checked() {
             d.server.max_connections,
             d.server.max_header_bytes
         ),
-        (64 << 20, 1024, 16 << 10)
+        (64 << 20, 256, 16 << 10)
     );
     assert_eq!(d.store.memory_limit, 256 << 20);
 }

@@ -351,7 +351,7 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
     let cmds = monitor.record_commands("marker-busy").await;
     assert!(
         cmds.iter()
-            .all(|c| !c.to_ascii_lowercase().contains("\"get\"")),
+            .all(|c| !c.to_ascii_lowercase().contains("\"getrange\"")),
         "the 600 KiB record was not fetched without room for it: {cmds:#?}"
     );
     upstream.release(1);
@@ -360,10 +360,140 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
     assert!(replay.is_replay());
     assert_eq!(replay.body, binary(size));
     let cmds = monitor.record_commands("marker-replay").await;
+    // With room it is fetched, in pieces of at most 256 KiB: 600 KiB is
+    // three, plus the owner-token check at the end. No reply carries the
+    // whole record (the client's read buffer would keep its size).
+    let pieces: Vec<(u64, u64)> = cmds
+        .iter()
+        .filter(|c| c.to_ascii_lowercase().contains("\"getrange\""))
+        .filter_map(|c| {
+            let args: Vec<&str> = c.split('"').filter(|a| a.trim() != "").collect();
+            let n = args.len();
+            Some((
+                args.get(n - 2)?.parse().ok()?,
+                args.get(n - 1)?.parse().ok()?,
+            ))
+        })
+        .collect();
     assert!(
-        cmds.iter()
+        !cmds
+            .iter()
             .any(|c| c.to_ascii_lowercase().contains("\"get\"")),
-        "with room, the record is fetched: {cmds:#?}"
+        "no whole-record GET: {cmds:#?}"
+    );
+    let covered: Vec<(u64, u64)> = pieces.iter().copied().filter(|(a, _)| *a != 2).collect();
+    assert_eq!(
+        covered,
+        [(0, 262_143), (262_144, 524_287), (524_288, 786_431)],
+        "pieces: {cmds:#?}"
+    );
+    assert!(
+        pieces.contains(&(2, 17)),
+        "token re-read at the end: {cmds:#?}"
     );
     assert_eq!(upstream.hits(), 2, "executed once");
+}
+
+/// A record over 256 KiB is written in pieces (`piece.lua`), its state byte
+/// 'P' until the last one: a retry that arrives mid-way is told the request
+/// is in progress (409), never given half an answer or a 500; the last
+/// piece makes it a replayable answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .redis(&redis)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let url = proxy.url("/v1/payments");
+    let size = 600 * 1024;
+    let big = || {
+        Call::post(&url)
+            .key("k-pieces")
+            .header("x-test-body-bytes", &size.to_string())
+            .body("x")
+    };
+    let mut monitor = Monitor::start(&redis).await;
+    assert_eq!(big().await.status, 201);
+    let cmds = monitor.record_commands("marker-write").await;
+    let scripts = cmds
+        .iter()
+        .filter(|c| c.to_ascii_lowercase().contains("\"evalsha\""))
+        .count();
+    assert_eq!(scripts, 4, "a reserve and three pieces: {}", cmds.len());
+    assert!(
+        cmds.iter().all(|c| c.len() < 4 * 300 * 1024),
+        "no command carries the whole record"
+    );
+
+    // Put the record back as the first piece left it, then finish it by hand.
+    let key = redis
+        .keys()
+        .await
+        .into_iter()
+        .next()
+        .expect("the record key");
+    let mut conn = redis.conn().await.unwrap();
+    let whole: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut first = whole[..256 * 1024].to_vec();
+    first[1] = b'P';
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(first)
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mid_way = big().await;
+    assert_eq!(mid_way.status, 409, "half written: in progress");
+    let script = redis::Script::new(include_str!("../src/store/piece.lua"));
+    let token = &whole[2..18];
+    for (from, last) in [(256 * 1024, false), (512 * 1024, true)] {
+        let to = (from + 256 * 1024).min(whole.len());
+        let n: i64 = script
+            .key(&key)
+            .arg(token)
+            .arg(from)
+            .arg(&whole[from..to])
+            .arg(60_000)
+            .arg(if last { "86400000" } else { "" })
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(n, 1);
+    }
+    let replay = big().await;
+    assert!(replay.is_replay(), "status {}", replay.status);
+    assert_eq!(replay.body, binary(size));
+    // Out of step (a piece for an offset the record has not reached), or another owner: refused.
+    let n: i64 = script
+        .key(&key)
+        .arg(token)
+        .arg(7)
+        .arg("x")
+        .arg(60_000)
+        .arg("")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(n, -1);
+    let n: i64 = script
+        .key(&key)
+        .arg(&[0u8; 16][..])
+        .arg(0)
+        .arg("x")
+        .arg(60_000)
+        .arg("")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    assert_eq!(upstream.hits(), 1, "executed once");
 }

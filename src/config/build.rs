@@ -95,11 +95,13 @@ impl Given {
 }
 
 /// The defaults of the three bounds on client-driven memory fit the shipped
-/// manifest's 128Mi container limit together: the budget (64 MiB) plus every
-/// connection at its header limit with hyper's and our per-connection state
-/// (1024 × ~40 KiB ≈ 40 MiB) plus the process itself (~10 MiB).
+/// manifest's 128Mi container limit together, with the margin §8 asks for
+/// (`max_buffered` + 32 MiB): the budget (64 MiB), plus every connection with
+/// hyper's buffers and an upstream connection of its own (256 × ~56 KiB
+/// ≈ 14 MiB, measured in `docs/hostile.md`), plus the process itself
+/// (~8 MiB) and the store connection's buffers (pieces of 256 KiB).
 const DEFAULT_MAX_BUFFERED: u64 = 64 << 20;
-const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// As Node.js's default; room for large bearer tokens and cookies.
 const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
 /// Redis's largest value: a record body beyond it could never be stored.

@@ -175,8 +175,9 @@ enum Stop {
     /// Enforcement answers with this problem; shadow mode forwards the request
     /// as it came, as if the proxy were absent (§8).
     Refuse(Problem),
-    /// The stored answer of the same request (boxed: it is the large one).
-    Replay(Box<Finished>),
+    /// The stored answer of the same request (boxed: it is the large one),
+    /// and the room its bytes have held since they came from the store.
+    Replay(Box<Finished>, Room),
     /// Forwarded without protection (an optional route without a key).
     Unprotected,
     /// The store failed; `may_pass`: `on_store_error = "pass"` may forward it
@@ -194,7 +195,7 @@ impl Stop {
             Stop::StoreDown { may_pass } => {
                 !(*may_pass && policy.on_store_error == OnStoreError::Pass)
             }
-            Stop::Refuse(_) | Stop::Replay(_) => true,
+            Stop::Refuse(_) | Stop::Replay(..) => true,
         }
     }
 
@@ -202,7 +203,7 @@ impl Stop {
     /// the key and its record. (A body too large, or a store down, is not counted.)
     fn shadow_outcome(&self) -> Option<Outcome> {
         match self {
-            Stop::Replay(_) => Some(Outcome::Replayed),
+            Stop::Replay(..) => Some(Outcome::Replayed),
             Stop::Refuse(p) => match p {
                 Problem::MissingKey { .. }
                 | Problem::InvalidKey { .. }
@@ -287,13 +288,16 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> 
             forward(ctx, req.parts, req.body, Outcome::Passthrough).await
         }
         Stop::Refuse(p) => refusal(ctx, policy, &p),
-        Stop::Replay(f) => match ctx.app.budget.take(f.body.len() as u64) {
-            Some(room) => {
+        // The room that has held the record since the store sent it goes on
+        // with the replay's body: no gap in which the bytes are not counted.
+        Stop::Replay(f, mut room) => {
+            if room.reach(f.body.len() as u64) {
                 let resp = replay(*f, &policy.replayed_header).map(|b| b.counted(room));
                 Handled::new(resp, Outcome::Replayed)
+            } else {
+                ctx.problem(&Problem::ProxyBusy)
             }
-            None => ctx.problem(&Problem::ProxyBusy),
-        },
+        }
         Stop::Unprotected => forward(ctx, req.parts, req.body, Outcome::Passthrough).await,
         Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
             forward(ctx, req.parts, req.body, Outcome::StoreBypass).await
@@ -456,10 +460,11 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let created_ms = now_ms();
     let processing = processing(route, id, token, created_ms);
     // Room for what a reserve may bring back with its answer (a record up to INLINE_RECORD).
-    let _inline = app
-        .budget
-        .take(INLINE_RECORD)
-        .ok_or(Stop::Refuse(Problem::ProxyBusy))?;
+    let mut inline = Some(
+        app.budget
+            .take(INLINE_RECORD)
+            .ok_or(Stop::Refuse(Problem::ProxyBusy))?,
+    );
     let mut claim = Claim::new(app.clone(), id.store_key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
@@ -472,10 +477,10 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             .store
             .reserve(&id.store_key, processing.clone(), policy.lease);
         let judged = match found.await.map_err(store_down)? {
-            Reservation::Reserved => Ok(Some((Verdict::Ours, None))),
+            Reservation::Reserved => Ok(Some((Verdict::Ours, None, None))),
             found => judge(ctx, id, token, found).await,
         };
-        let (verdict, ttl) = match judged {
+        let (verdict, ttl, fetched) = match judged {
             Ok(Some(judged)) => judged,
             // The record went between the reserve and its fetch: reserve again.
             Ok(None) => continue,
@@ -500,7 +505,12 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 created_ms,
                 sent_at,
             }),
-            Verdict::Replay(f) => Err(Stop::Replay(Box::new(f))),
+            Verdict::Replay(f) => {
+                // A large record came with room of its own; an inline one in the reserve's.
+                let room = fetched.or_else(|| inline.take());
+                let room = room.unwrap_or_else(|| app.budget.nothing());
+                Err(Stop::Replay(Box::new(f), room))
+            }
             Verdict::NotStored => Err(Stop::Refuse(Problem::NotStored)),
             Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
             Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
@@ -530,37 +540,40 @@ fn processing(route: &Route, id: &Identity, token: Token, created_ms: u64) -> By
     .encode()
 }
 
-/// What holds the key, judged. A record too large to come with the reserve's
-/// answer is fetched only with room for it in the budget; `None` when it went
-/// away in between.
-async fn judge(
-    ctx: &Ctx<'_>,
-    id: &Identity,
-    token: Token,
-    found: Reservation,
-) -> Result<Option<(Verdict, Option<Duration>)>, Stop> {
+/// What holds the key, judged, with its remaining TTL when known. A record
+/// too large to come with the reserve's answer is fetched only with room for
+/// it in the budget, and that room comes back with the verdict (a replay
+/// keeps it); `None` when the record went away in between.
+async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -> Judged {
     let unreadable = |e: &dyn std::fmt::Display| {
         error!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "the record under this key cannot be read; not forwarding");
-        Ok(Some((Verdict::Unreadable, None)))
+        Ok(Some((Verdict::Unreadable, None, None)))
     };
-    let (record, ttl) = match found {
-        Reservation::Reserved => return Ok(Some((Verdict::Ours, None))),
-        Reservation::Existing { record, ttl } => (record, ttl),
+    let (record, ttl, room) = match found {
+        Reservation::Reserved => return Ok(Some((Verdict::Ours, None, None))),
+        Reservation::Existing { record, ttl } => (record, ttl, None),
         Reservation::Unreadable(e) => return unreadable(&e),
         Reservation::Large { len } => {
-            let Some(_room) = ctx.app.budget.take(len) else {
+            let Some(room) = ctx.app.budget.take(len) else {
                 return Err(Stop::Refuse(Problem::ProxyBusy));
             };
             match ctx.app.store.get(&id.store_key).await {
                 Ok(None) => return Ok(None),
-                Ok(Some(Inspected { record, ttl })) => (record, Some(ttl)),
+                Ok(Some(Inspected { record, ttl })) => (record, Some(ttl), Some(room)),
                 Err(StoreError::Decode(e)) => return unreadable(&e),
                 Err(e) => return Err(store_down(ctx, id, e)),
             }
         }
     };
-    Ok(Some((Verdict::of(record, token, &id.fingerprint), ttl)))
+    Ok(Some((
+        Verdict::of(record, token, &id.fingerprint),
+        ttl,
+        room,
+    )))
 }
+
+/// A verdict, the record's TTL when known, and the room a fetched record holds.
+type Judged = Result<Option<(Verdict, Option<Duration>, Option<Room>)>, Stop>;
 
 /// The store failed while reserving. The claim (still armed) releases whatever
 /// the reserve may have written. A reservation that was written but not

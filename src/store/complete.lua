@@ -4,12 +4,13 @@
 -- Returns 1 stored, 2 stored although the lease had expired (nobody else held
 -- the key), 0 refused (another owner holds it). Safe to send twice: the
 -- finished record carries the same token, so a repeat overwrites it with itself.
-local cur = redis.call('GET', KEYS[1])
-if cur and string.sub(cur, 3, 18) ~= ARGV[1] then
+-- Only the first 18 bytes are read: the state and the owner token.
+local cur = redis.call('GETRANGE', KEYS[1], 0, 17)
+if cur ~= '' and string.sub(cur, 3, 18) ~= ARGV[1] then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-if cur then
+if cur ~= '' then
   return 1
 end
 return 2

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
@@ -19,12 +19,13 @@ use tracing::{debug, info, warn};
 
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
-use crate::record::Token;
+use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
 static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("reserve.lua")));
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+static PIECE_BY_PIECE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));
 
 /// The env var that carries the Redis password (wins over `password_file`).
 pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
@@ -39,6 +40,17 @@ const FAILURES_BEFORE_RECONNECT: u32 = 2;
 /// At most one cluster reconnect per this long: while a master fails over,
 /// its keys fail for seconds, and each reconnect opens a connection per node.
 const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
+
+/// The most of a record one command or reply carries: larger records are
+/// written and read in pieces of this size. The shared connection's buffers
+/// grow to the largest message they ever carried and keep that size, outside
+/// the memory budget: pieces keep them small whatever `max_response_body` is.
+const PIECE: usize = 256 * 1024;
+
+/// How long a record being written piece by piece is kept at least (its
+/// reservation's lease is extended to it): if the proxy dies mid-way, the
+/// half-written reservation goes when it ends.
+const WRITE_LEASE: Duration = Duration::from_secs(60);
 
 /// One connection type for the three modes, so the store code is the same.
 #[derive(Clone)]
@@ -558,6 +570,56 @@ impl RedisStore {
         }
     }
 
+    /// Stores a large finished record in pieces (`piece.lua`): state 'P'
+    /// until the last piece, so no reader ever sees half an answer. `None`
+    /// when the key went or changed mid-way (start again).
+    async fn complete_in_pieces(
+        &self,
+        key: &str,
+        token: Token,
+        value: &Bytes,
+        ttl: Duration,
+    ) -> Result<Option<Completion>, StoreError> {
+        let mut conn = self.conn().await?;
+        let (mut gone, mut offset) = (false, 0);
+        while offset < value.len() {
+            let end = (offset + PIECE).min(value.len());
+            let mut piece = value.slice(offset..end);
+            if offset == 0 {
+                let mut first = BytesMut::from(&piece[..]);
+                first[1] = STATE_PROCESSING;
+                piece = first.freeze();
+            }
+            let last = end == value.len();
+            let n: i64 = PIECE_BY_PIECE
+                .key(key)
+                .arg(&token.0[..])
+                .arg(offset)
+                .arg(piece.as_ref())
+                .arg(ms(WRITE_LEASE))
+                .arg(if last {
+                    ms(ttl).to_string()
+                } else {
+                    String::new()
+                })
+                .invoke_async(&mut conn)
+                .await
+                .map_err(|e| self.backend(e))?;
+            match n {
+                1 => {}
+                2 => gone = true,
+                0 => return Ok(Some(Completion::Refused)),
+                _ => return Ok(None),
+            }
+            offset = end;
+        }
+        Ok(Some(if gone {
+            Completion::StoredAfterExpiry
+        } else {
+            Completion::Stored
+        }))
+    }
+
     /// Warns loudly when the store would lose reservations: an evicting memory
     /// policy, or no persistence. Managed Redis often refuses CONFIG: say so once.
     async fn check_durability(&self, conn: &mut Conn) {
@@ -658,6 +720,17 @@ impl Operations for RedisStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<Completion, StoreError> {
+        if value.len() > PIECE {
+            // Once more if the key changed under the first attempt.
+            for _ in 0..2 {
+                if let Some(done) = self.complete_in_pieces(key, token, &value, ttl).await? {
+                    return Ok(done);
+                }
+            }
+            return Err(StoreError::Backend(
+                "the record changed while it was being written".into(),
+            ));
+        }
         let mut conn = self.conn().await?;
         let n: i64 = COMPLETE
             .key(key)
@@ -697,16 +770,61 @@ impl Operations for RedisStore {
         Ok(n == 1)
     }
 
-    /// GET and PTTL of one key (two commands on the same key and slot, one round trip).
+    /// A record and its TTL. Up to [`PIECE`] bytes it is one round trip
+    /// (STRLEN, PTTL and the first piece); a larger one is read piece by
+    /// piece into a buffer of its exact size, so that the connection's read
+    /// buffer never grows to hold a whole large record (it would keep that
+    /// size for the connection's life, outside the memory budget). `None`
+    /// when the key is gone, or was written anew while it was being read
+    /// (its owner token at the end differs from the one at the start).
     async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let mut conn = self.conn().await?;
-        let (value, pttl): (Option<Vec<u8>>, i64) = redis::pipe()
-            .get(key)
+        let (len, pttl, first): (u64, i64, Vec<u8>) = redis::pipe()
+            .strlen(key)
             .pttl(key)
+            .getrange(key, 0, PIECE as isize - 1)
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        Ok(value.map(|v| (Bytes::from(v), Duration::from_millis(pttl.max(0) as u64))))
+        let ttl = Duration::from_millis(pttl.max(0) as u64);
+        if pttl == -2 || first.is_empty() {
+            return Ok(None);
+        }
+        if len <= PIECE as u64 {
+            return Ok((first.len() as u64 == len).then(|| (Bytes::from(first), ttl)));
+        }
+        let mut whole = BytesMut::with_capacity(len as usize);
+        whole.extend_from_slice(&first);
+        drop(first);
+        while (whole.len() as u64) < len {
+            let from = whole.len() as isize;
+            let piece: Vec<u8> = redis::cmd("GETRANGE")
+                .arg(key)
+                .arg(from)
+                .arg(from + PIECE as isize - 1)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| self.backend(e))?;
+            if piece.is_empty() {
+                return Ok(None);
+            }
+            whole.extend_from_slice(&piece);
+        }
+        // Written anew meanwhile? A new write has a new owner token (or length).
+        let (len_now, token): (u64, Vec<u8>) = redis::pipe()
+            .strlen(key)
+            .getrange(
+                key,
+                TOKEN_RANGE.start as isize,
+                TOKEN_RANGE.end as isize - 1,
+            )
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.backend(e))?;
+        let same = whole.len() as u64 == len
+            && len_now == len
+            && whole.get(TOKEN_RANGE) == Some(&token[..]);
+        Ok(same.then(|| (whole.freeze(), ttl)))
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
@@ -727,7 +845,7 @@ impl Operations for RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE];
+        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE, &*PIECE_BY_PIECE];
         let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")
