@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -27,6 +28,8 @@ pub enum Body {
     Prefixed(Option<Bytes>, Incoming),
     /// A body whose bytes are counted in the memory budget until it is dropped.
     Counted(Box<Body>, Room),
+    /// A body, then its trailers (a replayed gRPC answer's `grpc-status`).
+    Trailed(Box<Body>, Option<HeaderMap>),
 }
 
 impl Body {
@@ -38,6 +41,14 @@ impl Body {
     /// This body, its bytes held against the budget by `room` until it is dropped.
     pub fn counted(self, room: Room) -> Self {
         Body::Counted(Box::new(self), room)
+    }
+
+    /// This body followed by `trailers` (none: the body as it is).
+    pub fn trailed(self, trailers: Option<HeaderMap>) -> Self {
+        match trailers {
+            Some(t) if !t.is_empty() => Body::Trailed(Box::new(self), Some(t)),
+            _ => self,
+        }
     }
 }
 
@@ -67,6 +78,10 @@ impl http_body::Body for Body {
                 None => Pin::new(s).poll_frame(cx),
             },
             Body::Counted(inner, _) => Pin::new(inner.as_mut()).poll_frame(cx),
+            Body::Trailed(inner, trailers) => match Pin::new(inner.as_mut()).poll_frame(cx) {
+                Poll::Ready(None) => Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t)))),
+                other => other,
+            },
         }
     }
 
@@ -76,6 +91,7 @@ impl http_body::Body for Body {
             Body::Stream(s) => s.is_end_stream(),
             Body::Prefixed(p, s) => p.is_none() && s.is_end_stream(),
             Body::Counted(inner, _) => inner.is_end_stream(),
+            Body::Trailed(inner, t) => t.is_none() && inner.is_end_stream(),
         }
     }
 
@@ -94,6 +110,13 @@ impl http_body::Body for Body {
                 out
             }
             Body::Counted(inner, _) => inner.size_hint(),
+            // Not exact: an HTTP/1.1 answer with trailers must be chunked
+            // (a `Content-Length` leaves no place for them).
+            Body::Trailed(inner, _) => {
+                let mut h = SizeHint::new();
+                h.set_lower(inner.size_hint().lower());
+                h
+            }
         }
     }
 }
@@ -101,7 +124,8 @@ impl http_body::Body for Body {
 /// A body read up to a limit.
 #[derive(Debug)]
 pub enum Capped<B: http_body::Body> {
-    Whole(Bytes),
+    /// All of it, and its trailers if it had any.
+    Whole(Bytes, Option<HeaderMap>),
     /// Stopped before the end: what was read, the rest still to come, and why.
     /// (Shadow mode forwards the two as they came.)
     Partial(Bytes, B, Cut<B::Error>),
@@ -123,7 +147,8 @@ pub enum Cut<E> {
 /// Reads a body into memory, refusing more than `limit` bytes, more than
 /// `room` can hold, and waiting no later than `deadline`: the declared length
 /// is checked before anything is read, the bytes counted as they come.
-/// Trailers are skipped: they are part of neither the fingerprint nor the record.
+/// Trailers come back beside the bytes (a request's are part of neither the
+/// fingerprint nor the record; an answer's are recorded).
 pub async fn read_capped<B>(
     mut body: B,
     limit: u64,
@@ -137,6 +162,7 @@ where
         return Capped::Partial(Bytes::new(), body, Cut::TooLarge);
     }
     let mut read = Collected::default();
+    let mut trailers: Option<HeaderMap> = None;
     loop {
         let frame = match deadline {
             None => body.frame().await,
@@ -146,11 +172,16 @@ where
             },
         };
         let data = match frame {
-            None => return Capped::Whole(read.take()),
+            None => return Capped::Whole(read.take(), trailers),
             Some(Err(e)) => return Capped::Partial(read.take(), body, Cut::Failed(e)),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => data,
-                Err(_) => continue,
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                    }
+                    continue;
+                }
             },
         };
         let total = read.push(data);
@@ -244,9 +275,9 @@ mod tests {
     #[tokio::test]
     async fn whole_bodies_are_joined() {
         let c = read(&[b"ab", b"cd", b"e"], None, 5).await;
-        assert!(matches!(c, Capped::Whole(b) if b == "abcde"));
+        assert!(matches!(c, Capped::Whole(b, None) if b == "abcde"));
         let c = read(&[], None, 5).await;
-        assert!(matches!(c, Capped::Whole(b) if b.is_empty()));
+        assert!(matches!(c, Capped::Whole(b, None) if b.is_empty()));
     }
 
     #[tokio::test]

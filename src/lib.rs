@@ -29,6 +29,7 @@ pub mod budget;
 pub mod canonical_json;
 pub mod config;
 pub mod conn;
+pub mod grpc;
 pub mod key;
 pub mod metrics;
 pub mod policy;

@@ -28,6 +28,8 @@ pub struct Policy {
     pub concurrent: Concurrent,
     pub wait_timeout: Duration,
     pub release_statuses: Vec<u16>,
+    /// gRPC answers (§9) whose `grpc-status` frees the key, like a release status.
+    pub release_grpc_statuses: Vec<u32>,
     pub unknown_outcome: UnknownOutcome,
     pub fingerprint_body: FingerprintBody,
     pub mode: Mode,
@@ -50,6 +52,8 @@ impl Default for Policy {
             concurrent: Concurrent::Reject,
             wait_timeout: Duration::from_secs(10),
             release_statuses: vec![429, 503],
+            // RESOURCE_EXHAUSTED, UNAVAILABLE: "try again later".
+            release_grpc_statuses: vec![8, 14],
             unknown_outcome: UnknownOutcome::Store,
             fingerprint_body: FingerprintBody::Raw,
             mode: Mode::Enforce,

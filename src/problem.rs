@@ -154,7 +154,7 @@ impl Problem {
         }
     }
 
-    fn detail(&self) -> String {
+    pub fn detail(&self) -> String {
         match self {
             Problem::MissingKey { header } => format!(
                 "This endpoint requires an {header} header with a unique value per operation \
@@ -256,6 +256,11 @@ pub fn assemble((status, headers, body): (StatusCode, HeaderMap, Bytes)) -> Resp
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
     resp
+}
+
+/// A response whose body ends with `trailers` (a gRPC error's status).
+pub fn trailed(response: Response<Body>, trailers: HeaderMap) -> Response<Body> {
+    response.map(|body| body.trailed(Some(trailers)))
 }
 
 /// The RFC 9457 members every problem has.

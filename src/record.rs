@@ -12,12 +12,22 @@
 //! u16 + route name
 //! 'F' only: u64 completed unix ms, u16 status, u8 flags (bit 0: body stored),
 //!           u16 header count, per header: u16 + name, u32 + value; u32 + body
+//! version 2, 'F' only: then u16 trailer count, per trailer as per header
 //! ```
+//!
+//! Version 2 (trailers, §9) is written only for an answer that has trailers;
+//! every other record is still written as version 1, which both versions
+//! read: a rolling upgrade, or a rollback by one step, replays the other's
+//! records (only an answer with trailers is unreadable to a version-1 proxy,
+//! and that is a 500 `record-unreadable`, never a second execution).
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue};
 
-pub const FORMAT_VERSION: u8 = 1;
+/// The newest format this build writes (and reads).
+pub const FORMAT_VERSION: u8 = 2;
+/// The format without trailers: still written when there are none.
+const VERSION_1: u8 = 1;
 pub const STATE_PROCESSING: u8 = b'P';
 pub const STATE_FINISHED: u8 = b'F';
 /// Where the owner token sits; the Lua scripts read `string.sub(v, 3, 18)`.
@@ -65,6 +75,8 @@ pub struct Finished {
     /// End-to-end headers only (no hop-by-hop, `Set-Cookie`, `Date`, `Content-Length`).
     pub headers: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
+    /// The answer's trailers (gRPC's `grpc-status` lives here), in order.
+    pub trailers: Vec<(HeaderName, HeaderValue)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -123,18 +135,23 @@ impl Record {
                 &f.route,
             ),
         };
-        let extra = match self {
-            Record::Processing(_) => 0,
-            Record::Finished(f) => {
-                32 + f.body.len()
-                    + f.headers
-                        .iter()
-                        .map(|(n, v)| 6 + n.as_str().len() + v.len())
-                        .sum::<usize>()
+        let fields = |h: &[(HeaderName, HeaderValue)]| {
+            h.iter()
+                .map(|(n, v)| 6 + n.as_str().len() + v.len())
+                .sum::<usize>()
+        };
+        let (version, extra) = match self {
+            Record::Processing(_) => (VERSION_1, 0),
+            Record::Finished(f) if f.trailers.is_empty() => {
+                (VERSION_1, 32 + f.body.len() + fields(&f.headers))
             }
+            Record::Finished(f) => (
+                FORMAT_VERSION,
+                34 + f.body.len() + fields(&f.headers) + fields(&f.trailers),
+            ),
         };
         let mut b = BytesMut::with_capacity(60 + route.len() + extra);
-        b.put_u8(FORMAT_VERSION);
+        b.put_u8(version);
         b.put_u8(state);
         b.put_slice(&token.0);
         b.put_slice(fp);
@@ -144,14 +161,12 @@ impl Record {
             b.put_u64(f.completed_ms);
             b.put_u16(f.status);
             b.put_u8(u8::from(f.body_stored));
-            b.put_u16(f.headers.len().min(u16::MAX as usize) as u16);
-            for (n, v) in f.headers.iter().take(u16::MAX as usize) {
-                put_str16(&mut b, n.as_str().as_bytes());
-                b.put_u32(v.len() as u32);
-                b.put_slice(v.as_bytes());
-            }
+            put_fields(&mut b, &f.headers);
             b.put_u32(f.body.len() as u32);
             b.put_slice(&f.body);
+            if version == FORMAT_VERSION {
+                put_fields(&mut b, &f.trailers);
+            }
         }
         b.freeze()
     }
@@ -165,7 +180,8 @@ impl Record {
             }
         };
         need(&b, 58)?;
-        if b.get_u8() != FORMAT_VERSION {
+        let version = b.get_u8();
+        if version != VERSION_1 && version != FORMAT_VERSION {
             return Err(DecodeError("unknown format version"));
         }
         let state = b.get_u8();
@@ -189,25 +205,15 @@ impl Record {
                 let completed_ms = b.get_u64();
                 let status = b.get_u16();
                 let body_stored = b.get_u8() & 1 == 1;
-                let count = b.get_u16() as usize;
-                // Each header takes at least 6 bytes: a short or hostile value
-                // cannot make us reserve room for 65,535 of them.
-                let mut headers = Vec::with_capacity(count.min(b.remaining() / 6));
-                for _ in 0..count {
-                    let name = get_str16(&mut b)?;
-                    let name = HeaderName::from_bytes(&name)
-                        .map_err(|_| DecodeError("bad header name"))?;
-                    need(&b, 4)?;
-                    let len = b.get_u32() as usize;
-                    need(&b, len)?;
-                    let value = HeaderValue::from_maybe_shared(b.split_to(len))
-                        .map_err(|_| DecodeError("bad header value"))?;
-                    headers.push((name, value));
-                }
+                let headers = get_fields(&mut b)?;
                 need(&b, 4)?;
                 let len = b.get_u32() as usize;
                 need(&b, len)?;
                 let body = b.split_to(len);
+                let trailers = match version {
+                    VERSION_1 => Vec::new(),
+                    _ => get_fields(&mut b)?,
+                };
                 Ok(Record::Finished(Finished {
                     token: Token(token),
                     fingerprint,
@@ -218,11 +224,47 @@ impl Record {
                     body_stored,
                     headers,
                     body,
+                    trailers,
                 }))
             }
             _ => Err(DecodeError("unknown state")),
         }
     }
+}
+
+/// A count, then each field as u16 + name, u32 + value (at most 65,535 fields).
+fn put_fields(b: &mut BytesMut, fields: &[(HeaderName, HeaderValue)]) {
+    b.put_u16(fields.len().min(u16::MAX as usize) as u16);
+    for (n, v) in fields.iter().take(u16::MAX as usize) {
+        put_str16(b, n.as_str().as_bytes());
+        b.put_u32(v.len() as u32);
+        b.put_slice(v.as_bytes());
+    }
+}
+
+fn get_fields(b: &mut Bytes) -> Result<Vec<(HeaderName, HeaderValue)>, DecodeError> {
+    if b.remaining() < 2 {
+        return Err(DecodeError("truncated"));
+    }
+    let count = b.get_u16() as usize;
+    // Each field takes at least 6 bytes: a short or hostile value cannot
+    // make us reserve room for 65,535 of them.
+    let mut fields = Vec::with_capacity(count.min(b.remaining() / 6));
+    for _ in 0..count {
+        let name = get_str16(b)?;
+        let name = HeaderName::from_bytes(&name).map_err(|_| DecodeError("bad header name"))?;
+        if b.remaining() < 4 {
+            return Err(DecodeError("truncated"));
+        }
+        let len = b.get_u32() as usize;
+        if b.remaining() < len {
+            return Err(DecodeError("truncated"));
+        }
+        let value = HeaderValue::from_maybe_shared(b.split_to(len))
+            .map_err(|_| DecodeError("bad header value"))?;
+        fields.push((name, value));
+    }
+    Ok(fields)
 }
 
 fn put_str16(b: &mut BytesMut, s: &[u8]) {
@@ -278,10 +320,54 @@ mod tests {
                 (HeaderName::from_static("x-a"), HeaderValue::from_static("")),
             ],
             body: Bytes::from_static(b"\x00\x01binary\xff"),
+            trailers: vec![],
         });
         let enc = f.encode();
+        assert_eq!(enc[0], 1, "no trailers: written as version 1");
         assert_eq!(&enc[TOKEN_RANGE], &f.token().0);
         assert_eq!(Record::decode(enc).unwrap(), f);
+    }
+
+    #[test]
+    fn trailers_make_a_version_2_record_that_roundtrips() {
+        let mut f = Finished {
+            token: Token::new(),
+            fingerprint: [3; 32],
+            created_ms: 1,
+            route: "grpc".into(),
+            completed_ms: 2,
+            status: 200,
+            body_stored: true,
+            headers: vec![(
+                HeaderName::from_static("content-type"),
+                HeaderValue::from_static("application/grpc"),
+            )],
+            body: Bytes::from_static(b"\x00\x00\x00\x00\x02hi"),
+            trailers: vec![
+                (
+                    HeaderName::from_static("grpc-status"),
+                    HeaderValue::from_static("0"),
+                ),
+                (
+                    HeaderName::from_static("grpc-message"),
+                    HeaderValue::from_static(""),
+                ),
+            ],
+        };
+        let enc = Record::Finished(f.clone()).encode();
+        assert_eq!(enc[0], FORMAT_VERSION);
+        assert_eq!(
+            Record::decode(enc.clone()).unwrap(),
+            Record::Finished(f.clone())
+        );
+        for cut in 0..enc.len() {
+            assert!(Record::decode(enc.slice(..cut)).is_err(), "cut at {cut}");
+        }
+        // A version-1 record (what the previous build wrote) reads without trailers.
+        f.trailers.clear();
+        let v1 = Record::Finished(f.clone()).encode();
+        assert_eq!(v1[0], 1);
+        assert_eq!(Record::decode(v1).unwrap(), Record::Finished(f));
     }
 
     #[test]

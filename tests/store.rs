@@ -276,6 +276,7 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
         body_stored: true,
         headers: vec![],
         body: bytes::Bytes::from_static(b"done"),
+        trailers: vec![],
     });
     for _ in 0..2 {
         let c = store

@@ -419,6 +419,9 @@ fn policy(
     if let Some(v) = &raw.release_statuses {
         p.release_statuses = v.iter().map(|s| s.0).collect();
     }
+    if let Some(v) = &raw.release_grpc_statuses {
+        p.release_grpc_statuses = v.iter().map(|s| s.0).collect();
+    }
     if let Some(v) = raw.unknown_outcome {
         p.unknown_outcome = v;
     }

@@ -195,6 +195,23 @@ impl<'de> Deserialize<'de> for ConfStatus {
     }
 }
 
+/// A gRPC status code, 0..=16.
+#[derive(Debug)]
+pub struct ConfGrpcStatus(pub u32);
+
+impl<'de> Deserialize<'de> for ConfGrpcStatus {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(d)?;
+        if (0..=16).contains(&n) {
+            Ok(ConfGrpcStatus(n as u32))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid gRPC status {n}: expected 0..=16"
+            )))
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for PathPattern {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;

@@ -11,7 +11,7 @@ use serde::de::{MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
-use super::grammar::{ByteSize, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
+use super::grammar::{ByteSize, ConfGrpcStatus, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
 use super::{Backend, RedisMode, UpstreamProtocol};
 use crate::policy::{Concurrent, FingerprintBody, KeyMode, Mode, OnStoreError, UnknownOutcome};
 use crate::routes::PathPattern;
@@ -89,6 +89,7 @@ pub(super) struct RawPolicy {
     pub concurrent: Option<Concurrent>,
     pub wait_timeout: Option<HumanDuration>,
     pub release_statuses: Option<Vec<ConfStatus>>,
+    pub release_grpc_statuses: Option<Vec<ConfGrpcStatus>>,
     pub unknown_outcome: Option<UnknownOutcome>,
     pub fingerprint_body: Option<FingerprintBody>,
     pub mode: Option<Mode>,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::response::Parts;
-use http::{HeaderName, HeaderValue, Request, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use tracing::{error, info, warn};
 use uuid::Uuid;
@@ -16,6 +16,7 @@ use super::verdict::storable_headers;
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
+use crate::grpc;
 use crate::metrics::Outcome;
 use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::{self, Problem};
@@ -83,12 +84,22 @@ pub struct Job {
     pub fingerprint: [u8; 32],
     pub created_ms: u64,
     pub request_id: Uuid,
+    /// A gRPC request: its own failure answers are gRPC errors, and the
+    /// answer's `grpc-status` may release the key (§9).
+    pub grpc: bool,
     /// When the lease runs out unless renewed (from before the reserve was sent, to be safe).
     pub lease_until: std::sync::Mutex<tokio::time::Instant>,
     /// The finished record the store has not taken yet.
     pub unsaved: Option<Bytes>,
     /// The request body's room in the budget, until the upstream has it.
     pub request_room: Option<Room>,
+}
+
+/// Header or trailer fields as a record keeps them.
+type Fields = Vec<(HeaderName, HeaderValue)>;
+
+fn fields(map: &HeaderMap) -> Fields {
+    map.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
 }
 
 /// The upstream's answer with its body read up to `max_response_body`, and its room in the budget.
@@ -101,8 +112,8 @@ impl Job {
         let exchanged = self.holding_lease(self.exchange(request)).await;
         self.request_room = None;
         match exchanged {
-            Ok((parts, Capped::Whole(body), room)) => {
-                let (resp, outcome) = self.answered(parts, body).await;
+            Ok((parts, Capped::Whole(body, trailers), room)) => {
+                let (resp, outcome) = self.answered(parts, body, trailers).await;
                 (resp.map(|b| b.counted(room)), outcome)
             }
             Ok((parts, Capped::Partial(read, rest, cut), room)) => {
@@ -161,18 +172,30 @@ impl Job {
         }
     }
 
-    /// A whole answer: released when its status says "try again", stored otherwise.
-    async fn answered(&mut self, parts: Parts, body: Bytes) -> (Response<Body>, Outcome) {
+    /// A whole answer: released when its status (or, from a gRPC upstream, its
+    /// `grpc-status`) says "try again", stored with its trailers otherwise.
+    async fn answered(
+        &mut self,
+        parts: Parts,
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    ) -> (Response<Body>, Outcome) {
         let status = parts.status.as_u16();
-        let outcome = if self.policy.release_statuses.contains(&status) {
+        let grpc_release = grpc::is_grpc(&parts.headers)
+            && grpc::status_of(&parts.headers, trailers.as_ref())
+                .is_some_and(|s| self.policy.release_grpc_statuses.contains(&s));
+        let outcome = if grpc_release || self.policy.release_statuses.contains(&status) {
             self.release().await;
             Outcome::Released
         } else {
             let headers = storable_headers(&parts.headers);
-            self.complete(status, headers, body.clone(), true).await;
+            let kept = trailers.as_ref().map_or_else(Vec::new, storable_headers);
+            self.complete(status, (headers, kept), body.clone(), true)
+                .await;
             Outcome::Forwarded
         };
-        (Response::from_parts(parts, Body::full(body)), outcome)
+        let body = Body::full(body).trailed(trailers);
+        (Response::from_parts(parts, body), outcome)
     }
 
     /// An answer not kept — over `max_response_body`, or no room in the memory
@@ -190,7 +213,8 @@ impl Job {
             "response not kept; retries will get 410"
         );
         let headers = storable_headers(&parts.headers);
-        self.complete(parts.status.as_u16(), headers, Bytes::new(), false)
+        let status = parts.status.as_u16();
+        self.complete(status, (headers, Vec::new()), Bytes::new(), false)
             .await;
     }
 
@@ -201,19 +225,21 @@ impl Job {
             || self.policy.unknown_outcome == UnknownOutcome::Release;
         warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
         let problem = Problem::from_upstream(&e, released);
-        let rendered = problem.render(&self.request_id);
+        let (status, headers, body, trailers) = if self.grpc {
+            grpc::render(&problem, &self.request_id)
+        } else {
+            let (status, headers, body) = problem.render(&self.request_id);
+            (status, headers, body, HeaderMap::new())
+        };
         if released {
             self.release().await;
         } else {
-            let (status, headers, body) = &rendered;
-            let stored = headers
-                .iter()
-                .map(|(n, v)| (n.clone(), v.clone()))
-                .collect();
-            self.complete(status.as_u16(), stored, body.clone(), true)
+            let fields = (fields(&headers), fields(&trailers));
+            self.complete(status.as_u16(), fields, body.clone(), true)
                 .await;
         }
-        (problem::assemble(rendered), problem.outcome())
+        let response = problem::assemble((status, headers, body));
+        (problem::trailed(response, trailers), problem.outcome())
     }
 
     /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.
@@ -266,7 +292,7 @@ impl Job {
     async fn complete(
         &mut self,
         status: u16,
-        headers: Vec<(HeaderName, HeaderValue)>,
+        (headers, trailers): (Fields, Fields),
         body: Bytes,
         body_stored: bool,
     ) {
@@ -280,6 +306,7 @@ impl Job {
             body_stored,
             headers,
             body,
+            trailers,
         })
         .encode();
         if !self.try_complete(record.clone()).await {

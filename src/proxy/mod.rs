@@ -27,10 +27,11 @@ use self::verdict::{replay, Verdict};
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
+use crate::grpc;
 use crate::key::{self, KeyError};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
-use crate::problem::Problem;
+use crate::problem::{self, Problem};
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
 use crate::store::{Inspected, Reservation, StoreError, INLINE_RECORD};
@@ -73,11 +74,19 @@ struct Ctx<'a> {
     app: &'a Arc<App>,
     peer: SocketAddr,
     request_id: Uuid,
+    /// A gRPC request: the proxy's own answers are gRPC errors (§9).
+    grpc: bool,
 }
 
 impl Ctx<'_> {
     fn problem(&self, p: &Problem) -> Handled {
-        Handled::new(p.response(&self.request_id), p.outcome())
+        let response = if self.grpc {
+            let (status, headers, body, trailers) = grpc::render(p, &self.request_id);
+            problem::trailed(problem::assemble((status, headers, body)), trailers)
+        } else {
+            p.response(&self.request_id)
+        };
+        Handled::new(response, p.outcome())
     }
 }
 
@@ -91,6 +100,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
         app: &app,
         peer,
         request_id,
+        grpc: grpc::is_grpc(req.headers()),
     };
     let method = req.method().clone();
     // A cheap clone (shared bytes), kept for the log line.
@@ -391,7 +401,7 @@ async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<(Bytes
     let after = app.body_read_timeout;
     let deadline = tokio::time::Instant::now() + after;
     let (read, rest, cut) = match read_capped(incoming, limit, Some(deadline), &mut room).await {
-        Capped::Whole(bytes) => {
+        Capped::Whole(bytes, _) => {
             *body = Body::full(bytes.clone());
             return Ok((bytes, room));
         }
@@ -621,6 +631,7 @@ async fn forward_reserved(
         fingerprint: id.fingerprint,
         created_ms: reserved.created_ms,
         request_id: ctx.request_id,
+        grpc: ctx.grpc,
         lease_until: std::sync::Mutex::new(reserved.sent_at + route.policy.lease),
         unsaved: None,
         request_room: Some(room),

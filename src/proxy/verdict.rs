@@ -41,9 +41,18 @@ impl Verdict {
     }
 }
 
-/// The stored answer, byte for byte, marked as a replay. `Date` and `Content-Length` are recomputed.
+/// The stored answer, byte for byte and with its trailers, marked as a
+/// replay. `Date` and `Content-Length` are recomputed (an answer with
+/// trailers goes out chunked on HTTP/1.1).
 pub fn replay(f: Finished, replayed_header: &HeaderName) -> Response<Body> {
-    let mut resp = Response::new(Body::full(f.body));
+    let trailers = (!f.trailers.is_empty()).then(|| {
+        let mut t = HeaderMap::with_capacity(f.trailers.len());
+        for (name, value) in f.trailers {
+            t.append(name, value);
+        }
+        t
+    });
+    let mut resp = Response::new(Body::full(f.body).trailed(trailers));
     *resp.status_mut() = StatusCode::from_u16(f.status).unwrap_or(StatusCode::OK);
     let headers = resp.headers_mut();
     headers.reserve(f.headers.len() + 1);
@@ -99,6 +108,7 @@ mod tests {
                 ),
             ],
             body: Bytes::from_static(b"done"),
+            trailers: vec![],
         })
     }
 
