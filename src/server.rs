@@ -22,10 +22,10 @@ use tracing::{error, info, warn};
 use crate::app::App;
 use crate::body::Body;
 use crate::config::{Config, ServerConfig};
-use crate::conn::{Busy, BusyGuard, Guarded};
+use crate::conn::{Busy, BusyGuard, ClientScheme, Guarded};
 use crate::store::StoreSetupError;
-use crate::tls::{Certificates, ClientIo, Tls, TlsError};
-use crate::{admin, proxy};
+use crate::tls::{Certificates, Tls, TlsError};
+use crate::{admin, proxy, tls};
 
 /// Admin requests' headers must arrive within this time.
 const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -175,6 +175,7 @@ async fn accept(
 ) {
     let slots = Arc::new(Semaphore::new(config.server.max_connections));
     let http = Arc::new(connection_builder(&config.server));
+    let scheme = ClientScheme(if tls.is_some() { "https" } else { "http" });
     app.accepting.store(true, Ordering::Release);
     tokio::pin!(shutdown);
     loop {
@@ -208,6 +209,7 @@ async fn accept(
         let service = service_fn(move |mut req: Request<Incoming>| {
             // For an upgrade tunnel to keep its connection counted as busy while it lives.
             req.extensions_mut().insert(busy.clone());
+            req.extensions_mut().insert(scheme);
             let (app, in_progress) = (app.clone(), busy.enter());
             begin.notify_one();
             async move {
@@ -222,12 +224,8 @@ async fn accept(
         let until = Instant::now() + s.header_read_timeout;
         let (http, tls, watcher) = (http.clone(), tls.clone(), graceful.watcher());
         tokio::spawn(async move {
-            let io = match tls {
-                None => ClientIo::Plain(stream),
-                Some(tls) => match tls.accept(stream, until).await {
-                    Some(io) => io,
-                    None => return,
-                },
+            let Some(io) = tls::open(tls.as_deref(), stream, until).await else {
+                return;
             };
             let conn = http.serve_connection_with_upgrades(TokioIo::new(io), service);
             serve(watcher.watch(conn.into_owned()), &began, until).await;

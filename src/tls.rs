@@ -270,6 +270,18 @@ impl Tls {
     }
 }
 
+/// The connection's bytes: `io` itself without TLS, else after the
+/// handshake ([`Tls::accept`]; `None` when it failed or was late).
+pub async fn open<IO>(tls: Option<&Tls>, io: IO, until: Instant) -> Option<ClientIo<IO>>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    match tls {
+        None => Some(ClientIo::Plain(io)),
+        Some(tls) => tls.accept(io, until).await,
+    }
+}
+
 /// A client connection's bytes: as accepted, or inside TLS. One type for
 /// both, so that the connection is served by the same code either way.
 pub enum ClientIo<IO> {

@@ -203,6 +203,11 @@ async fn curl_gets_http2_and_http1_over_tls_by_alpn() {
     assert_eq!(h2.status, 201);
     assert_eq!(h2.json()["path"], "/hello");
     assert_eq!(h2.json()["query"], "x=1");
+    assert_eq!(
+        h2.json()["headers"]["x-forwarded-proto"],
+        "https",
+        "the upstream is told the client's scheme"
+    );
     let h1 = https(&certs, &proxy, &["--http1.1"], "/hello").await;
     assert_eq!(h1.version, "HTTP/1.1");
     assert_eq!(h1.status, 201);
@@ -268,6 +273,7 @@ async fn a_protected_route_over_tls_executes_once_and_replays() {
     let first = pay(&certs, &proxy, "--http2").await;
     assert_eq!((first.version.as_str(), first.status), ("HTTP/2", 201));
     assert!(!first.is_replay());
+    assert_eq!(first.json()["headers"]["x-forwarded-proto"], "https");
     let again = pay(&certs, &proxy, "--http2").await;
     assert!(again.is_replay(), "the retry over TLS replays");
     assert_eq!(again.body, first.body);
