@@ -95,11 +95,17 @@ impl App {
         if s.0.upstream != s.1.upstream {
             restart_needed.push("server.upstream");
         }
+        // Which files the certificate comes from, or whether the listener
+        // speaks TLS at all; the files themselves are re-read on every SIGHUP.
+        if s.0.tls != s.1.tls {
+            restart_needed.push("server.tls_cert_file/tls_key_file");
+        }
         // Everything else in [server]: timeouts and limits.
         let same_but_addresses = |c: &crate::config::ServerConfig| crate::config::ServerConfig {
             listen: String::new(),
             admin_listen: String::new(),
             upstream: s.0.upstream.clone(),
+            tls: None,
             ..c.clone()
         };
         if same_but_addresses(s.0) != same_but_addresses(s.1) {

@@ -58,6 +58,13 @@ impl Drop for BusyGuard {
     }
 }
 
+/// The scheme the client connected with, `"http"` or `"https"` (a request
+/// extension set by the listener): the upstream is told it as
+/// `X-Forwarded-Proto`, so that the links and cookies it makes fit what the
+/// client used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientScheme(pub &'static str);
+
 /// What the one timer is counting down.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Armed {

@@ -19,7 +19,8 @@
 //! answer the proxy makes itself is a `problem`. Every other request streams
 //! through untouched (`upstream`); an HTTP/1.1 `Upgrade` (a WebSocket) is never
 //! protected and becomes a tunnel (`proxy::tunnel`); `server` accepts and
-//! drains, with the per-connection deadlines of `conn`.
+//! drains, with the per-connection deadlines of `conn`, and speaks TLS when
+//! configured (`tls`).
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -39,4 +40,5 @@ pub mod record;
 pub mod routes;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod upstream;

@@ -3,10 +3,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
 use idemproxy::config::{Config, HumanDuration, Overrides};
 use idemproxy::server::Server;
+use idemproxy::tls::{self, Certificates};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LogFormat {
@@ -80,8 +82,7 @@ fn main() -> ExitCode {
         }
     };
     if cli.check {
-        print_check(&config);
-        return ExitCode::SUCCESS;
+        return check(&config);
     }
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -97,6 +98,11 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         let server = match Server::bind(config).await {
             Ok(s) => s,
+            Err(e) if e.is_configuration() => {
+                tracing::error!("invalid configuration: {e}");
+                eprintln!("idemproxy: invalid configuration: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
             Err(e) => {
                 tracing::error!("cannot start: {e}");
                 eprintln!("idemproxy: cannot start: {e}");
@@ -105,6 +111,7 @@ fn main() -> ExitCode {
         };
         let reloader = tokio::spawn(reload_on_sighup(
             server.app(),
+            server.certificates(),
             cli.config.clone(),
             overrides,
         ));
@@ -112,6 +119,24 @@ fn main() -> ExitCode {
         reloader.abort();
         ExitCode::SUCCESS
     })
+}
+
+/// `--check`: what can be checked without secrets or a store. The TLS files
+/// are checked when they can be read; an unreadable one is only a warning,
+/// since the check may run where the secrets are not mounted.
+fn check(config: &Config) -> ExitCode {
+    let warnings = match config.server.tls.as_ref().map(tls::check).transpose() {
+        Ok(w) => w.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("idemproxy: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    print_check(config);
+    for w in warnings {
+        eprintln!("idemproxy: warning: {w}");
+    }
+    ExitCode::SUCCESS
 }
 
 /// The resolved routes, one line each, for `--check`.
@@ -124,6 +149,13 @@ fn print_check(config: &Config) {
         config.server.admin_listen,
         config.store.backend
     );
+    if let Some(files) = &config.server.tls {
+        println!(
+            "tls cert={} key={}",
+            files.cert_file.display(),
+            files.key_file.display()
+        );
+    }
     for r in config.routes.iter() {
         let methods: Vec<&str> = r.methods.iter().map(|m| m.as_str()).collect();
         println!(
@@ -142,9 +174,12 @@ fn print_check(config: &Config) {
     }
 }
 
-/// SIGHUP re-reads the configuration file; an invalid file keeps the current configuration.
+/// SIGHUP re-reads the configuration file, and the listener's certificate
+/// and key; either one that fails keeps what is in use, and neither depends
+/// on the other (a rotated certificate is applied even while the file has an error).
 async fn reload_on_sighup(
-    app: std::sync::Arc<idemproxy::app::App>,
+    app: Arc<idemproxy::app::App>,
+    certificates: Option<Arc<Certificates>>,
     path: Option<PathBuf>,
     overrides: Overrides,
 ) {
@@ -168,6 +203,27 @@ async fn reload_on_sighup(
             Err(e) => {
                 tracing::error!(error = %e, "configuration reload failed; keeping the current configuration")
             }
+        }
+        if let Some(certificates) = &certificates {
+            reload_certificate(certificates.clone()).await;
+        }
+    }
+}
+
+/// Re-reads the certificate and key files (off the async workers); a failure
+/// keeps the current certificate. Open connections are never touched: only
+/// handshakes after the swap present the new certificate.
+async fn reload_certificate(certificates: Arc<Certificates>) {
+    let files = certificates.files().clone();
+    let reloaded = tokio::task::spawn_blocking(move || certificates.reload()).await;
+    let (cert, key) = (files.cert_file.display(), files.key_file.display());
+    match reloaded {
+        Ok(Ok(())) => tracing::info!(%cert, %key, "TLS certificate reloaded"),
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "TLS certificate reload failed; keeping the current certificate")
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "TLS certificate reload failed; keeping the current certificate")
         }
     }
 }

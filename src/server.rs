@@ -16,14 +16,16 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use crate::app::App;
 use crate::body::Body;
 use crate::config::{Config, ServerConfig};
-use crate::conn::{Busy, BusyGuard, Guarded};
+use crate::conn::{Busy, BusyGuard, ClientScheme, Guarded};
 use crate::store::StoreSetupError;
-use crate::{admin, proxy};
+use crate::tls::{Certificates, Tls, TlsError};
+use crate::{admin, proxy, tls};
 
 /// Admin requests' headers must arrive within this time.
 const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,6 +56,17 @@ pub enum StartError {
     },
     #[error(transparent)]
     Store(#[from] StoreSetupError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+}
+
+impl StartError {
+    /// A file the configuration names was read and is wrong (a certificate
+    /// that is not PEM, a key that does not match it): the configuration's
+    /// fault, as opposed to a file not there yet or a port in use.
+    pub fn is_configuration(&self) -> bool {
+        matches!(self, StartError::Tls(TlsError::Invalid { .. }))
+    }
 }
 
 /// A bound, not yet running proxy. `bind` then `run`: tests and `main` use the same path.
@@ -62,6 +75,7 @@ pub struct Server {
     config: Config,
     listener: TcpListener,
     admin: TcpListener,
+    tls: Option<Arc<Tls>>,
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, StartError> {
@@ -76,6 +90,10 @@ async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, StartError>
 
 impl Server {
     pub async fn bind(config: Config) -> Result<Server, StartError> {
+        let tls = match &config.server.tls {
+            Some(files) => Some(Arc::new(Tls::new(files)?)),
+            None => None,
+        };
         let app = App::new(&config)?;
         let listener = bind("proxy", &config.server.listen).await?;
         let admin = bind("admin", &config.server.admin_listen).await?;
@@ -84,7 +102,13 @@ impl Server {
             config,
             listener,
             admin,
+            tls,
         })
+    }
+
+    /// The listener's certificates, for the SIGHUP reload; `None` without TLS.
+    pub fn certificates(&self) -> Option<Arc<Certificates>> {
+        self.tls.as_ref().map(|t| t.certificates())
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -107,12 +131,13 @@ impl Server {
             config,
             listener,
             admin,
+            tls,
         } = self;
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
         let graceful = GracefulShutdown::new();
-        accept(&app, &config, listener, &graceful, shutdown).await;
+        accept(&app, &config, listener, tls, &graceful, shutdown).await;
         drain(&app, config.server.shutdown_grace, graceful).await;
         pinger.abort();
         admin_task.abort();
@@ -127,6 +152,7 @@ fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListe
         admin = %addr(admin),
         upstream = %config.server.upstream,
         upstream_protocol = %config.server.upstream_protocol,
+        tls = config.server.tls.is_some(),
         store = ?config.store.backend,
         routes = config.routes.len(),
         "listening"
@@ -137,16 +163,19 @@ fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListe
 }
 
 /// Accepts connections until `shutdown` resolves; each is served in a task of
-/// its own, watched by `graceful` for draining.
+/// its own, watched by `graceful` for draining. With `tls`, the handshake is
+/// done in that task too: a slow one must not keep the loop from accepting.
 async fn accept(
     app: &Arc<App>,
     config: &Config,
     listener: TcpListener,
+    tls: Option<Arc<Tls>>,
     graceful: &GracefulShutdown,
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(config.server.max_connections));
-    let http = connection_builder(&config.server);
+    let http = Arc::new(connection_builder(&config.server));
+    let scheme = ClientScheme(if tls.is_some() { "https" } else { "http" });
     app.accepting.store(true, Ordering::Release);
     tokio::pin!(shutdown);
     loop {
@@ -180,6 +209,7 @@ async fn accept(
         let service = service_fn(move |mut req: Request<Incoming>| {
             // For an upgrade tunnel to keep its connection counted as busy while it lives.
             req.extensions_mut().insert(busy.clone());
+            req.extensions_mut().insert(scheme);
             let (app, in_progress) = (app.clone(), busy.enter());
             begin.notify_one();
             async move {
@@ -190,30 +220,31 @@ async fn accept(
                 }))
             }
         });
-        let conn = graceful.watch(
-            http.serve_connection_with_upgrades(TokioIo::new(stream), service)
-                .into_owned(),
-        );
-        let deadline = s.header_read_timeout;
+        // The handshake and the first request's headers, together.
+        let until = Instant::now() + s.header_read_timeout;
+        let (http, tls, watcher) = (http.clone(), tls.clone(), graceful.watcher());
         tokio::spawn(async move {
-            serve(conn, &began, deadline).await;
+            let Some(io) = tls::open(tls.as_deref(), stream, until).await else {
+                return;
+            };
+            let conn = http.serve_connection_with_upgrades(TokioIo::new(io), service);
+            serve(watcher.watch(conn.into_owned()), &began, until).await;
         });
     }
     app.accepting.store(false, Ordering::Release);
 }
 
-/// Serves a connection, closing it if no request has begun within
-/// `deadline`. Until the first bytes tell HTTP/1.1 from HTTP/2, neither
+/// Serves a connection, closing it if no request has begun by `until`. Until the first bytes tell HTTP/1.1 from HTTP/2, neither
 /// protocol's own limits run: a client that sends nothing, or trickles the
 /// HTTP/2 preface or its first header block, would otherwise hold its slot
 /// until `idle_timeout`. Later requests: HTTP/1.1 has its header timeout;
 /// on HTTP/2, bytes that keep arriving keep the connection open.
-async fn serve(conn: impl Future, began: &Notify, deadline: Duration) {
+async fn serve(conn: impl Future, began: &Notify, until: Instant) {
     tokio::pin!(conn);
     tokio::select! {
         _ = &mut conn => return,
         () = began.notified() => {}
-        () = tokio::time::sleep(deadline) => return,
+        () = tokio::time::sleep_until(until) => return,
     }
     let _ = conn.await;
 }

@@ -13,6 +13,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
 use crate::config::{self, UpstreamProtocol};
+use crate::conn::ClientScheme;
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1, plus the
 /// legacy `Keep-Alive` and `Proxy-Connection`): never forwarded, never stored.
@@ -165,7 +166,8 @@ impl Upstream {
     }
 
     /// Prepares a client request for the upstream: URI, version, hop-by-hop
-    /// headers removed, `X-Forwarded-For` / `X-Forwarded-Proto` added. The
+    /// headers removed, `X-Forwarded-For` / `X-Forwarded-Proto` (the
+    /// request's [`ClientScheme`], `http` without one) added. The
     /// client's authority is kept as `Host` (over HTTP/2 it came as
     /// `:authority`; the upstream URI's authority names the upstream itself).
     pub fn prepare(
@@ -210,7 +212,11 @@ impl Upstream {
         }
         // A TLS-terminating load balancer in front may have said "https" already: keep it.
         if !h.contains_key(X_FORWARDED_PROTO) {
-            h.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+            let scheme = parts
+                .extensions
+                .get::<ClientScheme>()
+                .map_or("http", |s| s.0);
+            h.insert(X_FORWARDED_PROTO, HeaderValue::from_static(scheme));
         }
         Ok(Request::from_parts(parts, body))
     }

@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::*;
@@ -241,48 +239,6 @@ async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge(
 
 // ---------------------------------------------------------------------------
 // TLS and an ACL user limited to idemproxy's prefix and commands
-
-/// Runs openssl with whitespace-separated arguments (none of them contains a space).
-fn openssl(dir: &Path, args: &str) {
-    let args: Vec<&str> = args.split_whitespace().collect();
-    let out = Command::new("openssl")
-        .args(&args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA and a server certificate for 127.0.0.1, made now.
-fn make_certs(dir: &Path) {
-    openssl(dir, "ecparam -name prime256v1 -genkey -noout -out ca.key");
-    openssl(
-        dir,
-        "req -x509 -new -key ca.key -out ca.pem -days 2 -subj /CN=idemproxy-test-ca \
-         -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign",
-    );
-    openssl(
-        dir,
-        "ecparam -name prime256v1 -genkey -noout -out server.key",
-    );
-    openssl(
-        dir,
-        "req -new -key server.key -out server.csr -subj /CN=127.0.0.1",
-    );
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf",
-    );
-}
 
 /// The ACL line from docs/operations.md, so the documentation cannot rot.
 fn documented_acl(password: &str) -> String {

@@ -1,6 +1,7 @@
 //! The checked build: the file as written plus the overrides → a typed [`Config`], or the first error with its place.
 
 use std::collections::HashSet;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use super::grammar::{ConfHeader, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore};
 use super::{
     Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, ServerConfig, Source,
-    StoreConfig, UpstreamProtocol, UpstreamUrl,
+    StoreConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
 };
 use crate::policy::Policy;
 use crate::routes::{Route, RouteName, RouteTable};
@@ -176,7 +177,45 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         idle_timeout: duration(raw.idle_timeout, Duration::from_secs(60)),
         upstream_idle_timeout: duration(raw.upstream_idle_timeout, Duration::from_secs(1)),
         upstream_protocol: raw.upstream_protocol.unwrap_or(UpstreamProtocol::Http1),
+        tls: tls_files(raw.tls_cert_file, raw.tls_key_file, src)?,
     })
+}
+
+/// `tls_cert_file` and `tls_key_file`: both or neither. One without the other
+/// is an error at the one given, naming the one missing: a listener that
+/// silently stayed plain HTTP would be found only by its clients.
+fn tls_files(
+    cert: Option<Spanned<PathBuf>>,
+    key: Option<Spanned<PathBuf>>,
+    src: &Source,
+) -> Result<Option<TlsFiles>, ConfigError> {
+    const CERT: &str = "server.tls_cert_file";
+    const KEY: &str = "server.tls_key_file";
+    for (given, name) in [(&cert, CERT), (&key, KEY)] {
+        if let Some(p) = given
+            .as_ref()
+            .filter(|p| p.get_ref().as_os_str().is_empty())
+        {
+            return Err(src.entry(&p.span(), name, "an empty path: name a PEM file"));
+        }
+    }
+    match (cert, key) {
+        (None, None) => Ok(None),
+        (Some(cert), Some(key)) => Ok(Some(TlsFiles {
+            cert_file: cert.into_inner(),
+            key_file: key.into_inner(),
+        })),
+        (Some(given), None) => Err(src.entry(
+            &given.span(),
+            CERT,
+            format!("{KEY} is missing: TLS needs the certificate and its private key"),
+        )),
+        (None, Some(given)) => Err(src.entry(
+            &given.span(),
+            KEY,
+            format!("{CERT} is missing: TLS needs the certificate and its private key"),
+        )),
+    }
 }
 
 fn check_addr(addr: &Given, key: &str, src: &Source) -> Result<(), ConfigError> {

@@ -127,6 +127,19 @@ pub struct ServerConfig {
     pub upstream_idle_timeout: Duration,
     /// What the proxy speaks to the upstream.
     pub upstream_protocol: UpstreamProtocol,
+    /// TLS on the client-facing listener; `None` for plain HTTP (and h2c).
+    pub tls: Option<TlsFiles>,
+}
+
+/// The PEM files of the listener's certificate: both given or neither. Only
+/// the paths are configuration; the files are read at start and on SIGHUP
+/// (`crate::tls`), so that `--check` can run where the secrets are not mounted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain, the server's own certificate first.
+    pub cert_file: PathBuf,
+    /// The private key of the first certificate (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
 }
 
 /// The protocol of the requests sent to the upstream.

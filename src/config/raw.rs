@@ -47,6 +47,8 @@ pub(super) struct RawServer {
     pub idle_timeout: Option<HumanDuration>,
     pub upstream_idle_timeout: Option<HumanDuration>,
     pub upstream_protocol: Option<UpstreamProtocol>,
+    pub tls_cert_file: Option<Spanned<PathBuf>>,
+    pub tls_key_file: Option<Spanned<PathBuf>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -1,6 +1,8 @@
 //! Real parts for the integration tests, all on loopback and port 0 (or a free port).
 //!
 //! - `process`: free ports, killing child processes;
+//! - `certs`: a CA and server certificates made with openssl;
+//! - `curl`: the curl command line and its answer;
 //! - `redis`: a `redis-server` of the test's own, and cluster, sentinel and replica setups;
 //! - `upstream`: a programmable upstream (`TestUpstream`) that counts and holds requests;
 //! - `proxy`: the `idemproxy` binary as a child process (`Proxy`);
@@ -15,8 +17,10 @@
 // leaves unused is used by another.
 #![allow(dead_code, unused_imports)]
 
+mod certs;
 mod client;
 mod config;
+mod curl;
 mod env;
 mod inprocess;
 mod process;
@@ -25,8 +29,10 @@ mod redis;
 pub mod relay;
 mod upstream;
 
+pub use certs::*;
 pub use client::*;
 pub use config::*;
+pub use curl::*;
 pub use env::*;
 pub use inprocess::*;
 pub use process::*;
