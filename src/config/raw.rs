@@ -11,7 +11,7 @@ use serde::de::{MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
-use super::grammar::{ByteSize, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
+use super::grammar::{ByteSize, ConfHeader, ConfKeyFrom, ConfMethod, ConfStatus, HumanDuration};
 use super::{Backend, RedisMode, UpstreamProtocol};
 use crate::policy::{Concurrent, FingerprintBody, KeyMode, Mode, OnStoreError, UnknownOutcome};
 use crate::routes::PathPattern;
@@ -78,6 +78,7 @@ pub(super) struct RawPolicy {
     pub methods: Option<Spanned<Vec<ConfMethod>>>,
     pub path: Option<Spanned<PathPattern>>,
     pub header: Option<ConfHeader>,
+    pub key_from: Option<ConfKeyFrom>,
     pub key: Option<KeyMode>,
     pub ttl: Option<HumanDuration>,
     pub lease: Option<HumanDuration>,
