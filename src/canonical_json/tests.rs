@@ -646,6 +646,7 @@ proptest! {
     #[test]
     fn every_value_is_found_at_its_pointer(j in tree(), seed in any::<u64>()) {
         let text = rendered(&j, seed);
+        let canon = canonicalize(text.as_bytes()).unwrap_or_default();
         let mut paths = Vec::new();
         every_path(&j, &mut Vec::new(), &mut paths);
         for (path, value) in paths {
@@ -654,7 +655,8 @@ proptest! {
                 J::Num(n) if !n.contains(['.', 'e', 'E']) => Pointed::Integer(n.clone()),
                 _ => Pointed::Other,
             };
-            prop_assert_eq!(at_pointer(text.as_bytes(), &path), Some(expected), "{:?} in {}", path, text);
+            prop_assert_eq!(at_pointer(text.as_bytes(), &path), Some(expected.clone()), "{:?} in {}", path, text);
+            prop_assert_eq!(at_pointer(&canon, &path), Some(expected), "canonical form");
             let absent = match value {
                 J::Arr(items) => items.len().to_string(),
                 // No generated name has a 'z'.
