@@ -1,9 +1,11 @@
-//! The `Idempotency-Key` value (RFC 8941 sf-string or bare token), the scope, and the request fingerprint.
+//! The key (from the `Idempotency-Key` header, another header, or the JSON
+//! body), the scope, and the request fingerprint.
 
 use http::{HeaderMap, HeaderName, Method};
 use sha2::{Digest, Sha256};
 
-use crate::policy::FingerprintBody;
+use crate::canonical_json::{self, Pointed};
+use crate::policy::{FingerprintBody, KeySource, Pointer};
 
 /// Why a key header was refused (always a 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -16,6 +18,78 @@ pub enum KeyError {
     Repeated,
     #[error("the key is not a valid value: {0}")]
     Syntax(&'static str),
+}
+
+/// Why a request has no key to use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoKey {
+    /// None was sent: a 400 on required routes, forwarded unprotected on optional ones.
+    Missing,
+    /// One was sent that cannot be used: always a 400.
+    Invalid(KeyError),
+}
+
+/// The key as far as the request's headers tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyRead<'p> {
+    /// A header carried it.
+    Read(String),
+    /// It is in the JSON body, at this pointer: read once the body is (its size checked first).
+    InBody(&'p Pointer),
+}
+
+/// The key of a request whose key a header carries (§7 syntax, exactly one
+/// line); a key in the body is left for [`KeyRead::or_from_body`].
+pub fn from_headers<'p>(
+    headers: &HeaderMap,
+    source: &'p KeySource,
+    max_len: usize,
+) -> Result<KeyRead<'p>, NoKey> {
+    let name = match source {
+        KeySource::Header(name) => name,
+        KeySource::Json(pointer) => return Ok(KeyRead::InBody(pointer)),
+    };
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Err(NoKey::Missing),
+        (Some(_), Some(_)) => Err(NoKey::Invalid(KeyError::Repeated)),
+        (Some(v), None) => parse_key(v.as_bytes(), max_len)
+            .map(KeyRead::Read)
+            .map_err(NoKey::Invalid),
+    }
+}
+
+impl KeyRead<'_> {
+    /// The key: the one read from a header, or the one in the whole `body`.
+    pub fn or_from_body(self, body: &[u8], max_len: usize) -> Result<String, NoKey> {
+        match self {
+            KeyRead::Read(key) => Ok(key),
+            KeyRead::InBody(pointer) => json_key(body, pointer, max_len),
+        }
+    }
+}
+
+/// The key at `pointer` in a JSON body: a string as decoded (any characters:
+/// the key is only ever hashed into the record id), or an integer's exact
+/// decimal text (`123` and `"123"` are the same key; a number beyond 64 bits
+/// keeps its digits). A body that is not JSON read exactly (see
+/// [`canonical_json::at_pointer`]), nothing at the pointer, or another type
+/// (a fraction, a boolean, null, an array, an object) is a missing key; an
+/// empty string, or a key longer than `max_len` characters, an invalid one.
+pub fn json_key(body: &[u8], pointer: &Pointer, max_len: usize) -> Result<String, NoKey> {
+    let key = match canonical_json::at_pointer(body, pointer.tokens()) {
+        Some(Pointed::Str(s)) => s,
+        Some(Pointed::Integer(digits)) => digits,
+        Some(Pointed::Other) | None => return Err(NoKey::Missing),
+    };
+    let len = key.chars().count();
+    if len == 0 {
+        return Err(NoKey::Invalid(KeyError::Empty));
+    }
+    if len > max_len {
+        return Err(NoKey::Invalid(KeyError::TooLong { len, max: max_len }));
+    }
+    Ok(key)
 }
 
 /// Decodes one header value: `"quoted"` (sf-string, with `\"` and `\\`) or a
@@ -271,6 +345,96 @@ mod tests {
         assert_ne!(
             fingerprint(&m, "/p", None, &h, &[], b"", j),
             fingerprint(&m, "/p", Some(""), &h, &[], b"", j)
+        );
+    }
+
+    #[test]
+    fn keys_come_from_the_source_the_route_names() {
+        let mut h = HeaderMap::new();
+        h.insert("idempotency-key", "\"k-1\"".parse().unwrap());
+        h.insert(
+            "x-github-delivery",
+            "72d3162e-cc78-11e3-81ab-4c9367dc0958".parse().unwrap(),
+        );
+        let header = |n: &'static str| KeySource::Header(HeaderName::from_static(n));
+        // (A key read from a header needs no body.)
+        let read = |h: &HeaderMap, name| {
+            from_headers(h, &header(name), 255).and_then(|k| k.or_from_body(b"", 255))
+        };
+        assert_eq!(read(&h, "idempotency-key"), Ok("k-1".into()));
+        assert_eq!(
+            read(&h, "x-github-delivery"),
+            Ok("72d3162e-cc78-11e3-81ab-4c9367dc0958".into())
+        );
+        assert_eq!(read(&h, "x-shopify-webhook-id"), Err(NoKey::Missing));
+        h.append("x-github-delivery", "again".parse().unwrap());
+        assert_eq!(
+            read(&h, "x-github-delivery"),
+            Err(NoKey::Invalid(KeyError::Repeated))
+        );
+        let id = KeySource::Json(Pointer::parse("/id").unwrap());
+        let KeySource::Json(pointer) = &id else {
+            unreachable!()
+        };
+        assert_eq!(
+            from_headers(&h, &id, 255),
+            Ok(KeyRead::InBody(pointer)),
+            "headers are not looked at"
+        );
+        assert_eq!(
+            KeyRead::InBody(pointer).or_from_body(br#"{"id":"evt_1"}"#, 255),
+            Ok("evt_1".to_string())
+        );
+        assert_eq!(
+            KeyRead::Read("k".into()).or_from_body(b"not json", 255),
+            Ok("k".to_string())
+        );
+    }
+
+    #[test]
+    fn json_keys_are_strings_or_integers_of_bounded_length() {
+        let id = Pointer::parse("/id").unwrap();
+        let key = |body: &str, max| json_key(body.as_bytes(), &id, max);
+        assert_eq!(key(r#"{"id":"evt_1"}"#, 255), Ok("evt_1".into()));
+        assert_eq!(
+            key(r#"{"id":" a\tb\u0000 "}"#, 255),
+            Ok(" a\tb\0 ".into()),
+            "as decoded"
+        );
+        assert_eq!(key(r#"{"id":123}"#, 255), Ok("123".into()));
+        assert_eq!(key(r#"{"id":"123"}"#, 255), Ok("123".into()));
+        assert_eq!(
+            key(r#"{"id":100000000000000000001}"#, 255),
+            Ok("100000000000000000001".into())
+        );
+        for missing in [
+            "not json",
+            "",
+            r#"{"other":"x"}"#,
+            r#"{"id":1.0}"#,
+            r#"{"id":1e3}"#,
+            r#"{"id":true}"#,
+            r#"{"id":null}"#,
+            r#"{"id":["a"]}"#,
+            r#"{"id":{"a":1}}"#,
+            r#"{"id":"a","id":"b"}"#,
+            r#"["id"]"#,
+        ] {
+            assert_eq!(key(missing, 255), Err(NoKey::Missing), "{missing}");
+        }
+        assert_eq!(
+            key(r#"{"id":""}"#, 255),
+            Err(NoKey::Invalid(KeyError::Empty))
+        );
+        // max_key_length counts characters, as it does for header keys.
+        assert_eq!(key(r#"{"id":"ééé"}"#, 3), Ok("ééé".into()));
+        assert_eq!(
+            key(r#"{"id":"éééé"}"#, 3),
+            Err(NoKey::Invalid(KeyError::TooLong { len: 4, max: 3 }))
+        );
+        assert_eq!(
+            key(r#"{"id":1234}"#, 3),
+            Err(NoKey::Invalid(KeyError::TooLong { len: 4, max: 3 }))
         );
     }
 

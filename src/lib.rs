@@ -3,9 +3,11 @@
 //! The request flow, for a route listed in the configuration (`proxy`, one
 //! function per phase; any phase may stop the request with a value):
 //!
-//! 1. the key: the `Idempotency-Key` header (`key`): missing or malformed → 400;
+//! 1. the key: the `Idempotency-Key` header or the route's `key_from` header
+//!    (`key`): missing or malformed → 400;
 //! 2. the body, up to `max_request_body` (413) and with room in the memory
-//!    budget (`budget`: 503 `proxy-busy`), read by `body`;
+//!    budget (`budget`: 503 `proxy-busy`), read by `body`; a `key_from =
+//!    "json:<pointer>"` key is read from it now (`key`, `canonical_json`);
 //! 3. the identity: fingerprint of method, path, query, chosen headers and
 //!    body (`key`, `canonical_json`); record id from the scope headers and the key;
 //! 4. reserve the id in the store as `processing` with a lease (`store`), or

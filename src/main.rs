@@ -159,11 +159,12 @@ fn print_check(config: &Config) {
     for r in config.routes.iter() {
         let methods: Vec<&str> = r.methods.iter().map(|m| m.as_str()).collect();
         println!(
-            "route {} methods={} path={} key={} ttl={} lease={} mode={}",
+            "route {} methods={} path={} key={} key_from={} ttl={} lease={} mode={}",
             r.name,
             methods.join(","),
             r.path,
             r.policy.key,
+            r.policy.key_from,
             HumanDuration(r.policy.ttl),
             HumanDuration(r.policy.lease),
             r.policy.mode,

@@ -15,6 +15,9 @@ use serde::Deserialize;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
     pub header: HeaderName,
+    /// Where the key is read: resolved at load time (`key_from = "header"`
+    /// is `KeySource::Header` of the route's `header`).
+    pub key_from: KeySource,
     pub key: KeyMode,
     pub ttl: Duration,
     pub lease: Duration,
@@ -41,6 +44,7 @@ impl Default for Policy {
     fn default() -> Self {
         Policy {
             header: HeaderName::from_static("idempotency-key"),
+            key_from: KeySource::Header(HeaderName::from_static("idempotency-key")),
             key: KeyMode::Required,
             ttl: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(30),
@@ -59,6 +63,80 @@ impl Default for Policy {
             mode: Mode::Enforce,
             on_store_error: OnStoreError::Reject,
             replayed_header: HeaderName::from_static("idempotent-replayed"),
+        }
+    }
+}
+
+/// Where a route's key comes from (`key_from`, §10).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    /// A request header, its value in the key syntax of §7.
+    Header(HeaderName),
+    /// A string or an integer in the JSON request body: the body is read
+    /// (and its size checked) before the key.
+    Json(Pointer),
+}
+
+/// An RFC 6901 JSON pointer, parsed into its reference tokens (escapes decoded).
+/// Never empty: a key is a member or an element, not the whole body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pointer {
+    tokens: Vec<String>,
+}
+
+impl Pointer {
+    /// `/a/b~1c/0` → `["a", "b/c", "0"]`; `~0` is `~`, `~1` is `/`, any other `~` is an error.
+    pub fn parse(text: &str) -> Result<Pointer, String> {
+        let bad = |why: &str| format!("invalid JSON pointer \"{text}\": {why}");
+        let Some(rest) = text.strip_prefix('/') else {
+            return Err(bad(if text.is_empty() {
+                "it names the whole body; point at a member, e.g. \"json:/id\""
+            } else {
+                "it starts with '/' (RFC 6901), e.g. \"json:/id\""
+            }));
+        };
+        let mut tokens = Vec::new();
+        for raw in rest.split('/') {
+            let mut token = String::with_capacity(raw.len());
+            let mut chars = raw.chars();
+            while let Some(c) = chars.next() {
+                if c != '~' {
+                    token.push(c);
+                    continue;
+                }
+                match chars.next() {
+                    Some('0') => token.push('~'),
+                    Some('1') => token.push('/'),
+                    _ => return Err(bad("'~' is written \"~0\", and '/' in a name \"~1\"")),
+                }
+            }
+            tokens.push(token);
+        }
+        Ok(Pointer { tokens })
+    }
+
+    /// The reference tokens, decoded, from the root down.
+    pub fn tokens(&self) -> &[String] {
+        &self.tokens
+    }
+}
+
+/// The pointer as RFC 6901 writes it (`~` as `~0`, `/` in a name as `~1`).
+impl fmt::Display for Pointer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for t in &self.tokens {
+            write!(f, "/{}", t.replace('~', "~0").replace('/', "~1"))?;
+        }
+        Ok(())
+    }
+}
+
+/// The spelling of `key_from`, resolved: `header:<name>` or `json:<pointer>` (for `--check`).
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Header(name) => write!(f, "header:{name}"),
+            KeySource::Json(pointer) => write!(f, "json:{pointer}"),
         }
     }
 }
@@ -129,5 +207,26 @@ impl fmt::Display for Mode {
             Mode::Enforce => "enforce",
             Mode::Shadow => "shadow",
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pointers_parse_into_decoded_tokens_and_print_back() {
+        let p = |t: &str| Pointer::parse(t).map(|p| p.tokens().to_vec());
+        assert_eq!(p("/id").unwrap(), ["id"]);
+        assert_eq!(p("/data/object/id").unwrap(), ["data", "object", "id"]);
+        assert_eq!(p("/a~1b/m~0n/~01").unwrap(), ["a/b", "m~n", "~1"]);
+        assert_eq!(p("/").unwrap(), [""], "the member named \"\"");
+        assert_eq!(p("/a//0").unwrap(), ["a", "", "0"]);
+        for text in ["/id", "/a~1b/m~0n/~01", "/", "/a//0", "/é"] {
+            assert_eq!(Pointer::parse(text).unwrap().to_string(), text);
+        }
+        for bad in ["", "id", "#/id", "/a~2", "/a~", "/~/b"] {
+            assert!(Pointer::parse(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -12,16 +12,18 @@ use http::{HeaderMap, Response, StatusCode};
 use crate::body::Body;
 use crate::key::KeyError;
 use crate::metrics::Outcome;
+use crate::policy::KeySource;
 use crate::upstream::UpstreamError;
 
 /// Every answer the proxy makes on its own.
 #[derive(Debug, Clone)]
 pub enum Problem {
+    /// No key where the route's `key_from` looks.
     MissingKey {
-        header: String,
+        from: KeySource,
     },
     InvalidKey {
-        header: String,
+        from: KeySource,
         why: KeyError,
     },
     BodyTooLarge {
@@ -156,13 +158,30 @@ impl Problem {
 
     pub fn detail(&self) -> String {
         match self {
-            Problem::MissingKey { header } => format!(
-                "This endpoint requires an {header} header with a unique value per operation \
-                 (draft-ietf-httpapi-idempotency-key-header, section-2.1)."
+            Problem::MissingKey {
+                from: KeySource::Header(name),
+            } => format!(
+                "This endpoint requires an {} header with a unique value per operation \
+                 (draft-ietf-httpapi-idempotency-key-header, section-2.1).",
+                header_display(name)
             ),
-            Problem::InvalidKey { header, why } => {
-                format!("The {header} header is not usable: {why} (draft-ietf-httpapi-idempotency-key-header, section-2.1).")
-            }
+            Problem::MissingKey {
+                from: KeySource::Json(pointer),
+            } => format!(
+                "This endpoint takes its idempotency key from the JSON request body: a string \
+                 or an integer at {pointer}. The body is not JSON, or has no such value there."
+            ),
+            Problem::InvalidKey {
+                from: KeySource::Header(name),
+                why,
+            } => format!(
+                "The {} header is not usable: {why} (draft-ietf-httpapi-idempotency-key-header, section-2.1).",
+                header_display(name)
+            ),
+            Problem::InvalidKey {
+                from: KeySource::Json(pointer),
+                why,
+            } => format!("The idempotency key at {pointer} in the JSON request body is not usable: {why}."),
             Problem::BodyTooLarge { limit } => {
                 format!("The request body exceeds the limit of {limit} bytes for this endpoint.")
             }
@@ -237,8 +256,13 @@ impl Problem {
         let mut body = document(status, self.kind(), self.title(), &self.detail());
         body["instance"] = format!("urn:uuid:{request_id}").into();
         body["retryable"] = self.retryable().into();
-        if let Problem::MissingKey { header } | Problem::InvalidKey { header, .. } = self {
-            body["idempotency_key"] = serde_json::json!({ "header": header });
+        if let Problem::MissingKey { from } | Problem::InvalidKey { from, .. } = self {
+            body["idempotency_key"] = match from {
+                KeySource::Header(name) => serde_json::json!({ "header": header_display(name) }),
+                KeySource::Json(pointer) => {
+                    serde_json::json!({ "json_pointer": pointer.to_string() })
+                }
+            };
         }
         let (headers, bytes) = rendered(&body, self.retry_after());
         (status, headers, bytes)
@@ -247,6 +271,14 @@ impl Problem {
     /// The answer as a response.
     pub fn response(&self, request_id: &uuid::Uuid) -> Response<Body> {
         assemble(self.render(request_id))
+    }
+}
+
+/// A header name as problems spell it: the standard one in its usual capitals.
+fn header_display(name: &http::HeaderName) -> String {
+    match name.as_str() {
+        "idempotency-key" => "Idempotency-Key".to_string(),
+        lower => lower.to_string(),
     }
 }
 

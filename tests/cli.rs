@@ -51,6 +51,37 @@ fn check_prints_the_resolved_routes_and_exits_0() {
             && routes[0].contains("key=required")
     );
     assert!(routes[2].contains("key=optional"));
+    for route in &routes {
+        assert!(
+            route.contains(" key_from=header:idempotency-key "),
+            "each route shows its key source: {route}"
+        );
+    }
+}
+
+#[test]
+fn check_shows_each_routes_key_source_in_the_webhook_example() {
+    let out = idemproxy()
+        .args([
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/config/webhooks.toml"),
+            "--check",
+        ])
+        .output()
+        .unwrap();
+    assert_exit(&out, 0);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let routes: Vec<&str> = stdout.lines().filter(|l| l.starts_with("route ")).collect();
+    assert_eq!(routes.len(), 2, "{stdout}");
+    assert!(
+        routes[0].starts_with("route github ")
+            && routes[0].contains(" key_from=header:x-github-delivery "),
+        "{stdout}"
+    );
+    assert!(
+        routes[1].starts_with("route stripe ") && routes[1].contains(" key_from=json:/id "),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -109,6 +140,36 @@ fn invalid_configuration_exits_2_naming_file_line_and_key() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn a_bad_key_from_exits_2_at_its_place_in_check_and_at_start() {
+    for (value, message) in [
+        ("cookie:session", "invalid key source"),
+        ("json:id", "starts with '/'"),
+        ("json:/a~2", "invalid JSON pointer"),
+        ("header:", "names no header"),
+        ("header:X Delivery", "invalid header name"),
+    ] {
+        let cfg = write_config(&format!(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n\n[[routes]]\nname = \"hook\"\npath = \"/hook\"\n  key_from = \"{value}\"\n"
+        ));
+        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            assert_exit(&out, 2);
+            let err = String::from_utf8_lossy(&out.stderr);
+            let place = format!("{}:7:14: routes[0].key_from:", cfg.path().display());
+            assert!(
+                err.contains(&place) && err.contains(message),
+                "{value}: {err}"
+            );
+        }
+    }
 }
 
 #[test]

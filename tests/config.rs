@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idemproxy::config::{Backend, ByteSize, Config, HumanDuration, Overrides};
-use idemproxy::policy::{Concurrent, FingerprintBody, KeyMode};
+use idemproxy::policy::{Concurrent, FingerprintBody, KeyMode, KeySource, Pointer};
 use proptest::prelude::*;
 
 const BASE: &str = "[server]\nupstream = \"http://127.0.0.1:3000\"\n";
@@ -413,6 +413,116 @@ fn route_headers_are_lowercased_and_sorted() {
     let r = c.routes.iter().next().unwrap();
     let names: Vec<_> = r.policy.scope_headers.iter().map(|h| h.as_str()).collect();
     assert_eq!(names, ["authorization", "x-tenant"]);
+}
+
+/// The resolved key source of each route of `text`, as `--check` spells it.
+fn key_sources(text: &str) -> Vec<String> {
+    let c = load(text).unwrap_or_else(|e| panic!("{e}"));
+    c.routes
+        .iter()
+        .map(|r| r.policy.key_from.to_string())
+        .collect()
+}
+
+#[test]
+fn key_from_resolves_per_route_and_follows_the_header() {
+    let route = |name: &str, lines: &str| {
+        format!("[[routes]]\nname = \"{name}\"\npath = \"/{name}\"\n{lines}\n")
+    };
+    let text = format!(
+        "{BASE}{}{}{}{}{}{}",
+        route("plain", ""),
+        route("own-header", "header = \"X-Request-Key\""),
+        route("github", "key_from = \"header:X-GitHub-Delivery\""),
+        route("same", "key_from = \"header:Idempotency-Key\""),
+        route("stripe", "key_from = \"json:/id\""),
+        route("escaped", "key_from = \"json:/data/a~1b/m~0n/0\""),
+    );
+    assert_eq!(
+        key_sources(&text),
+        [
+            "header:idempotency-key",
+            "header:x-request-key",
+            "header:x-github-delivery",
+            "header:idempotency-key",
+            "json:/id",
+            "json:/data/a~1b/m~0n/0",
+        ]
+    );
+    let c = load(&text).unwrap();
+    let escaped = c.routes.iter().nth(5).unwrap();
+    let KeySource::Json(pointer) = &escaped.policy.key_from else {
+        panic!("{:?}", escaped.policy.key_from)
+    };
+    assert_eq!(pointer.tokens(), ["data", "a/b", "m~n", "0"]);
+    assert_eq!(pointer, &Pointer::parse("/data/a~1b/m~0n/0").unwrap());
+
+    // [defaults] is inherited; "header" is the route's own header, whatever it is.
+    let text = format!(
+        "{BASE}[defaults]\nkey_from = \"json:/id\"\n{}{}{}",
+        route("inherits", ""),
+        route(
+            "back-to-header",
+            "key_from = \"header\"\nheader = \"X-Key\""
+        ),
+        route("other", "key_from = \"header:X-Shopify-Webhook-Id\""),
+    );
+    assert_eq!(
+        key_sources(&text),
+        ["json:/id", "header:x-key", "header:x-shopify-webhook-id"]
+    );
+    let text = format!(
+        "{BASE}[defaults]\nheader = \"X-Default\"\n{}{}",
+        route("follows", "header = \"X-Route\""),
+        route("default", ""),
+    );
+    assert_eq!(key_sources(&text), ["header:x-route", "header:x-default"]);
+    let text = format!(
+        "{BASE}[defaults]\nkey_from = \"header:X-Named\"\n{}",
+        route("named", "header = \"X-Route\""),
+    );
+    assert_eq!(
+        key_sources(&text),
+        ["header:x-named"],
+        "a named header stays named when the route changes `header`"
+    );
+}
+
+#[test]
+fn bad_key_from_values_are_errors_at_their_place() {
+    // `key_from = ` is 11 characters: the value starts in column 12 of line 6.
+    let route = |value: &str| {
+        format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nkey_from = \"{value}\"\n")
+    };
+    for (value, message) in [
+        ("cookie:x", "invalid key source \"cookie:x\""),
+        ("Header", "invalid key source"),
+        ("json", "invalid key source"),
+        ("header:", "names no header"),
+        ("header:bad name", "invalid header name \"bad name\""),
+        ("header:X-Été", "invalid header name"),
+        ("json:id", "starts with '/'"),
+        ("json:", "names the whole body"),
+        ("json:/a~2", "invalid JSON pointer \"/a~2\""),
+        ("json:/a~", "'~' is written \"~0\""),
+    ] {
+        rejects(
+            &route(value),
+            &["test.toml:6:12", "routes[0].key_from", message],
+        );
+    }
+    rejects(
+        &format!("{BASE}[defaults]\nkey_from = \"json:/x~3\"\n"),
+        &[
+            "test.toml:4:12",
+            "defaults.key_from",
+            "invalid JSON pointer",
+        ],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nkey_from = 7\n"),
+        &["test.toml:4:12", "defaults.key_from"],
+    );
 }
 
 proptest! {

@@ -44,6 +44,54 @@ pub const MAX_DEPTH: usize = 128;
 /// The canonical form of `body`, or `None` when it is not JSON this module
 /// can canonicalise exactly (see the module documentation).
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
+    let parser = parse(body)?;
+    let mut out = Vec::with_capacity(body.len());
+    parser.write(0, &mut out);
+    Some(out)
+}
+
+/// What a JSON pointer reaches in a body (see [`at_pointer`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pointed {
+    /// A string, decoded.
+    Str(String),
+    /// A number without fraction or exponent (`-?(0|[1-9][0-9]*)`), its
+    /// text exactly as written, however many digits it has.
+    Integer(String),
+    /// Anything else: a number with a fraction or an exponent, `true`,
+    /// `false`, `null`, an array, an object.
+    Other,
+}
+
+/// The value that the RFC 6901 reference tokens `tokens` point at in `body`.
+/// `None` when nothing is there, or when `body` is not JSON that this module
+/// reads exactly (the same refusals as [`canonicalize`]: a duplicate member
+/// name is read differently by different parsers, so no value is taken from
+/// such a body). An array element is named by its index in decimal without
+/// leading zeros; `-` (the element after the last) is never there.
+pub fn at_pointer(body: &[u8], tokens: &[String]) -> Option<Pointed> {
+    let parser = parse(body)?;
+    let mut at = 0;
+    for token in tokens {
+        at = parser.child(at, token)?;
+    }
+    Some(match &parser.items[at] {
+        Item::Str(r) => Pointed::Str(String::from_utf8(parser.strings[r.clone()].to_vec()).ok()?),
+        Item::Text(r) => {
+            let text = std::str::from_utf8(&parser.input[r.clone()]).ok()?;
+            let digits = text.strip_prefix('-').unwrap_or(text);
+            if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+                Pointed::Integer(text.to_string())
+            } else {
+                Pointed::Other
+            }
+        }
+        Item::Array | Item::ArrayEnd | Item::Object { .. } => Pointed::Other,
+    })
+}
+
+/// The whole of `body` parsed, or `None` when it is not JSON this module reads exactly.
+fn parse(body: &[u8]) -> Option<Parser<'_>> {
     // Outside strings the grammar allows ASCII only, so one check of the whole
     // body makes every string's raw bytes valid UTF-8.
     let text = std::str::from_utf8(body).ok()?.as_bytes();
@@ -59,9 +107,7 @@ pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
     if parser.pos != text.len() {
         return None;
     }
-    let mut out = Vec::with_capacity(body.len());
-    parser.write(0, &mut out);
-    Some(out)
+    Some(parser)
 }
 
 /// One token of the parsed document, in document order.
@@ -329,6 +375,52 @@ impl Parser<'_> {
         }
         self.pos += 4;
         Some(v)
+    }
+
+    /// The first item of the member named `token` of the object at `at`, or
+    /// of the element numbered `token` of the array at `at`.
+    fn child(&self, at: usize, token: &str) -> Option<usize> {
+        match &self.items[at] {
+            Item::Object { members, .. } => {
+                let members = &self.members[members.clone()];
+                // Sorted by name, without duplicates.
+                let found = members
+                    .binary_search_by(|m| self.strings[m.name.clone()].cmp(token.as_bytes()))
+                    .ok()?;
+                Some(members[found].value)
+            }
+            Item::Array => {
+                let index_ok = token == "0" || !token.starts_with('0');
+                if !index_ok || token.is_empty() || !token.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                let index: usize = token.parse().ok()?;
+                let mut next = at + 1;
+                for _ in 0..index {
+                    if matches!(self.items[next], Item::ArrayEnd) {
+                        return None;
+                    }
+                    next = self.after(next);
+                }
+                (!matches!(self.items[next], Item::ArrayEnd)).then_some(next)
+            }
+            Item::Text(_) | Item::Str(_) | Item::ArrayEnd => None,
+        }
+    }
+
+    /// The index after the last item of the value whose first item is `at`.
+    fn after(&self, at: usize) -> usize {
+        match &self.items[at] {
+            Item::Text(_) | Item::Str(_) | Item::ArrayEnd => at + 1,
+            Item::Object { end, .. } => *end,
+            Item::Array => {
+                let mut next = at + 1;
+                while !matches!(self.items[next], Item::ArrayEnd) {
+                    next = self.after(next);
+                }
+                next + 1
+            }
+        }
     }
 
     /// Writes the value whose first item is `at`; returns the index after its last item.

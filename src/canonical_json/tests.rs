@@ -151,6 +151,65 @@ fn large_flat_and_wide_bodies_are_handled() {
     assert!(out.starts_with("{\"k00000\":0,\"k00001\":1,"));
 }
 
+fn at(body: &str, pointer: &[&str]) -> Option<Pointed> {
+    let tokens: Vec<String> = pointer.iter().map(|t| t.to_string()).collect();
+    at_pointer(body.as_bytes(), &tokens)
+}
+
+#[test]
+fn pointers_reach_strings_and_exact_integers() {
+    let body = r#"{"id":"evt_1","data":{"object":{"id":"pi_\u0031","n":[10,{"x":-7}]}},
+        "a/b":"slash","m~n":"tilde","":"empty name","big":100000000000000000001}"#;
+    let s = |v: &str| Some(Pointed::Str(v.to_string()));
+    let i = |v: &str| Some(Pointed::Integer(v.to_string()));
+    assert_eq!(at(body, &["id"]), s("evt_1"));
+    assert_eq!(
+        at(body, &["data", "object", "id"]),
+        s("pi_1"),
+        "escapes decoded"
+    );
+    assert_eq!(at(body, &["a/b"]), s("slash"));
+    assert_eq!(at(body, &["m~n"]), s("tilde"));
+    assert_eq!(at(body, &[""]), s("empty name"));
+    assert_eq!(at(body, &["big"]), i("100000000000000000001"));
+    assert_eq!(at(body, &["data", "object", "n", "0"]), i("10"));
+    assert_eq!(at(body, &["data", "object", "n", "1", "x"]), i("-7"));
+    assert_eq!(at(body, &["data"]), Some(Pointed::Other));
+    assert_eq!(at(body, &["data", "object", "n"]), Some(Pointed::Other));
+    for other in ["1.0", "1e3", "-0.5", "true", "false", "null", "[]", "{}"] {
+        assert_eq!(
+            at(&format!("{{\"id\":{other}}}"), &["id"]),
+            Some(Pointed::Other),
+            "{other}"
+        );
+    }
+    assert_eq!(at(r#"{"id":-0}"#, &["id"]), i("-0"), "the text as written");
+    // Nothing there.
+    for missing in [
+        &["nope"][..],
+        &["id", "x"],
+        &["data", "object", "n", "2"],
+        &["data", "object", "n", "-"],
+        &["data", "object", "n", "01"],
+        &["data", "object", "n", "+1"],
+        &["data", "object", "n", ""],
+        &["data", "object", "n", "99999999999999999999999"],
+        &["big", "0"],
+    ] {
+        assert_eq!(at(body, missing), None, "{missing:?}");
+    }
+    // Not JSON read exactly: no value, whatever is there.
+    assert_eq!(
+        at(r#"{"id":"a","id":"b"}"#, &["id"]),
+        None,
+        "duplicate names"
+    );
+    assert_eq!(at(r#"{"id":"a"} x"#, &["id"]), None);
+    assert_eq!(at("id=a", &["id"]), None);
+    assert_eq!(at("", &["id"]), None);
+    assert_eq!(at(r#"["a","b"]"#, &["1"]), s("b"));
+}
+
 /// A JSON value as a generator sees it; numbers are their text.
 #[derive(Clone, Debug, PartialEq)]
 enum J {
@@ -579,5 +638,56 @@ proptest! {
                 None => prop_assert!(raw.matches(':').count() >= 2, "refused {}", raw),
             }
         }
+    }
+
+    /// Every value of a generated tree, however it is written, is found at its
+    /// pointer as what it is; one step past a leaf, or to a name or index that
+    /// is not there, finds nothing.
+    #[test]
+    fn every_value_is_found_at_its_pointer(j in tree(), seed in any::<u64>()) {
+        let text = rendered(&j, seed);
+        let canon = canonicalize(text.as_bytes()).unwrap_or_default();
+        let mut paths = Vec::new();
+        every_path(&j, &mut Vec::new(), &mut paths);
+        for (path, value) in paths {
+            let expected = match value {
+                J::Str(s) => Pointed::Str(s.clone()),
+                J::Num(n) if !n.contains(['.', 'e', 'E']) => Pointed::Integer(n.clone()),
+                _ => Pointed::Other,
+            };
+            prop_assert_eq!(at_pointer(text.as_bytes(), &path), Some(expected.clone()), "{:?} in {}", path, text);
+            prop_assert_eq!(at_pointer(&canon, &path), Some(expected), "canonical form");
+            let absent = match value {
+                J::Arr(items) => items.len().to_string(),
+                // No generated name has a 'z'.
+                J::Obj(_) => "z".to_string(),
+                _ => "0".to_string(),
+            };
+            let mut beyond = path.clone();
+            beyond.push(absent);
+            prop_assert_eq!(at_pointer(text.as_bytes(), &beyond), None);
+        }
+    }
+}
+
+/// Every value in `j` with the reference tokens that lead to it.
+fn every_path<'a>(j: &'a J, path: &mut Vec<String>, out: &mut Vec<(Vec<String>, &'a J)>) {
+    out.push((path.clone(), j));
+    match j {
+        J::Arr(items) => {
+            for (i, item) in items.iter().enumerate() {
+                path.push(i.to_string());
+                every_path(item, path, out);
+                path.pop();
+            }
+        }
+        J::Obj(members) => {
+            for (name, value) in members {
+                path.push(name.clone());
+                every_path(value, path, out);
+                path.pop();
+            }
+        }
+        _ => {}
     }
 }

@@ -8,13 +8,13 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use toml::Spanned;
 
-use super::grammar::{ConfHeader, HumanDuration};
+use super::grammar::{ConfHeader, ConfKeyFrom, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore};
 use super::{
     Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, ServerConfig, Source,
     StoreConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
 };
-use crate::policy::Policy;
+use crate::policy::{KeySource, Policy};
 use crate::routes::{Route, RouteName, RouteTable};
 
 pub(super) fn build(raw: RawFile, src: &Source, ov: &Overrides) -> Result<Config, ConfigError> {
@@ -332,11 +332,13 @@ fn routes(
             ));
         }
     }
-    let base = policy(Policy::default(), defaults, "defaults", src)?;
+    let base = policy(Policy::default(), defaults, None, "defaults", src)?;
     let mut names = HashSet::new();
     let mut routes = Vec::with_capacity(raw.len());
     for (i, r) in raw.iter().enumerate() {
-        routes.push(route(&format!("routes[{i}]"), r, &base, &mut names, src)?);
+        let section = format!("routes[{i}]");
+        let (defaults, inherited) = (&base, defaults.key_from.as_ref());
+        routes.push(route(&section, r, defaults, inherited, &mut names, src)?);
     }
     Ok(RouteTable::new(routes))
 }
@@ -345,6 +347,7 @@ fn route(
     section: &str,
     raw: &Spanned<RawPolicy>,
     defaults: &Policy,
+    inherited_key_from: Option<&ConfKeyFrom>,
     names: &mut HashSet<String>,
     src: &Source,
 ) -> Result<Route, ConfigError> {
@@ -393,14 +396,22 @@ fn route(
         name: RouteName::new(name),
         methods,
         path: path.get_ref().clone(),
-        policy: Arc::new(policy(defaults.clone(), r, section, src)?),
+        policy: Arc::new(policy(
+            defaults.clone(),
+            r,
+            inherited_key_from,
+            section,
+            src,
+        )?),
     })
 }
 
-/// `raw`'s policy keys on top of `p`.
+/// `raw`'s policy keys on top of `p`; `key_from` is `inherited_key_from`
+/// (`[defaults]`'s) unless `raw` sets it, and follows the final `header`.
 fn policy(
     mut p: Policy,
     raw: &RawPolicy,
+    inherited_key_from: Option<&ConfKeyFrom>,
     section: &str,
     src: &Source,
 ) -> Result<Policy, ConfigError> {
@@ -476,7 +487,17 @@ fn policy(
     if let Some(v) = &raw.replayed_header {
         p.replayed_header = v.0.clone();
     }
+    p.key_from = key_source(raw.key_from.as_ref().or(inherited_key_from), &p.header);
     Ok(p)
+}
+
+/// `key_from` resolved: `"header"` (or nothing) is the route's own `header`.
+fn key_source(key_from: Option<&ConfKeyFrom>, header: &HeaderName) -> KeySource {
+    match key_from {
+        None | Some(ConfKeyFrom::RouteHeader) => KeySource::Header(header.clone()),
+        Some(ConfKeyFrom::Header(name)) => KeySource::Header(name.clone()),
+        Some(ConfKeyFrom::Json(pointer)) => KeySource::Json(pointer.clone()),
+    }
 }
 
 fn sorted_unique(headers: &[ConfHeader]) -> Vec<HeaderName> {

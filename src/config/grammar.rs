@@ -10,6 +10,7 @@ use http::{HeaderName, Method};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
+use crate::policy::Pointer;
 use crate::routes::PathPattern;
 
 /// A duration written as `"250ms"`, `"30s"`, `"1m30s"`, `"24h"`, `"7d"`; always greater than zero.
@@ -175,6 +176,46 @@ impl<'de> Deserialize<'de> for ConfHeader {
         HeaderName::from_bytes(s.to_ascii_lowercase().as_bytes())
             .map(ConfHeader)
             .map_err(|_| de::Error::custom(format!("invalid header name \"{s}\"")))
+    }
+}
+
+/// `key_from` as written: `"header"` (the route's `header`), `"header:<Name>"` or `"json:<pointer>"`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfKeyFrom {
+    /// The route's `header`, whatever it resolves to.
+    RouteHeader,
+    Header(HeaderName),
+    Json(Pointer),
+}
+
+impl ConfKeyFrom {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text == "header" {
+            return Ok(ConfKeyFrom::RouteHeader);
+        }
+        if let Some(name) = text.strip_prefix("header:") {
+            if name.is_empty() {
+                return Err(
+                    "\"header:\" names no header; write e.g. \"header:X-GitHub-Delivery\"".into(),
+                );
+            }
+            return HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes())
+                .map(ConfKeyFrom::Header)
+                .map_err(|_| format!("invalid header name \"{name}\""));
+        }
+        if let Some(pointer) = text.strip_prefix("json:") {
+            return Pointer::parse(pointer).map(ConfKeyFrom::Json);
+        }
+        Err(format!(
+            "invalid key source \"{text}\": expected \"header\", \"header:<Name>\" or \"json:<pointer>\""
+        ))
+    }
+}
+
+impl<'de> Deserialize<'de> for ConfKeyFrom {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ConfKeyFrom::parse(&s).map_err(de::Error::custom)
     }
 }
 

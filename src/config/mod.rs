@@ -20,7 +20,7 @@ mod build;
 mod grammar;
 mod raw;
 
-pub use grammar::{ByteSize, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
+pub use grammar::{ByteSize, ConfHeader, ConfKeyFrom, ConfMethod, ConfStatus, HumanDuration};
 
 /// A configuration problem, ready to print: it names the file, the place and the key,
 /// or the flag the value came from.

@@ -11,7 +11,9 @@ use serde::de::{MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
-use super::grammar::{ByteSize, ConfGrpcStatus, ConfHeader, ConfMethod, ConfStatus, HumanDuration};
+use super::grammar::{
+    ByteSize, ConfGrpcStatus, ConfHeader, ConfKeyFrom, ConfMethod, ConfStatus, HumanDuration,
+};
 use super::{Backend, RedisMode, UpstreamProtocol};
 use crate::policy::{Concurrent, FingerprintBody, KeyMode, Mode, OnStoreError, UnknownOutcome};
 use crate::routes::PathPattern;
@@ -80,6 +82,7 @@ pub(super) struct RawPolicy {
     pub methods: Option<Spanned<Vec<ConfMethod>>>,
     pub path: Option<Spanned<PathPattern>>,
     pub header: Option<ConfHeader>,
+    pub key_from: Option<ConfKeyFrom>,
     pub key: Option<KeyMode>,
     pub ttl: Option<HumanDuration>,
     pub lease: Option<HumanDuration>,

@@ -28,7 +28,7 @@ use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
 use crate::grpc;
-use crate::key::{self, KeyError};
+use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::{self, Problem};
@@ -260,7 +260,8 @@ macro_rules! phase {
     };
 }
 
-/// The phases, in the contract's check order: key (400) → body (413) → store → upstream.
+/// The phases, in the contract's check order: key (400) → body (413) → store
+/// → upstream; a key in the JSON body is read after the body (413 → 400).
 async fn enforce(
     ctx: &Ctx<'_>,
     route: &Route,
@@ -269,6 +270,8 @@ async fn enforce(
     let policy = &route.policy;
     let key = phase!(read_key(&req.parts.headers, policy), req);
     let (body, room) = phase!(read_body(ctx.app, policy, &mut req.body).await, req);
+    let key = key.or_from_body(&body, policy.max_key_length);
+    let key = phase!(key.map_err(|no| no_key(policy, no)), req);
     let id = Identity::of(ctx.app, policy, &req.parts, &key, &body);
     req.record_id = Some(id.record_id.clone());
     let reserved = phase!(reserve(ctx, route, &id).await, req);
@@ -356,29 +359,20 @@ fn refusal(ctx: &Ctx<'_>, policy: &Policy, p: &Problem) -> Handled {
     handled
 }
 
-/// Phase 1, the key: present, one line, valid.
-fn read_key(headers: &HeaderMap, policy: &Policy) -> Result<String, Stop> {
-    let header = || header_display(policy.header.as_str());
-    let mut values = headers.get_all(&policy.header).iter();
-    let parsed = match (values.next(), values.next()) {
-        (None, _) if policy.key == KeyMode::Optional => return Err(Stop::Unprotected),
-        (None, _) => return Err(Stop::Refuse(Problem::MissingKey { header: header() })),
-        (Some(_), Some(_)) => Err(KeyError::Repeated),
-        (Some(v), None) => key::parse_key(v.as_bytes(), policy.max_key_length),
-    };
-    parsed.map_err(|why| {
-        Stop::Refuse(Problem::InvalidKey {
-            header: header(),
-            why,
-        })
-    })
+/// Phase 1, the key: present, one line, valid, when a header carries it (a
+/// key in the JSON body is read after phase 2).
+fn read_key<'p>(headers: &HeaderMap, policy: &'p Policy) -> Result<KeyRead<'p>, Stop> {
+    key::from_headers(headers, &policy.key_from, policy.max_key_length)
+        .map_err(|no| no_key(policy, no))
 }
 
-fn header_display(lower: &str) -> String {
-    if lower == "idempotency-key" {
-        "Idempotency-Key".to_string()
-    } else {
-        lower.to_string()
+/// No key to use: refused, or forwarded unprotected when an optional route has none.
+fn no_key(policy: &Policy, no: NoKey) -> Stop {
+    let from = policy.key_from.clone();
+    match no {
+        NoKey::Missing if policy.key == KeyMode::Optional => Stop::Unprotected,
+        NoKey::Missing => Stop::Refuse(Problem::MissingKey { from }),
+        NoKey::Invalid(why) => Stop::Refuse(Problem::InvalidKey { from, why }),
     }
 }
 
