@@ -280,6 +280,10 @@ fn policy_values_are_checked() {
         &["defaults.release_statuses", "invalid HTTP status 700"],
     );
     rejects(
+        &format!("{BASE}[defaults]\nrelease_grpc_statuses = [17]\n"),
+        &["defaults.release_grpc_statuses", "invalid gRPC status 17"],
+    );
+    rejects(
         &format!("{BASE}[defaults]\nscope_headers = [\"bad header\"]\n"),
         &["defaults.scope_headers", "invalid header name"],
     );
