@@ -168,8 +168,9 @@ impl Upstream {
     /// Prepares a client request for the upstream: URI, version, hop-by-hop
     /// headers removed, `X-Forwarded-For` / `X-Forwarded-Proto` (the
     /// request's [`ClientScheme`], `http` without one) added. The
-    /// client's authority is kept as `Host` (over HTTP/2 it came as
-    /// `:authority`; the upstream URI's authority names the upstream itself).
+    /// client's authority is kept as `Host` to an HTTP/1.1 upstream (over
+    /// HTTP/2 it came as `:authority`), and goes as `X-Forwarded-Host` to an
+    /// HTTP/2 one, whose `:authority` names the upstream itself.
     pub fn prepare(
         &self,
         mut parts: http::request::Parts,
@@ -191,6 +192,18 @@ impl Upstream {
         if let Some(authority) = client_authority.filter(|_| !h.contains_key(header::HOST)) {
             if let Ok(v) = HeaderValue::from_str(authority.as_str()) {
                 h.insert(header::HOST, v);
+            }
+        }
+        // Over HTTP/2 the authority is `:authority`, and it names the upstream
+        // (the connection pool is keyed by it): a `Host` beside it that says
+        // something else is a malformed request to strict servers (nginx
+        // answers 400, RFC 9113 §8.3.1). The client's host goes as
+        // `X-Forwarded-Host` instead, unless one is there already.
+        if version == Version::HTTP_2 {
+            if let Some(host) = h.remove(header::HOST) {
+                if !h.contains_key(X_FORWARDED_HOST) {
+                    h.insert(X_FORWARDED_HOST, host);
+                }
             }
         }
         let xff = forwarded_for(h, peer);
@@ -305,6 +318,7 @@ fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> HeaderValue {
 
 pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 #[cfg(test)]
 mod tests {
