@@ -359,7 +359,7 @@ def svg_chart(rows, path):
 
     thr = [(r["label"], r.get("idem_rps"), r.get("nginx_rps")) for r in rows if r.get("idem_rps") or r.get("nginx_rps")]
     lat = [(r["label"], r.get("idem_p99"), r.get("nginx_p99")) for r in rows if r.get("idem_p99")]
-    panel(pad, "throughput, k req/s (blue: idemproxy, grey: nginx; "upstream": no proxy)", [(l, a and a / 1000, b and b / 1000) for l, a, b in thr], "k")
+    panel(pad, 'throughput, k req/s (blue: idemproxy, grey: nginx; "upstream": no proxy)', [(l, a and a / 1000, b and b / 1000) for l, a, b in thr], "k")
     panel(2 * pad + panel_w, "p99 latency at a fixed rate, ms", lat, "")
     parts.append("</svg>")
     with open(path, "w") as f:
