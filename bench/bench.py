@@ -180,10 +180,12 @@ path = "/v1/payments"
                      "proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }\n")
         if ws_bin:
             # WebSocket: HTTP/1.1 to the upstream with the Upgrade and Connection headers passed on.
+            # An upgraded connection is copied through one proxy_buffer_size buffer each way:
+            # 8k, as idemproxy's (tokio's copy_bidirectional), not the default one page (4k).
             more += (f"  server {{ listen 127.0.0.1:{self.ngx_ws_port} backlog=4096; location / {{ "
                      f"proxy_pass http://127.0.0.1:{self.echo_port}; proxy_http_version 1.1; "
                      "proxy_set_header Upgrade $http_upgrade; proxy_set_header Connection \"upgrade\"; "
-                     "proxy_read_timeout 3600s; } }\n")
+                     "proxy_buffer_size 8k; proxy_read_timeout 3600s; } }\n")
         px = self.nginx_conf(
             "proxy", 2,
             f"listen 127.0.0.1:{self.ngx_port} backlog=4096; location / {{ proxy_pass http://up; "
