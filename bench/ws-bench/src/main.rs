@@ -104,7 +104,10 @@ fn load(url: &str, connections: usize, size: usize, seconds: u64) {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let payload: Bytes = (0..size).map(|i| (i % 251) as u8).collect::<Vec<u8>>().into();
+        let payload: Bytes = (0..size)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>()
+            .into();
         let mut sockets = Vec::with_capacity(connections);
         let mut connect_errors = Vec::new();
         for _ in 0..connections {
