@@ -13,14 +13,29 @@ idemproxy and nginx in every repetition:
   - latency at a fixed rate below saturation (oha, open loop, latency-corrected);
   - RSS of idemproxy idle and with 1,000 open connections;
   - store round trips per new key and per replay, seen by Redis (MONITOR),
-    in a separate, untimed verification run.
+    in a separate, untimed verification run;
+  - HTTP/2 pass-through GET (h2load, cleartext HTTP/2 with prior knowledge):
+    idemproxy and nginx (`listen ... http2`), both to the same HTTP/1.1
+    upstream, the upstream's own h2c port as a reference, and idemproxy with
+    `upstream_protocol = "h2c"` to that port (nginx cannot proxy over h2);
+  - WebSocket echo round trips (bench/ws-bench): K connections each with one
+    message in flight, 1 KiB and 64 KiB messages, through a second idemproxy
+    whose upstream is the echo server, through nginx, and directly.
 
-Prints one table of medians with min-max and the ratios to nginx, writes
+Prints tables of medians with min-max and the ratios to nginx, writes
 bench/results/latest.json and an SVG chart (bench/results/latest.svg).
 
     bench/bench.py [--reps 5] [--duration 5] [--rate 10000] [--svg PATH]
+                   [--only http1,h2,ws] [--json PATH]
+                   [--h2-clients 16] [--h2-streams 4] [--ws-connections 64] [--ws-sizes 1024,65536]
 
-Needs: nginx (nginx-light), wrk, redis-server, oha (`cargo install oha`), cargo.
+--only runs some groups of scenarios: http1 (the wrk/oha scenarios, RSS and
+round trips), h2, ws; without it all run. A partial run writes
+bench/results/latest-<groups>.json (not latest.json) and no chart unless
+http1 is among them.
+
+Needs: nginx (nginx-light), wrk, redis-server, oha (`cargo install oha`), cargo;
+for h2: h2load (`apt-get install nghttp2-client`).
 """
 
 import argparse
@@ -69,6 +84,12 @@ def wait_http(url, deadline=15.0):
     sys.exit(f"{url} never answered 200")
 
 
+def nginx_has_http2():
+    """Whether this nginx was built with the HTTP/2 module (Debian's nginx-light is)."""
+    out = subprocess.run(["nginx", "-V"], capture_output=True, text=True)
+    return "http_v2_module" in out.stdout + out.stderr
+
+
 class Stack:
     """The processes under test, on free ports, in a temp dir."""
 
@@ -77,13 +98,33 @@ class Stack:
         self.procs = []
         self.up_port, self.ngx_port, self.redis_port = free_port(), free_port(), free_port()
         self.idem_port, self.admin_port = free_port(), free_port()
+        # HTTP/2: the upstream's and nginx's h2c ports; an idemproxy with h2c to the upstream.
+        self.up_h2_port, self.ngx_h2_port = free_port(), free_port()
+        self.idem_h2c_port, self.idem_h2c_admin = free_port(), free_port()
+        # WebSocket: the echo server, nginx's port for it, an idemproxy in front of it.
+        self.echo_port, self.ngx_ws_port = free_port(), free_port()
+        self.idem_ws_port, self.idem_ws_admin = free_port(), free_port()
 
     def spawn(self, args, **kw):
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=kw.pop("stderr", subprocess.DEVNULL), **kw)
         self.procs.append(p)
         return p
 
-    def nginx_conf(self, name, workers, server_block, upstream_block=""):
+    def log(self, name):
+        return open(os.path.join(self.dir, f"{name}.log"), "w")
+
+    def logs(self):
+        """What the idemproxy instances wrote (warnings and errors: RUST_LOG=warn) and nginx's error logs."""
+        out = {}
+        for name in sorted(os.listdir(self.dir)):
+            if name.endswith((".log", ".err")):
+                with open(os.path.join(self.dir, name), errors="replace") as f:
+                    text = f.read().strip()
+                if text:
+                    out[name] = text
+        return out
+
+    def nginx_conf(self, name, workers, server_block, upstream_block="", more_servers=""):
         path = os.path.join(self.dir, f"{name}.conf")
         with open(path, "w") as f:
             f.write(f"""worker_processes {workers};
@@ -98,33 +139,20 @@ http {{
   proxy_temp_path {self.dir}/{name}-proxy;
   {upstream_block}
   server {{ {server_block} }}
+  {more_servers}
 }}
 """)
         return path
 
-    def start(self, idem_bin):
-        up = self.nginx_conf(
-            "upstream", 1,
-            f"listen 127.0.0.1:{self.up_port} backlog=4096; default_type application/json; "
-            f"location / {{ return 200 '{BODY}'; }}",
-        )
-        self.upstream = self.spawn(["nginx", "-c", up])
-        px = self.nginx_conf(
-            "proxy", 2,
-            f"listen 127.0.0.1:{self.ngx_port} backlog=4096; location / {{ proxy_pass http://up; "
-            "proxy_http_version 1.1; proxy_set_header Connection \"\"; }",
-            f"upstream up {{ server 127.0.0.1:{self.up_port}; keepalive 256; }}",
-        )
-        self.nginx = self.spawn(["nginx", "-c", px])
-        self.redis = self.spawn(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                                 "--save", "", "--appendonly", "no", "--dir", self.dir])
-        cfg = os.path.join(self.dir, "idemproxy.toml")
-        with open(cfg, "w") as f:
+    def idem_conf(self, name, port, admin, upstream, protocol=None):
+        path = os.path.join(self.dir, f"{name}.toml")
+        proto = f'upstream_protocol = "{protocol}"\n' if protocol else ""
+        with open(path, "w") as f:
             f.write(f"""[server]
-listen = "127.0.0.1:{self.idem_port}"
-admin_listen = "127.0.0.1:{self.admin_port}"
-upstream = "http://127.0.0.1:{self.up_port}"
-
+listen = "127.0.0.1:{port}"
+admin_listen = "127.0.0.1:{admin}"
+upstream = "{upstream}"
+{proto}
 [store]
 backend = "redis"
 url = "redis://127.0.0.1:{self.redis_port}/0"
@@ -133,12 +161,63 @@ url = "redis://127.0.0.1:{self.redis_port}/0"
 name = "payments"
 path = "/v1/payments"
 """)
+        return path
+
+    def start(self, idem_bin, groups=("http1",), h2=False, ws_bin=None):
+        """Starts what `groups` need. h2: nginx has the HTTP/2 module (h2c
+        listeners on the upstream and the proxy). ws_bin: the echo server."""
+        up_h2 = f"listen 127.0.0.1:{self.up_h2_port} http2 backlog=4096; " if h2 else ""
+        up = self.nginx_conf(
+            "upstream", 1,
+            f"listen 127.0.0.1:{self.up_port} backlog=4096; {up_h2}default_type application/json; "
+            f"location / {{ return 200 '{BODY}'; }}",
+        )
+        self.upstream = self.spawn(["nginx", "-c", up])
+        more = ""
+        if h2:
+            # The same proxy location on a cleartext HTTP/2 listener (prior knowledge).
+            more += (f"server {{ listen 127.0.0.1:{self.ngx_h2_port} http2 backlog=4096; location / {{ "
+                     "proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }\n")
+        if ws_bin:
+            # WebSocket: HTTP/1.1 to the upstream with the Upgrade and Connection headers passed on.
+            # An upgraded connection is copied through one proxy_buffer_size buffer each way:
+            # 8k, as idemproxy's (tokio's copy_bidirectional), not the default one page (4k).
+            more += (f"  server {{ listen 127.0.0.1:{self.ngx_ws_port} backlog=4096; location / {{ "
+                     f"proxy_pass http://127.0.0.1:{self.echo_port}; proxy_http_version 1.1; "
+                     "proxy_set_header Upgrade $http_upgrade; proxy_set_header Connection \"upgrade\"; "
+                     "proxy_buffer_size 8k; proxy_read_timeout 3600s; } }\n")
+        px = self.nginx_conf(
+            "proxy", 2,
+            f"listen 127.0.0.1:{self.ngx_port} backlog=4096; location / {{ proxy_pass http://up; "
+            "proxy_http_version 1.1; proxy_set_header Connection \"\"; }",
+            f"upstream up {{ server 127.0.0.1:{self.up_port}; keepalive 256; }}",
+            more,
+        )
+        self.nginx = self.spawn(["nginx", "-c", px])
+        self.redis = self.spawn(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                                 "--save", "", "--appendonly", "no", "--dir", self.dir])
         # Access logs off, as for nginx (`access_log off`): RUST_LOG=warn.
         env = dict(os.environ, RUST_LOG="warn")
-        self.idem = self.spawn([idem_bin, "--config", cfg], env=env)
-        for port in (self.up_port, self.ngx_port, self.redis_port, self.idem_port):
+        cfg = self.idem_conf("idemproxy", self.idem_port, self.admin_port, f"http://127.0.0.1:{self.up_port}")
+        self.idem = self.spawn([idem_bin, "--config", cfg], env=env, stderr=self.log("idemproxy"))
+        ports, admins = [self.up_port, self.ngx_port, self.redis_port, self.idem_port], [self.admin_port]
+        if h2 and "h2" in groups:
+            cfg = self.idem_conf("idemproxy-h2c", self.idem_h2c_port, self.idem_h2c_admin,
+                                 f"http://127.0.0.1:{self.up_h2_port}", protocol="h2c")
+            self.idem_h2c = self.spawn([idem_bin, "--config", cfg], env=env, stderr=self.log("idemproxy-h2c"))
+            ports += [self.up_h2_port, self.ngx_h2_port, self.idem_h2c_port]
+            admins.append(self.idem_h2c_admin)
+        if ws_bin:
+            self.echo = self.spawn([ws_bin, "echo", f"127.0.0.1:{self.echo_port}"], stderr=None)
+            cfg = self.idem_conf("idemproxy-ws", self.idem_ws_port, self.idem_ws_admin,
+                                 f"http://127.0.0.1:{self.echo_port}")
+            self.idem_ws = self.spawn([idem_bin, "--config", cfg], env=env, stderr=self.log("idemproxy-ws"))
+            ports += [self.echo_port, self.ngx_ws_port, self.idem_ws_port]
+            admins.append(self.idem_ws_admin)
+        for port in ports:
             wait_port(port)
-        wait_http(f"http://127.0.0.1:{self.admin_port}/readyz")
+        for admin in admins:
+            wait_http(f"http://127.0.0.1:{admin}/readyz")
 
     def stop(self):
         for p in reversed(self.procs):
@@ -155,6 +234,15 @@ path = "/v1/payments"
     def url(self, which, path="/x"):
         port = {"idemproxy": self.idem_port, "nginx": self.ngx_port, "direct": self.up_port}[which]
         return f"http://127.0.0.1:{port}{path}"
+
+    def h2_url(self, which, path="/x"):
+        port = {"idemproxy": self.idem_port, "nginx": self.ngx_h2_port, "direct": self.up_h2_port,
+                "idemproxy_h2c": self.idem_h2c_port}[which]
+        return f"http://127.0.0.1:{port}{path}"
+
+    def ws_url(self, which):
+        port = {"idemproxy": self.idem_ws_port, "nginx": self.ngx_ws_port, "direct": self.echo_port}[which]
+        return f"ws://127.0.0.1:{port}/echo"
 
 
 # ---------------------------------------------------------------------------
@@ -240,6 +328,40 @@ def oha(url, rate, seconds, headers=(), method="GET", body=None):
     p = d["latencyPercentiles"]
     return {"rps": d["summary"]["requestsPerSec"], "p50_ms": p["p50"] * 1000, "p99_ms": p["p99"] * 1000,
             "p999_ms": p["p99.9"] * 1000, "success": d["summary"]["successRate"]}
+
+
+def h2load(url, duration, clients, streams, threads=2, h1=False):
+    """h2load over cleartext HTTP/2 with prior knowledge (or HTTP/1.1 with h1),
+    for `duration` seconds after a 1 s warm-up."""
+    args = ["h2load", f"-t{threads}", f"-c{clients}", f"-m{streams}", f"-D{duration}", "--warm-up-time=1"]
+    if h1:
+        args.append("--h1")
+    out = subprocess.run(args + [url], capture_output=True, text=True).stdout
+    m = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
+    req = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
+                    r"(\d+) errored, (\d+) timeout", out)
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)\s", out)
+    if not (m and req and codes):
+        sys.exit(f"h2load gave no figures for {url}:\n{out}")
+    return {"rps": float(m.group(1)), "succeeded": int(req.group(4)), "failed": int(req.group(5)),
+            "errored": int(req.group(6)), "timeout": int(req.group(7)), "non2xx": sum(int(c) for c in codes.groups()[1:]),
+            "statuses": dict(zip(("2xx", "3xx", "4xx", "5xx"), (int(c) for c in codes.groups()))),
+            "mean_ms": parse_wrk_latency(mean.group(1) + mean.group(2)) if mean else None}
+
+
+def ws_load(ws_bin, url, connections, size, seconds):
+    """bench/ws-bench: `connections` WebSockets, one `size`-byte message in flight on each."""
+    out = subprocess.run([ws_bin, "load", url, str(connections), str(size), str(seconds)],
+                         capture_output=True, text=True, timeout=seconds + 120)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        sys.exit(f"ws-bench load {url} failed ({out.returncode}): {out.stderr}")
+    return json.loads(lines[-1])
+
+
+def open_fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def post(url, key):
@@ -359,79 +481,67 @@ def svg_chart(rows, path):
 
     thr = [(r["label"], r.get("idem_rps"), r.get("nginx_rps")) for r in rows if r.get("idem_rps") or r.get("nginx_rps")]
     lat = [(r["label"], r.get("idem_p99"), r.get("nginx_p99")) for r in rows if r.get("idem_p99")]
-    panel(pad, "throughput, k req/s (blue: idemproxy, grey: nginx; "upstream": no proxy)", [(l, a and a / 1000, b and b / 1000) for l, a, b in thr], "k")
+    panel(pad, 'throughput, k req/s (blue: idemproxy, grey: nginx; "upstream": no proxy)', [(l, a and a / 1000, b and b / 1000) for l, a, b in thr], "k")
     panel(2 * pad + panel_w, "p99 latency at a fixed rate, ms", lat, "")
     parts.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(parts))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--duration", type=int, default=5, help="seconds per wrk run")
-    ap.add_argument("--rate", type=int, default=10000, help="fixed request rate for the latency runs")
-    ap.add_argument("--svg", default=os.path.join(ROOT, "bench", "results", "latest.svg"))
-    args = ap.parse_args()
+def run_http1(stack, args, workdir):
+    """The HTTP/1.1 scenarios (wrk, oha), RSS and store round trips."""
+    idle_rss = rss_kib(stack.idem.pid)
+    # Keys to replay: stored once, untimed.
+    for i in range(1, 1001):
+        post(stack.url("idemproxy", "/v1/payments"), f"replay-{i}")
+    replay = lua(workdir, "replay.lua", KEYS_LUA % (1000, "replay"))
+    d = args.duration
+    # Warm-up (pools, allocator, JIT-free but caches).
+    for which in ("idemproxy", "nginx"):
+        wrk(stack.url(which), 2)
 
-    for tool in ("nginx", "wrk", "redis-server", "oha", "cargo"):
-        if not shutil.which(tool):
-            sys.exit(f"missing {tool}: apt-get install nginx-light wrk redis-server; cargo install oha --locked")
-    subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
-    idem_bin = os.path.join(ROOT, "target", "release", "idemproxy")
+    series = {k: [] for k in ("direct", "pt_idem", "pt_nginx", "newkey", "replay", "storm",
+                              "pt_idem_p50", "pt_nginx_p50")}
+    storm_statuses = []
+    for rep in range(args.reps):
+        order = ("idemproxy", "nginx") if rep % 2 == 0 else ("nginx", "idemproxy")
+        for which in order:
+            r = wrk(stack.url(which), d)
+            series["pt_idem" if which == "idemproxy" else "pt_nginx"].append(r["rps"])
+            series["pt_idem_p50" if which == "idemproxy" else "pt_nginx_p50"].append(r["p50_ms"])
+        series["direct"].append(wrk(stack.url("direct"), d)["rps"])
+        newkey = lua(workdir, f"newkey-{rep}.lua", NEWKEY_LUA % f"bench{time.time_ns()}")
+        r = wrk(stack.url("idemproxy"), d, script=newkey)
+        if r["non2xx"]:
+            print(f"warning: non-2xx answers with new keys: {r['statuses']}", file=sys.stderr)
+        series["newkey"].append(r["rps"])
+        series["replay"].append(wrk(stack.url("idemproxy"), d, script=replay)["rps"])
+        storm = lua(workdir, f"storm-{rep}.lua", KEYS_LUA % (10, f"storm{rep}"))
+        r = wrk(stack.url("idemproxy"), d, connections=256, script=storm)
+        series["storm"].append(r["rps"])
+        storm_statuses.append(r["statuses"])
+        print(f"rep {rep + 1}/{args.reps}: pass-through idemproxy {series['pt_idem'][-1]:.0f}/s, "
+              f"nginx {series['pt_nginx'][-1]:.0f}/s, new keys {series['newkey'][-1]:.0f}/s, "
+              f"replays {series['replay'][-1]:.0f}/s", file=sys.stderr)
 
-    workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
-    stack = Stack(workdir)
-    results = {}
-    try:
-        stack.start(idem_bin)
-        idle_rss = rss_kib(stack.idem.pid)
-        # Keys to replay: stored once, untimed.
-        for i in range(1, 1001):
-            post(stack.url("idemproxy", "/v1/payments"), f"replay-{i}")
-        replay = lua(workdir, "replay.lua", KEYS_LUA % (1000, "replay"))
-        d = args.duration
-        # Warm-up (pools, allocator, JIT-free but caches).
-        for which in ("idemproxy", "nginx"):
-            wrk(stack.url(which), 2)
+    # Latency at a fixed rate, open loop.
+    lat = {}
+    for which in ("idemproxy", "nginx", "direct"):
+        lat[f"pt_{which}"] = oha(stack.url(which), args.rate, 10)
+    lat["replay"] = oha(stack.url("idemproxy", "/v1/payments"), args.rate, 10, method="POST",
+                        headers=("Idempotency-Key: replay-1", "Content-Type: application/json"),
+                        body='{"amount":4200}')
+    conn_rss = rss_with_connections(stack)
+    rt_new, rt_replay = round_trips(stack)
+    return {"series": series, "latency": lat, "rss_kib": {"idle": idle_rss, "connections_1000": conn_rss},
+            "round_trips": {"new_key": rt_new, "replay": rt_replay}, "storm_statuses": storm_statuses}
 
-        series = {k: [] for k in ("direct", "pt_idem", "pt_nginx", "newkey", "replay", "storm",
-                                  "pt_idem_p50", "pt_nginx_p50")}
-        storm_statuses = []
-        for rep in range(args.reps):
-            order = ("idemproxy", "nginx") if rep % 2 == 0 else ("nginx", "idemproxy")
-            for which in order:
-                r = wrk(stack.url(which), d)
-                series["pt_idem" if which == "idemproxy" else "pt_nginx"].append(r["rps"])
-                series["pt_idem_p50" if which == "idemproxy" else "pt_nginx_p50"].append(r["p50_ms"])
-            series["direct"].append(wrk(stack.url("direct"), d)["rps"])
-            newkey = lua(workdir, f"newkey-{rep}.lua", NEWKEY_LUA % f"bench{time.time_ns()}")
-            r = wrk(stack.url("idemproxy"), d, script=newkey)
-            if r["non2xx"]:
-                print(f"warning: non-2xx answers with new keys: {r['statuses']}", file=sys.stderr)
-            series["newkey"].append(r["rps"])
-            series["replay"].append(wrk(stack.url("idemproxy"), d, script=replay)["rps"])
-            storm = lua(workdir, f"storm-{rep}.lua", KEYS_LUA % (10, f"storm{rep}"))
-            r = wrk(stack.url("idemproxy"), d, connections=256, script=storm)
-            series["storm"].append(r["rps"])
-            storm_statuses.append(r["statuses"])
-            print(f"rep {rep + 1}/{args.reps}: pass-through idemproxy {series['pt_idem'][-1]:.0f}/s, "
-                  f"nginx {series['pt_nginx'][-1]:.0f}/s, new keys {series['newkey'][-1]:.0f}/s, "
-                  f"replays {series['replay'][-1]:.0f}/s", file=sys.stderr)
 
-        # Latency at a fixed rate, open loop.
-        lat = {}
-        for which in ("idemproxy", "nginx", "direct"):
-            lat[f"pt_{which}"] = oha(stack.url(which), args.rate, 10)
-        lat["replay"] = oha(stack.url("idemproxy", "/v1/payments"), args.rate, 10, method="POST",
-                            headers=("Idempotency-Key: replay-1", "Content-Type: application/json"),
-                            body='{"amount":4200}')
-        conn_rss = rss_with_connections(stack)
-        rt_new, rt_replay = round_trips(stack)
-    finally:
-        stack.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-
+def report_http1(res, args):
+    series, lat = res["series"], res["latency"]
+    idle_rss, conn_rss = res["rss_kib"]["idle"], res["rss_kib"]["connections_1000"]
+    rt_new, rt_replay = res["round_trips"]["new_key"], res["round_trips"]["replay"]
+    storm_statuses = res["storm_statuses"]
     med = lambda k: statistics.median(series[k])
     nginx = med("pt_nginx")
     rows = [
@@ -462,22 +572,217 @@ def main():
     print(f"store round trips per request (MONITOR): new key {rt_new:.2f}, replay {rt_replay:.2f} (target 2 / 1)")
     print(f"storm answers (status=count per repetition): {'; '.join(storm_statuses)}")
 
-    results = {"series": series, "latency": lat, "rss_kib": {"idle": idle_rss, "connections_1000": conn_rss},
-               "round_trips": {"new_key": rt_new, "replay": rt_replay}, "storm_statuses": storm_statuses,
-               "reps": args.reps, "duration_s": args.duration, "rate": args.rate}
-    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "latest.json"), "w") as f:
-        json.dump(results, f, indent=1)
+
+def chart_http1(res, svg):
+    series, lat = res["series"], res["latency"]
+    med = lambda k: statistics.median(series[k])
     chart_rows = [
-        {"label": "pass-through", "idem_rps": med("pt_idem"), "nginx_rps": nginx,
+        {"label": "pass-through", "idem_rps": med("pt_idem"), "nginx_rps": med("pt_nginx"),
          "idem_p99": lat["pt_idemproxy"]["p99_ms"], "nginx_p99": lat["pt_nginx"]["p99_ms"]},
         {"label": "new keys", "idem_rps": med("newkey"), "nginx_rps": None},
         {"label": "replay", "idem_rps": med("replay"), "nginx_rps": None, "idem_p99": lat["replay"]["p99_ms"], "nginx_p99": None},
         {"label": "storm", "idem_rps": med("storm"), "nginx_rps": None},
         {"label": "upstream", "idem_rps": None, "nginx_rps": med("direct")},
     ]
-    svg_chart(chart_rows, args.svg)
-    print(f"chart: {args.svg}")
+    svg_chart(chart_rows, svg)
+    print(f"chart: {svg}")
+
+
+def paired(a, b):
+    """Per-repetition ratios a[i] / b[i] (the two were measured back to back)."""
+    return [x / y for x, y in zip(a, b) if y]
+
+
+def run_h2(stack, args, nginx_h2):
+    """HTTP/2 pass-through GET with h2load. Both proxies speak cleartext HTTP/2
+    (prior knowledge) to h2load and HTTP/1.1 to the same upstream; nginx only
+    proxies over HTTP/1.x. References: the upstream's own h2c listener, and an
+    idemproxy with upstream_protocol = "h2c" to it. Without nginx's HTTP/2
+    module: idemproxy against the upstream directly over HTTP/1.1 (h2load --h1)."""
+    c, m, d = args.h2_clients, args.h2_streams, args.duration
+    if nginx_h2:
+        targets = {"idemproxy": (stack.h2_url("idemproxy"), False), "nginx": (stack.h2_url("nginx"), False),
+                   "direct": (stack.h2_url("direct"), False), "idemproxy_h2c": (stack.h2_url("idemproxy_h2c"), False)}
+    else:
+        print("nginx has no HTTP/2 module here: the HTTP/2 row compares idemproxy with the upstream "
+              "directly over HTTP/1.1 (h2load --h1)", file=sys.stderr)
+        targets = {"idemproxy": (stack.h2_url("idemproxy"), False), "direct": (stack.url("direct"), True)}
+    # Warm-up: connections, pools, allocator.
+    for which in ("idemproxy", "nginx", "idemproxy_h2c"):
+        if which in targets:
+            url, h1 = targets[which]
+            h2load(url, 2, c, m, h1=h1)
+    runs = {k: [] for k in targets}
+    for rep in range(args.reps):
+        order = [k for k in (("idemproxy", "nginx") if rep % 2 == 0 else ("nginx", "idemproxy")) if k in targets]
+        order += [k for k in ("direct", "idemproxy_h2c") if k in targets]
+        for which in order:
+            url, h1 = targets[which]
+            # --h1 has no streams: as many connections as h2 streams in flight, one request each.
+            runs[which].append(h2load(url, d, c * m, 1, h1=True) if h1 else h2load(url, d, c, m))
+        print(f"h2 rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]['rps']:.0f}/s" for k, v in runs.items()),
+              file=sys.stderr)
+    return {"nginx_http2": nginx_h2, "clients": c, "streams": m, "runs": runs}
+
+
+def report_h2(res):
+    runs = res["runs"]
+    rps = {k: [r["rps"] for r in v] for k, v in runs.items()}
+    base = "nginx" if "nginx" in rps else "direct"
+    ref = statistics.median(rps[base])
+    c, m = res["clients"], res["streams"]
+    print()
+    print(f"HTTP/2 pass-through GET, h2load -t2 -c{c} -m{m} (cleartext, prior knowledge); "
+          f"ratio to {'nginx' if base == 'nginx' else 'the upstream directly (HTTP/1.1)'}, paired min-max in ()")
+    labels = {"idemproxy": "idemproxy (HTTP/1.1 to the upstream)", "nginx": "nginx proxy (HTTP/1.1 to the upstream)",
+              "direct": "upstream directly (reference)" + ("" if base == "nginx" else ", HTTP/1.1"),
+              "idemproxy_h2c": "idemproxy, upstream_protocol = h2c"}
+    for k in ("idemproxy", "nginx", "direct", "idemproxy_h2c"):
+        if k not in rps:
+            continue
+        ratios = paired(rps[k], rps[base])
+        ok = sum(r["succeeded"] for r in runs[k])
+        bad = sum(r["errored"] + r["timeout"] + r["non2xx"] for r in runs[k])
+        note = f"  NOT A THROUGHPUT: {bad} of {ok + bad} answers non-2xx, errored or timed out" if bad else ""
+        print(f"  {labels[k]:42} {fmt(rps[k], 'rps'):24} {statistics.median(rps[k]) / ref:5.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f}){note}")
+
+
+def run_ws(stack, args, ws_bin):
+    """WebSocket echo: one message in flight per connection, through idemproxy,
+    through nginx, and to the echo server directly."""
+    k, d = args.ws_connections, args.duration
+    sizes = [int(x) for x in args.ws_sizes.split(",")]
+    for which in ("idemproxy", "nginx"):
+        ws_load(ws_bin, stack.ws_url(which), k, sizes[0], 1)
+    fds_idle = open_fds(stack.idem_ws.pid)
+    runs = {size: {w: [] for w in ("idemproxy", "nginx", "direct")} for size in sizes}
+    fds_after = []
+    for rep in range(args.reps):
+        for size in sizes:
+            order = ("idemproxy", "nginx") if rep % 2 == 0 else ("nginx", "idemproxy")
+            for which in order + ("direct",):
+                r = ws_load(ws_bin, stack.ws_url(which), k, size, d)
+                runs[size][which].append(r)
+                if r["errors"] or r["connect_errors"] or r["mismatched"] or r["closed_cleanly"] != k:
+                    print(f"warning: ws {which} {size} B: {r['errors']} errors, {r['connect_errors']} connect "
+                          f"errors, {r['mismatched']} mismatched, {r['closed_cleanly']}/{k} closed cleanly; "
+                          f"first: {r['first_error']}", file=sys.stderr)
+            # The tunnels of the runs above are over: idemproxy's sockets to them should be closed.
+            time.sleep(0.5)  # a margin for the last closes, not a synchronisation
+            fds_after.append(open_fds(stack.idem_ws.pid))
+            print(f"ws rep {rep + 1}/{args.reps} {size} B: " +
+                  ", ".join(f"{w} {v[-1]['msgs_per_s']:.0f} msg/s" for w, v in runs[size].items()) +
+                  f"; idemproxy fds {fds_after[-1]} (idle {fds_idle})", file=sys.stderr)
+    return {"connections": k, "sizes": sizes, "runs": {str(s): v for s, v in runs.items()},
+            "idemproxy_fds": {"idle": fds_idle, "after_each_size": fds_after}}
+
+
+def report_ws(res):
+    k = res["connections"]
+    print()
+    print(f"WebSocket echo, {k} connections with one message in flight each; msg/s and MiB/s of payload each way; "
+          "ratio to nginx, paired min-max in ()")
+    for size in res["sizes"]:
+        runs = res["runs"][str(size)]
+        mps = {w: [r["msgs_per_s"] for r in v] for w, v in runs.items()}
+        ref = statistics.median(mps["nginx"])
+        name = f"{size // 1024} KiB" if size % 1024 == 0 else f"{size} B"
+        for w, label in (("idemproxy", "idemproxy"), ("nginx", "nginx proxy"), ("direct", "echo server directly")):
+            ratios = paired(mps[w], mps["nginx"])
+            mib = statistics.median(r["mib_per_s"] for r in runs[w])
+            p50 = statistics.median(r["rtt_p50_ms"] for r in runs[w])
+            p99 = statistics.median(r["rtt_p99_ms"] for r in runs[w])
+            bad = sum(r["errors"] + r["connect_errors"] + r["mismatched"] + (k - r["closed_cleanly"]) for r in runs[w])
+            print(f"  {name:7} {label:22} {fmt(mps[w], 'rps'):24} {mib:8.1f} MiB/s  "
+                  f"{statistics.median(mps[w]) / ref:5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})  "
+                  f"rtt p50 {p50:.3f} p99 {p99:.3f} ms" + (f"  problems: {bad}" if bad else ""))
+    f = res["idemproxy_fds"]
+    print(f"  idemproxy open fds: idle {f['idle']}, after each size's runs {f['after_each_size']}")
+
+
+GROUPS = ("http1", "h2", "ws")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--duration", type=int, default=5, help="seconds per wrk, h2load and ws-bench run")
+    ap.add_argument("--rate", type=int, default=10000, help="fixed request rate for the latency runs")
+    ap.add_argument("--svg", default=os.path.join(ROOT, "bench", "results", "latest.svg"))
+    ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups: http1, h2, ws")
+    ap.add_argument("--json", help="results file (default latest.json, or latest-<groups>.json with --only)")
+    ap.add_argument("--h2-clients", type=int, default=16, help="h2load -c: HTTP/2 connections")
+    ap.add_argument("--h2-streams", type=int, default=4, help="h2load -m: streams in flight per connection")
+    ap.add_argument("--ws-connections", type=int, default=64, help="WebSocket connections")
+    ap.add_argument("--ws-sizes", default="1024,65536", help="WebSocket message sizes, bytes")
+    args = ap.parse_args()
+    groups = [g for g in GROUPS if g in args.only.split(",")]
+    if not groups or set(args.only.split(",")) - set(GROUPS):
+        sys.exit(f"--only takes a comma-separated list of {', '.join(GROUPS)}")
+
+    tools = {"nginx": "apt-get install nginx-light", "redis-server": "apt-get install redis-server",
+             "cargo": "rustup"}
+    if "http1" in groups:
+        tools.update({"wrk": "apt-get install wrk", "oha": "cargo install oha --locked"})
+    if "h2" in groups:
+        tools["h2load"] = "apt-get install nghttp2-client"
+    missing = [t for t in tools if not shutil.which(t)]
+    if missing:
+        sys.exit("missing " + ", ".join(missing) + ": " + "; ".join(dict.fromkeys(tools[t] for t in missing)))
+    nginx_h2 = nginx_has_http2()
+    subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
+    idem_bin = os.path.join(ROOT, "target", "release", "idemproxy")
+    ws_bin = None
+    if "ws" in groups:
+        # A crate of its own (not in the proxy's build), into the same target directory.
+        target = os.path.join(ROOT, "target")
+        subprocess.run(["cargo", "build", "--release", "--manifest-path",
+                        os.path.join(ROOT, "bench", "ws-bench", "Cargo.toml"), "--target-dir", target],
+                       cwd=ROOT, check=True)
+        ws_bin = os.path.join(target, "release", "ws-bench")
+
+    workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
+    stack = Stack(workdir)
+    results = {}
+    try:
+        stack.start(idem_bin, groups, h2=nginx_h2, ws_bin=ws_bin)
+        if "http1" in groups:
+            results.update(run_http1(stack, args, workdir))
+        if "h2" in groups:
+            results["h2"] = run_h2(stack, args, nginx_h2)
+        if "ws" in groups:
+            results["ws"] = run_ws(stack, args, ws_bin)
+    finally:
+        stack.stop()
+        logs = stack.logs()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    if "http1" in groups:
+        report_http1(results, args)
+    if "h2" in groups:
+        report_h2(results["h2"])
+    if "ws" in groups:
+        report_ws(results["ws"])
+    if logs:
+        print()
+        print("logs (idemproxy at RUST_LOG=warn, nginx error logs):")
+        for name, text in logs.items():
+            lines = text.splitlines()
+            print(f"  {name}: {len(lines)} lines; first: {lines[0][:300]}")
+    results.update({"reps": args.reps, "duration_s": args.duration, "rate": args.rate, "groups": groups,
+                    "logs": {name: text.splitlines()[:20] for name, text in logs.items()}})
+    if args.json:
+        path = args.json
+    else:
+        name = "latest.json" if groups == list(GROUPS) else f"latest-{'-'.join(groups)}.json"
+        path = os.path.join(ROOT, "bench", "results", name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"results: {path}")
+    if "http1" in groups:
+        chart_http1(results, args.svg)
 
 
 if __name__ == "__main__":
