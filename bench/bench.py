@@ -152,6 +152,8 @@ http {{
 listen = "127.0.0.1:{port}"
 admin_listen = "127.0.0.1:{admin}"
 upstream = "{upstream}"
+# Above the default (256): the RSS row holds 1,000 connections open.
+max_connections = 2048
 {proto}
 [store]
 backend = "redis"
