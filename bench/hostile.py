@@ -545,6 +545,49 @@ def idle_conns(port, n):
     return open_conns(port, n, lambda i: [req])
 
 
+# HTTP/2 (§9: the §8 bounds per stream), frames written by hand: HPACK
+# literals without indexing or Huffman, so that no library hides what is sent.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def h2_frame(kind, flags, stream, payload=b""):
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def h2_str(b):
+    assert len(b) < 127
+    return bytes([len(b)]) + b
+
+
+def h2_post(path, key, length):
+    """A POST's header block: :method POST, :scheme http, :path, :authority, idempotency-key, content-length."""
+    block = b"\x83\x86" + b"\x04" + h2_str(path.encode()) + b"\x01" + h2_str(b"hostile")
+    block += b"\x00" + h2_str(b"idempotency-key") + h2_str(key.encode())
+    block += b"\x0f\x0d" + h2_str(str(length).encode())
+    return block
+
+
+def h2_attackers(port, n, streams, tag, big_key):
+    """n HTTP/2 connections that never read, each opening `streams` streams
+    (the first 100 are served, the rest refused): even streams are stalled
+    1 MiB uploads (Content-Length 1 MiB, 512 bytes sent), odd ones retries of
+    the stored 8 MiB answer."""
+    retry = b'{"amount":1}'
+
+    def segments(i):
+        out = H2_PREFACE + h2_frame(0x4, 0, 0)
+        for j in range(streams):
+            sid = 2 * j + 1
+            if j % 2 == 0:
+                out += h2_frame(0x1, 0x4, sid, h2_post("/v1/payments", f"{tag}-h2-{i}-{j}", UPLOAD))
+                out += h2_frame(0x0, 0, sid, bytes(512))
+            else:
+                out += h2_frame(0x1, 0x4, sid, h2_post("/v1/big", big_key, len(retry)))
+                out += h2_frame(0x0, 0x1, sid, retry)
+        return [out]
+    return open_conns(port, n, segments, read=False, rcvbuf=4096)
+
+
 def store_big(port, key):
     status, replayed, body = one_post(port, key, "/v1/big", timeout=30)
     return status, len(body)
@@ -669,6 +712,18 @@ def scenario_d(uploads=500, readers=200, idle=2000):
     return build
 
 
+def scenario_e(n=100, streams=200):
+    def build(proxy, tag):
+        key = f"{tag}-big"
+        status, length = store_big(proxy.port, key)
+        conns = h2_attackers(proxy.port, n, streams, tag, key)
+        drive(conns, 10, done=lambda: all(c.error or (c.connected and not c.pending()) for c in conns))
+        return conns, {"attack": f"HTTP/2: {n} non-reading connections × {streams} streams "
+                                 "(stalled 1 MiB uploads and retries of an 8 MiB answer)",
+                       "big_store": [status, length]}
+    return build
+
+
 # ---------------------------------------------------------------------------
 
 def mib(kib):
@@ -681,7 +736,7 @@ def legit_line(outcomes):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="abpcd", help="which scenarios, e.g. 'ac' (p: (b) paced)")
+    ap.add_argument("--only", default="abpcde", help="which scenarios, e.g. 'ac' (p: (b) paced; e: HTTP/2)")
     ap.add_argument("--idle", type=int, default=10000, help="connections in (c)")
     ap.add_argument("--mixed-idle", type=int, default=2000, help="idle connections in (d)")
     ap.add_argument("--no-build", action="store_true", help="use target/release/idemproxy as it is")
@@ -722,6 +777,7 @@ def main():
         "p": ("(b') as (b), 10 retries every 200 ms", scenario_b_paced()),
         "c": (f"(c) {idle_n:,} idle keep-alive connections", scenario_c(idle_n)),
         "d": (f"(d) mixed: (a) + (b) + {args.mixed_idle:,} idle", scenario_d(idle=args.mixed_idle)),
+        "e": ("(e) HTTP/2: 100 conns × 200 streams, no reads", scenario_e()),
     }
     results = {}
     started = time.time()
@@ -745,7 +801,7 @@ def main():
             shutil.rmtree(workdir, ignore_errors=True)
 
     target_rss = {"a": MAX_BUFFERED + 32 * MIB, "b": MAX_BUFFERED + 32 * MIB, "p": MAX_BUFFERED + 32 * MIB, "c": 128 * MIB,
-                  "d": MAX_BUFFERED + 32 * MIB}
+                  "d": MAX_BUFFERED + 32 * MIB, "e": MAX_BUFFERED + 32 * MIB}
     print()
     print(f"{'scenario':44} {'peak RSS MiB':>12} {'VmHWM':>7} {'target':>8} {'met':>4}  {'crash':>5} {'2nd exec':>8} "
           f"{'recovery s':>10} {'target':>6} {'met':>4}")

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::Request;
+use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -23,9 +23,12 @@ use crate::app::App;
 use crate::body::Body;
 use crate::config::{Config, ServerConfig};
 use crate::conn::{Busy, BusyGuard, ClientScheme, Guarded};
+use crate::metrics::Outcome;
+use crate::problem::{self, Problem};
+use crate::routes::RouteName;
 use crate::store::StoreSetupError;
 use crate::tls::{Certificates, Tls, TlsError};
-use crate::{admin, proxy, tls};
+use crate::{admin, grpc, proxy, tls};
 
 /// Admin requests' headers must arrive within this time.
 const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -174,6 +177,11 @@ async fn accept(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(config.server.max_connections));
+    // Requests in progress at once, over all connections. HTTP/1.1 never
+    // reaches it (one request per connection); over HTTP/2 it keeps 100
+    // streams on each of `max_connections` connections from holding a
+    // handler, an upstream connection and an answer each.
+    let requests = Arc::new(Semaphore::new(config.server.max_connections));
     let http = Arc::new(connection_builder(&config.server));
     let scheme = ClientScheme(if tls.is_some() { "https" } else { "http" });
     app.accepting.store(true, Ordering::Release);
@@ -203,7 +211,7 @@ async fn accept(
         let busy = Busy::holding(slot);
         let (s, io) = (&config.server, busy.clone());
         let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
-        let app = app.clone();
+        let (app, requests) = (app.clone(), requests.clone());
         let began = Arc::new(Notify::new());
         let begin = began.clone();
         let service = service_fn(move |mut req: Request<Incoming>| {
@@ -211,12 +219,19 @@ async fn accept(
             req.extensions_mut().insert(busy.clone());
             req.extensions_mut().insert(scheme);
             let (app, in_progress) = (app.clone(), busy.enter());
+            let request = requests.clone().try_acquire_owned().ok();
             begin.notify_one();
             async move {
-                let resp = proxy::handle(app, req, peer).await;
+                let resp = match &request {
+                    // Boxed: the handler's state is freed once it has answered,
+                    // while the stream's task lives on to send the body.
+                    Some(_) => Box::pin(proxy::handle(app, req, peer)).await,
+                    None => over_capacity(&app, &req),
+                };
                 Ok::<_, Infallible>(resp.map(|body| Tracked {
                     body,
                     _in_progress: in_progress,
+                    _request: request,
                 }))
             }
         });
@@ -275,10 +290,31 @@ fn connection_builder(s: &ServerConfig) -> auto::Builder<TokioExecutor> {
 }
 
 /// A response body; its request counts as in progress (so its connection is
-/// not idle) until the body is done with.
+/// not idle, and it holds its place among the requests in progress) until
+/// the body is done with.
 struct Tracked {
     body: Body,
     _in_progress: BusyGuard,
+    _request: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// The answer to a request beyond the requests in progress at once: 503
+/// `proxy-busy` (a gRPC error on a gRPC request), before any handler runs.
+fn over_capacity(app: &App, req: &Request<Incoming>) -> Response<Body> {
+    let problem = Problem::ProxyBusy;
+    let routes = app.routes();
+    let route = routes.find(req.method(), req.uri().path());
+    app.metrics.request(
+        route.map_or(&RouteName::new(""), |r| &r.name),
+        Outcome::Busy,
+    );
+    let id = uuid::Uuid::new_v4();
+    if grpc::is_grpc(req.headers()) {
+        let (status, headers, body, trailers) = grpc::render(&problem, &id);
+        problem::trailed(problem::assemble((status, headers, body)), trailers)
+    } else {
+        problem.response(&id)
+    }
 }
 
 impl http_body::Body for Tracked {

@@ -453,3 +453,43 @@ async fn a_first_header_block_that_never_ends_is_cut_off_at_the_header_timeout()
     );
     assert_eq!(upstream.hits(), 0);
 }
+
+/// Requests in progress at once, over all connections, are at most
+/// `max_connections`: over HTTP/2 one connection could otherwise hold 100
+/// handlers (and 100 upstream connections). One beyond gets 503 `proxy-busy`
+/// at once; the limit frees as the requests end.
+#[tokio::test]
+async fn requests_in_progress_are_bounded_across_http2_streams() {
+    let upstream = TestUpstream::start().await;
+    let proxy = memory_proxy(&upstream.url(), "max_connections = 2").await;
+    let client: hyper_util::client::legacy::Client<_, Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let get = |held: bool| {
+        let mut r = Request::get(proxy.url("/held"));
+        if held {
+            r = r.header("x-test-hold", "1");
+        }
+        client.request(r.body(Full::new(Bytes::new())).unwrap())
+    };
+    let first = tokio::spawn(get(true));
+    let second = tokio::spawn(get(true));
+    upstream.wait_hits(2).await;
+    let third = tokio::time::timeout(DEADLINE, get(false))
+        .await
+        .expect("answered at once")
+        .unwrap();
+    assert_eq!(third.status(), 503);
+    let body = third.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("proxy-busy"),
+        "{body:?}"
+    );
+    assert_eq!(upstream.hits(), 2, "the third never reached the upstream");
+    upstream.release(2);
+    assert_eq!(first.await.unwrap().unwrap().status(), 201);
+    assert_eq!(second.await.unwrap().unwrap().status(), 201);
+    let after = get(false).await.unwrap();
+    assert_eq!(after.status(), 201, "the places free as requests end");
+}
