@@ -43,6 +43,24 @@ impl Body {
         Body::Counted(Box::new(self), room)
     }
 
+    /// Reads what is left of a request body the proxy answers without (up to
+    /// 64 KiB, at most 1 s): an HTTP/2 answer that ends the stream while the
+    /// client still uploads makes clients report a stream error instead of it.
+    pub async fn drain_some(&mut self) {
+        let deadline = tokio::time::sleep(std::time::Duration::from_secs(1));
+        tokio::pin!(deadline);
+        let mut left: usize = 64 * 1024;
+        while left > 0 {
+            tokio::select! {
+                frame = self.frame() => match frame {
+                    Some(Ok(f)) => left = left.saturating_sub(f.data_ref().map_or(0, Bytes::len)),
+                    _ => return,
+                },
+                () = &mut deadline => return,
+            }
+        }
+    }
+
     /// This body followed by `trailers` (none: the body as it is).
     pub fn trailed(self, trailers: Option<HeaderMap>) -> Self {
         match trailers {

@@ -289,7 +289,7 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> 
     let policy = &route.policy;
     let h2 = req.parts.version >= http::Version::HTTP_2;
     if h2 && stop.answered_here(policy) && !matches!(req.body, Body::Full(_)) {
-        drain(&mut req.body).await;
+        req.body.drain_some().await;
     }
     // (HTTP/1 only: HTTP/2 has no `Connection`, and a stream ends by itself.)
     let unread = !matches!(req.body, Body::Full(_)) && req.parts.version < http::Version::HTTP_2;
@@ -326,24 +326,6 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> 
     }
     handled.record_id = req.record_id;
     handled
-}
-
-/// Reads what is left of a request body the proxy answers without (up to
-/// 64 KiB, at most 1 s): an HTTP/2 answer that ends the stream while the
-/// client still uploads makes clients report a stream error instead of it.
-async fn drain(body: &mut Body) {
-    let deadline = tokio::time::sleep(Duration::from_secs(1));
-    tokio::pin!(deadline);
-    let mut left: usize = 64 * 1024;
-    while left > 0 {
-        tokio::select! {
-            frame = http_body_util::BodyExt::frame(body) => match frame {
-                Some(Ok(f)) => left = left.saturating_sub(f.data_ref().map_or(0, Bytes::len)),
-                _ => return,
-            },
-            () = &mut deadline => return,
-        }
-    }
 }
 
 /// A refusal as enforcement answers it; a retry of an answer too large to keep is marked as a replay.
@@ -464,11 +446,10 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let created_ms = now_ms();
     let processing = processing(route, id, token, created_ms);
     // Room for what a reserve may bring back with its answer (a record up to INLINE_RECORD).
-    let mut inline = Some(
-        app.budget
-            .take(INLINE_RECORD)
-            .ok_or(Stop::Refuse(Problem::ProxyBusy))?,
-    );
+    let inline = app
+        .budget
+        .take(INLINE_RECORD)
+        .ok_or(Stop::Refuse(Problem::ProxyBusy))?;
     let mut claim = Claim::new(app.clone(), id.store_key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
@@ -509,12 +490,8 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 created_ms,
                 sent_at,
             }),
-            Verdict::Replay(f) => {
-                // A large record came with room of its own; an inline one in the reserve's.
-                let room = fetched.or_else(|| inline.take());
-                let room = room.unwrap_or_else(|| app.budget.nothing());
-                Err(Stop::Replay(Box::new(f), room))
-            }
+            // A large record came with room of its own; an inline one in the reserve's.
+            Verdict::Replay(f) => Err(Stop::Replay(Box::new(f), fetched.unwrap_or(inline))),
             Verdict::NotStored => Err(Stop::Refuse(Problem::NotStored)),
             Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
             Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),

@@ -4,7 +4,9 @@
 //! touches exactly one key, so the code is the same on a single Redis,
 //! Sentinel or Cluster; every operation is safe to send twice.
 
+mod cluster;
 mod memory;
+mod pieces;
 mod redis;
 
 use std::sync::Arc;

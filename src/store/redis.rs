@@ -6,26 +6,24 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::{
-    Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, Script,
-    TlsCertificates, Value,
-};
-use tracing::{debug, info, warn};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Script, TlsCertificates, Value};
+use tracing::{info, warn};
 
+use super::cluster::ClusterNodes;
+use super::pieces;
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
-use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
+use crate::record::Token;
 
 static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("reserve.lua")));
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
-static PIECE_BY_PIECE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));
 
 /// The env var that carries the Redis password (wins over `password_file`).
 pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
@@ -40,17 +38,6 @@ const FAILURES_BEFORE_RECONNECT: u32 = 2;
 /// At most one cluster reconnect per this long: while a master fails over,
 /// its keys fail for seconds, and each reconnect opens a connection per node.
 const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
-
-/// The most of a record one command or reply carries: larger records are
-/// written and read in pieces of this size. The shared connection's buffers
-/// grow to the largest message they ever carried and keep that size, outside
-/// the memory budget: pieces keep them small whatever `max_response_body` is.
-const PIECE: usize = 256 * 1024;
-
-/// How long a record being written piece by piece is kept at least (its
-/// reservation's lease is extended to it): if the proxy dies mid-way, the
-/// half-written reservation goes when it ends.
-const WRITE_LEASE: Duration = Duration::from_secs(60);
 
 /// One connection type for the three modes, so the store code is the same.
 #[derive(Clone)]
@@ -101,131 +88,6 @@ enum Source {
         config: ConnectionManagerConfig,
     },
     Cluster(Arc<ClusterNodes>),
-}
-
-/// Cluster mode: the nodes a connection starts from. The configured seeds
-/// alone are not enough: when the only seed is the master that died, a
-/// connection made from them fails until that node returns, although its
-/// replica took over and every other master is healthy. So every node of the
-/// last topology seen is remembered, and a new connection starts from all of
-/// them; and the working connection is kept until a new one is up (the
-/// cluster client follows MOVED, refreshes its slot map and repairs node
-/// connections by itself; a new one only helps with nodes that hang).
-struct ClusterNodes {
-    seeds: Vec<ConnectionInfo>,
-    /// Every node `CLUSTER SLOTS` named last time it was asked (at connect and at each ping).
-    learned: Mutex<Vec<ConnectionInfo>>,
-    op_timeout: Duration,
-    certs: Option<TlsCertificates>,
-    /// A reconnect is running (one at a time, in the background).
-    reconnecting: AtomicBool,
-    last_reconnect: Mutex<Option<Instant>>,
-}
-
-impl ClusterNodes {
-    fn client(
-        &self,
-        nodes: Vec<ConnectionInfo>,
-    ) -> redis::RedisResult<redis::cluster::ClusterClient> {
-        let mut builder = redis::cluster::ClusterClient::builder(nodes)
-            .connection_timeout(self.op_timeout)
-            .response_timeout(self.op_timeout)
-            .retries(3);
-        if let Some(c) = &self.certs {
-            builder = builder.certs(c.clone());
-        }
-        builder.build()
-    }
-
-    /// A connection through the seeds and every node learned, then what it tells of the topology.
-    async fn connect(&self) -> redis::RedisResult<ClusterConnection> {
-        let mut nodes = self.seeds.clone();
-        for node in self
-            .learned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            if !nodes.iter().any(|n| n.addr() == node.addr()) {
-                nodes.push(node.clone());
-            }
-        }
-        let mut conn = self.client(nodes)?.get_async_connection().await?;
-        self.learn(&mut conn).await;
-        Ok(conn)
-    }
-
-    /// Remembers the nodes `CLUSTER SLOTS` names (masters and replicas). Best
-    /// effort: an ACL without `+cluster|slots` leaves the last list in place.
-    async fn learn(&self, conn: &mut ClusterConnection) {
-        let slots: Value = match redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await {
-            Ok(v) => v,
-            Err(e) => {
-                debug!(error = %e, "CLUSTER SLOTS failed; the known cluster nodes stay as they were");
-                return;
-            }
-        };
-        let Some(template) = self.seeds.first() else {
-            return;
-        };
-        let learned = nodes_named(template, &slots);
-        if !learned.is_empty() {
-            *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = learned;
-        }
-    }
-}
-
-/// Every node a `CLUSTER SLOTS` answer names, once each, with the user,
-/// password and TLS settings of `template` (a seed); only the address differs.
-fn nodes_named(template: &ConnectionInfo, slots: &Value) -> Vec<ConnectionInfo> {
-    let mut out: Vec<ConnectionInfo> = Vec::new();
-    for (host, port) in slot_nodes(slots) {
-        let addr = match template.addr() {
-            ConnectionAddr::TcpTls {
-                insecure,
-                tls_params,
-                ..
-            } => ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: *insecure,
-                tls_params: tls_params.clone(),
-            },
-            _ => ConnectionAddr::Tcp(host, port),
-        };
-        if !out.iter().any(|n| *n.addr() == addr) {
-            out.push(template.clone().set_addr(addr));
-        }
-    }
-    out
-}
-
-/// (host, port) of every node in a `CLUSTER SLOTS` answer; nodes without a
-/// usable address (an empty host or `?`, meaning unknown) are left out.
-fn slot_nodes(slots: &Value) -> Vec<(String, u16)> {
-    let mut out = Vec::new();
-    let Value::Array(ranges) = slots else {
-        return out;
-    };
-    for range in ranges {
-        let Value::Array(parts) = range else { continue };
-        for node in parts.iter().skip(2) {
-            let Value::Array(fields) = node else { continue };
-            let (Some(Value::BulkString(host)), Some(Value::Int(port))) =
-                (fields.first(), fields.get(1))
-            else {
-                continue;
-            };
-            let host = String::from_utf8_lossy(host).into_owned();
-            if host.is_empty() || host == "?" {
-                continue;
-            }
-            if let Ok(port) = u16::try_from(*port) {
-                out.push((host, port));
-            }
-        }
-    }
-    out
 }
 
 pub struct RedisStore {
@@ -283,7 +145,7 @@ fn tls_certs(cfg: &StoreConfig) -> Result<Option<TlsCertificates>, StoreSetupErr
 }
 
 /// Connection info for one URL with the configured user and password applied.
-fn connection_info(
+pub(super) fn connection_info(
     url: &str,
     user: Option<&str>,
     password: Option<&str>,
@@ -570,56 +432,6 @@ impl RedisStore {
         }
     }
 
-    /// Stores a large finished record in pieces (`piece.lua`): state 'P'
-    /// until the last piece, so no reader ever sees half an answer. `None`
-    /// when the key went or changed mid-way (start again).
-    async fn complete_in_pieces(
-        &self,
-        key: &str,
-        token: Token,
-        value: &Bytes,
-        ttl: Duration,
-    ) -> Result<Option<Completion>, StoreError> {
-        let mut conn = self.conn().await?;
-        let (mut gone, mut offset) = (false, 0);
-        while offset < value.len() {
-            let end = (offset + PIECE).min(value.len());
-            let mut piece = value.slice(offset..end);
-            if offset == 0 {
-                let mut first = BytesMut::from(&piece[..]);
-                first[1] = STATE_PROCESSING;
-                piece = first.freeze();
-            }
-            let last = end == value.len();
-            let n: i64 = PIECE_BY_PIECE
-                .key(key)
-                .arg(&token.0[..])
-                .arg(offset)
-                .arg(piece.as_ref())
-                .arg(ms(WRITE_LEASE))
-                .arg(if last {
-                    ms(ttl).to_string()
-                } else {
-                    String::new()
-                })
-                .invoke_async(&mut conn)
-                .await
-                .map_err(|e| self.backend(e))?;
-            match n {
-                1 => {}
-                2 => gone = true,
-                0 => return Ok(Some(Completion::Refused)),
-                _ => return Ok(None),
-            }
-            offset = end;
-        }
-        Ok(Some(if gone {
-            Completion::StoredAfterExpiry
-        } else {
-            Completion::Stored
-        }))
-    }
-
     /// Warns loudly when the store would lose reservations: an evicting memory
     /// policy, or no persistence. Managed Redis often refuses CONFIG: say so once.
     async fn check_durability(&self, conn: &mut Conn) {
@@ -720,10 +532,12 @@ impl Operations for RedisStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<Completion, StoreError> {
-        if value.len() > PIECE {
+        let mut conn = self.conn().await?;
+        if value.len() > pieces::PIECE {
             // Once more if the key changed under the first attempt.
             for _ in 0..2 {
-                if let Some(done) = self.complete_in_pieces(key, token, &value, ttl).await? {
+                let written = pieces::complete(&mut conn, key, token, &value, ttl).await;
+                if let Some(done) = written.map_err(|e| self.backend(e))? {
                     return Ok(done);
                 }
             }
@@ -731,7 +545,6 @@ impl Operations for RedisStore {
                 "the record changed while it was being written".into(),
             ));
         }
-        let mut conn = self.conn().await?;
         let n: i64 = COMPLETE
             .key(key)
             .arg(&token.0[..])
@@ -770,61 +583,12 @@ impl Operations for RedisStore {
         Ok(n == 1)
     }
 
-    /// A record and its TTL. Up to [`PIECE`] bytes it is one round trip
-    /// (STRLEN, PTTL and the first piece); a larger one is read piece by
-    /// piece into a buffer of its exact size, so that the connection's read
-    /// buffer never grows to hold a whole large record (it would keep that
-    /// size for the connection's life, outside the memory budget). `None`
-    /// when the key is gone, or was written anew while it was being read
-    /// (its owner token at the end differs from the one at the start).
+    /// A record and its TTL, in pieces when it is large (see [`pieces`]).
     async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let mut conn = self.conn().await?;
-        let (len, pttl, first): (u64, i64, Vec<u8>) = redis::pipe()
-            .strlen(key)
-            .pttl(key)
-            .getrange(key, 0, PIECE as isize - 1)
-            .query_async(&mut conn)
+        pieces::get(&mut conn, key)
             .await
-            .map_err(|e| self.backend(e))?;
-        let ttl = Duration::from_millis(pttl.max(0) as u64);
-        if pttl == -2 || first.is_empty() {
-            return Ok(None);
-        }
-        if len <= PIECE as u64 {
-            return Ok((first.len() as u64 == len).then(|| (Bytes::from(first), ttl)));
-        }
-        let mut whole = BytesMut::with_capacity(len as usize);
-        whole.extend_from_slice(&first);
-        drop(first);
-        while (whole.len() as u64) < len {
-            let from = whole.len() as isize;
-            let piece: Vec<u8> = redis::cmd("GETRANGE")
-                .arg(key)
-                .arg(from)
-                .arg(from + PIECE as isize - 1)
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| self.backend(e))?;
-            if piece.is_empty() {
-                return Ok(None);
-            }
-            whole.extend_from_slice(&piece);
-        }
-        // Written anew meanwhile? A new write has a new owner token (or length).
-        let (len_now, token): (u64, Vec<u8>) = redis::pipe()
-            .strlen(key)
-            .getrange(
-                key,
-                TOKEN_RANGE.start as isize,
-                TOKEN_RANGE.end as isize - 1,
-            )
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        let same = whole.len() as u64 == len
-            && len_now == len
-            && whole.get(TOKEN_RANGE) == Some(&token[..]);
-        Ok(same.then(|| (whole.freeze(), ttl)))
+            .map_err(|e| self.backend(e))
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
@@ -845,7 +609,7 @@ impl Operations for RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE, &*PIECE_BY_PIECE];
+        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE, &*pieces::SCRIPT];
         let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")
@@ -870,66 +634,5 @@ impl Operations for RedisStore {
             self.check_durability(&mut conn).await;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn node(host: &str, port: i64) -> Value {
-        Value::Array(vec![
-            Value::BulkString(host.as_bytes().to_vec()),
-            Value::Int(port),
-            Value::BulkString(b"0123abcd".to_vec()),
-            Value::Map(vec![]),
-        ])
-    }
-
-    fn range(start: i64, end: i64, nodes: Vec<Value>) -> Value {
-        let mut parts = vec![Value::Int(start), Value::Int(end)];
-        parts.extend(nodes);
-        Value::Array(parts)
-    }
-
-    #[test]
-    fn every_node_of_the_topology_once_with_the_seeds_settings() {
-        let slots = Value::Array(vec![
-            range(
-                0,
-                5460,
-                vec![node("10.0.0.1", 7000), node("10.0.0.4", 7000)],
-            ),
-            range(5461, 10922, vec![node("10.0.0.2", 7000), node("", 7001)]),
-            range(10923, 11000, vec![node("10.0.0.3", 7000), node("?", 7002)]),
-            // A range split in two names the same nodes again.
-            range(11001, 16383, vec![node("10.0.0.3", 7000)]),
-        ]);
-        let seed =
-            connection_info("rediss://10.0.0.9:7000", Some("idemproxy"), Some("pw")).unwrap();
-        let learned = nodes_named(&seed, &slots);
-        let addrs: Vec<String> = learned.iter().map(|n| n.addr().to_string()).collect();
-        assert_eq!(
-            addrs,
-            [
-                "10.0.0.1:7000",
-                "10.0.0.4:7000",
-                "10.0.0.2:7000",
-                "10.0.0.3:7000"
-            ]
-        );
-        for n in &learned {
-            assert!(
-                matches!(n.addr(), ConnectionAddr::TcpTls { .. }),
-                "TLS like the seed"
-            );
-            assert_eq!(n.redis_settings().username(), Some("idemproxy"));
-            assert_eq!(n.redis_settings().password(), Some("pw"));
-        }
-        let plain = connection_info("redis://10.0.0.9:7000", None, None).unwrap();
-        assert!(nodes_named(&plain, &slots)
-            .iter()
-            .all(|n| matches!(n.addr(), ConnectionAddr::Tcp(..))));
-        assert!(nodes_named(&plain, &Value::Nil).is_empty());
     }
 }

@@ -1,0 +1,197 @@
+//! Redis Cluster: the nodes a connection starts from, and what `CLUSTER
+//! SLOTS` teaches about them (§8: surviving the loss of the seed nodes).
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use redis::cluster_async::ClusterConnection;
+use redis::{ConnectionAddr, ConnectionInfo, TlsCertificates, Value};
+use tracing::debug;
+
+/// Cluster mode: the nodes a connection starts from. The configured seeds
+/// alone are not enough: when the only seed is the master that died, a
+/// connection made from them fails until that node returns, although its
+/// replica took over and every other master is healthy. So every node of the
+/// last topology seen is remembered, and a new connection starts from all of
+/// them; and the working connection is kept until a new one is up (the
+/// cluster client follows MOVED, refreshes its slot map and repairs node
+/// connections by itself; a new one only helps with nodes that hang).
+pub(super) struct ClusterNodes {
+    pub(super) seeds: Vec<ConnectionInfo>,
+    /// Every node `CLUSTER SLOTS` named last time it was asked (at connect and at each ping).
+    pub(super) learned: Mutex<Vec<ConnectionInfo>>,
+    pub(super) op_timeout: Duration,
+    pub(super) certs: Option<TlsCertificates>,
+    /// A reconnect is running (one at a time, in the background).
+    pub(super) reconnecting: AtomicBool,
+    pub(super) last_reconnect: Mutex<Option<Instant>>,
+}
+
+impl ClusterNodes {
+    pub(super) fn client(
+        &self,
+        nodes: Vec<ConnectionInfo>,
+    ) -> redis::RedisResult<redis::cluster::ClusterClient> {
+        let mut builder = redis::cluster::ClusterClient::builder(nodes)
+            .connection_timeout(self.op_timeout)
+            .response_timeout(self.op_timeout)
+            .retries(3);
+        if let Some(c) = &self.certs {
+            builder = builder.certs(c.clone());
+        }
+        builder.build()
+    }
+
+    /// A connection through the seeds and every node learned, then what it tells of the topology.
+    pub(super) async fn connect(&self) -> redis::RedisResult<ClusterConnection> {
+        let mut nodes = self.seeds.clone();
+        for node in self
+            .learned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            if !nodes.iter().any(|n| n.addr() == node.addr()) {
+                nodes.push(node.clone());
+            }
+        }
+        let mut conn = self.client(nodes)?.get_async_connection().await?;
+        self.learn(&mut conn).await;
+        Ok(conn)
+    }
+
+    /// Remembers the nodes `CLUSTER SLOTS` names (masters and replicas). Best
+    /// effort: an ACL without `+cluster|slots` leaves the last list in place.
+    pub(super) async fn learn(&self, conn: &mut ClusterConnection) {
+        let slots: Value = match redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await {
+            Ok(v) => v,
+            Err(e) => {
+                debug!(error = %e, "CLUSTER SLOTS failed; the known cluster nodes stay as they were");
+                return;
+            }
+        };
+        let Some(template) = self.seeds.first() else {
+            return;
+        };
+        let learned = nodes_named(template, &slots);
+        if !learned.is_empty() {
+            *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = learned;
+        }
+    }
+}
+
+/// Every node a `CLUSTER SLOTS` answer names, once each, with the user,
+/// password and TLS settings of `template` (a seed); only the address differs.
+fn nodes_named(template: &ConnectionInfo, slots: &Value) -> Vec<ConnectionInfo> {
+    let mut out: Vec<ConnectionInfo> = Vec::new();
+    for (host, port) in slot_nodes(slots) {
+        let addr = match template.addr() {
+            ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => ConnectionAddr::Tcp(host, port),
+        };
+        if !out.iter().any(|n| *n.addr() == addr) {
+            out.push(template.clone().set_addr(addr));
+        }
+    }
+    out
+}
+
+/// (host, port) of every node in a `CLUSTER SLOTS` answer; nodes without a
+/// usable address (an empty host or `?`, meaning unknown) are left out.
+fn slot_nodes(slots: &Value) -> Vec<(String, u16)> {
+    let mut out = Vec::new();
+    let Value::Array(ranges) = slots else {
+        return out;
+    };
+    for range in ranges {
+        let Value::Array(parts) = range else { continue };
+        for node in parts.iter().skip(2) {
+            let Value::Array(fields) = node else { continue };
+            let (Some(Value::BulkString(host)), Some(Value::Int(port))) =
+                (fields.first(), fields.get(1))
+            else {
+                continue;
+            };
+            let host = String::from_utf8_lossy(host).into_owned();
+            if host.is_empty() || host == "?" {
+                continue;
+            }
+            if let Ok(port) = u16::try_from(*port) {
+                out.push((host, port));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::redis::connection_info;
+    use super::*;
+
+    fn node(host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::BulkString(host.as_bytes().to_vec()),
+            Value::Int(port),
+            Value::BulkString(b"0123abcd".to_vec()),
+            Value::Map(vec![]),
+        ])
+    }
+
+    fn range(start: i64, end: i64, nodes: Vec<Value>) -> Value {
+        let mut parts = vec![Value::Int(start), Value::Int(end)];
+        parts.extend(nodes);
+        Value::Array(parts)
+    }
+
+    #[test]
+    fn every_node_of_the_topology_once_with_the_seeds_settings() {
+        let slots = Value::Array(vec![
+            range(
+                0,
+                5460,
+                vec![node("10.0.0.1", 7000), node("10.0.0.4", 7000)],
+            ),
+            range(5461, 10922, vec![node("10.0.0.2", 7000), node("", 7001)]),
+            range(10923, 11000, vec![node("10.0.0.3", 7000), node("?", 7002)]),
+            // A range split in two names the same nodes again.
+            range(11001, 16383, vec![node("10.0.0.3", 7000)]),
+        ]);
+        let seed =
+            connection_info("rediss://10.0.0.9:7000", Some("idemproxy"), Some("pw")).unwrap();
+        let learned = nodes_named(&seed, &slots);
+        let addrs: Vec<String> = learned.iter().map(|n| n.addr().to_string()).collect();
+        assert_eq!(
+            addrs,
+            [
+                "10.0.0.1:7000",
+                "10.0.0.4:7000",
+                "10.0.0.2:7000",
+                "10.0.0.3:7000"
+            ]
+        );
+        for n in &learned {
+            assert!(
+                matches!(n.addr(), ConnectionAddr::TcpTls { .. }),
+                "TLS like the seed"
+            );
+            assert_eq!(n.redis_settings().username(), Some("idemproxy"));
+            assert_eq!(n.redis_settings().password(), Some("pw"));
+        }
+        let plain = connection_info("redis://10.0.0.9:7000", None, None).unwrap();
+        assert!(nodes_named(&plain, &slots)
+            .iter()
+            .all(|n| matches!(n.addr(), ConnectionAddr::Tcp(..))));
+        assert!(nodes_named(&plain, &Value::Nil).is_empty());
+    }
+}

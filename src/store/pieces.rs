@@ -1,0 +1,133 @@
+//! Large records in Redis, piece by piece. The shared connection's read and
+//! write buffers grow to the largest message they ever carried and keep that
+//! size, outside the memory budget; so no command or reply carries more than
+//! [`PIECE`] bytes of a record, whatever `max_response_body` allows.
+//!
+//! Writing (`piece.lua`): the record replaces the caller's reservation piece
+//! by piece, its state byte 'P' until the last piece turns it into 'F', so a
+//! reader sees a reservation in progress, never half an answer. Reading:
+//! `GETRANGE` pieces into a buffer of the record's exact size, then the length
+//! and owner token again: a record written anew meanwhile (new token, or new
+//! length) is not returned.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use redis::aio::ConnectionLike;
+use redis::Script;
+
+use super::Completion;
+use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
+
+/// The most of a record one command or reply carries.
+pub const PIECE: usize = 256 * 1024;
+
+/// How long a record being written piece by piece is kept at least (its
+/// reservation's lease is extended to it): if the proxy dies mid-way, the
+/// half-written reservation goes when it ends.
+const WRITE_LEASE: Duration = Duration::from_secs(60);
+
+pub static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis().min(u128::from(u64::MAX)) as u64
+}
+
+/// A record and its TTL. Up to [`PIECE`] bytes it is one round trip
+/// (STRLEN, PTTL and the first piece); a larger one is read piece by piece.
+/// `None` when the key is gone, or was written anew while it was being read.
+pub async fn get<C: ConnectionLike>(
+    conn: &mut C,
+    key: &str,
+) -> redis::RedisResult<Option<(Bytes, Duration)>> {
+    let (len, pttl, first): (u64, i64, Vec<u8>) = redis::pipe()
+        .strlen(key)
+        .pttl(key)
+        .getrange(key, 0, PIECE as isize - 1)
+        .query_async(conn)
+        .await?;
+    let ttl = Duration::from_millis(pttl.max(0) as u64);
+    if pttl == -2 || first.is_empty() {
+        return Ok(None);
+    }
+    if len <= PIECE as u64 {
+        return Ok((first.len() as u64 == len).then(|| (Bytes::from(first), ttl)));
+    }
+    let mut whole = BytesMut::with_capacity(len as usize);
+    whole.extend_from_slice(&first);
+    drop(first);
+    while (whole.len() as u64) < len {
+        let from = whole.len() as isize;
+        let piece: Vec<u8> = redis::cmd("GETRANGE")
+            .arg(key)
+            .arg(from)
+            .arg(from + PIECE as isize - 1)
+            .query_async(conn)
+            .await?;
+        if piece.is_empty() {
+            return Ok(None);
+        }
+        whole.extend_from_slice(&piece);
+    }
+    // Written anew meanwhile? A new write has a new owner token (or length).
+    let (len_now, token): (u64, Vec<u8>) = redis::pipe()
+        .strlen(key)
+        .getrange(
+            key,
+            TOKEN_RANGE.start as isize,
+            TOKEN_RANGE.end as isize - 1,
+        )
+        .query_async(conn)
+        .await?;
+    let same =
+        whole.len() as u64 == len && len_now == len && whole.get(TOKEN_RANGE) == Some(&token[..]);
+    Ok(same.then(|| (whole.freeze(), ttl)))
+}
+
+/// Stores a large finished record in place of the reservation `token` owns.
+/// `None` when the key went or changed mid-way (the caller starts again).
+pub async fn complete<C: ConnectionLike>(
+    conn: &mut C,
+    key: &str,
+    token: Token,
+    value: &Bytes,
+    ttl: Duration,
+) -> redis::RedisResult<Option<Completion>> {
+    let (mut gone, mut offset) = (false, 0);
+    while offset < value.len() {
+        let end = (offset + PIECE).min(value.len());
+        let mut piece = value.slice(offset..end);
+        if offset == 0 {
+            let mut first = BytesMut::from(&piece[..]);
+            first[1] = STATE_PROCESSING;
+            piece = first.freeze();
+        }
+        let last = end == value.len();
+        let n: i64 = SCRIPT
+            .key(key)
+            .arg(&token.0[..])
+            .arg(offset)
+            .arg(piece.as_ref())
+            .arg(ms(WRITE_LEASE))
+            .arg(if last {
+                ms(ttl).to_string()
+            } else {
+                String::new()
+            })
+            .invoke_async(conn)
+            .await?;
+        match n {
+            1 => {}
+            2 => gone = true,
+            0 => return Ok(Some(Completion::Refused)),
+            _ => return Ok(None),
+        }
+        offset = end;
+    }
+    Ok(Some(if gone {
+        Completion::StoredAfterExpiry
+    } else {
+        Completion::Stored
+    }))
+}
