@@ -40,6 +40,7 @@ pub mod problem;
 pub mod proxy;
 pub mod record;
 pub mod routes;
+pub mod seal;
 pub mod server;
 pub mod store;
 pub mod tls;
