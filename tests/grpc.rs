@@ -449,7 +449,11 @@ async fn a_sealed_grpc_answer_replays_with_its_trailers() {
     assert_eq!(ledger.runs("k-sealed"), 1);
     let key = format!("idemproxy:{}", idemproxy::key::record_id([], "k-sealed"));
     let mut c = redis.conn().await.unwrap();
-    let stored: Vec<u8> = redis::cmd("GET").arg(key).query_async(&mut c).await.unwrap();
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
     assert_eq!((stored[0], stored[1]), (3, b'F'));
     for clear in [&b"grpc-status"[..], b"x-upstream", b"application/grpc"] {
         assert!(
