@@ -6,8 +6,9 @@
 //!
 //! With `[store] encryption_key_file`, finished records are sealed here, the
 //! same on both backends ([`Store::encode`]), and opened where they are
-//! decoded. The associated data is the record id: the store key is always
-//! `{prefix}:{id}` ([`Store::key_for`]), and the id is what follows the prefix.
+//! decoded. The associated data is the record id (with the record's clear
+//! head, see `record`): the store key is always `{prefix}:{id}`
+//! ([`Store::key_for`]), and the id is what follows the prefix.
 
 mod memory;
 mod redis;
