@@ -17,8 +17,8 @@ use crate::app::App;
 use crate::body::Body;
 use crate::key;
 use crate::problem;
-use crate::record::{now_ms, Record};
-use crate::store::Inspected;
+use crate::record::{now_ms, Head};
+use crate::store::StoreError;
 
 /// The env var that switches the key API on and holds its bearer token.
 pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_ADMIN_TOKEN";
@@ -166,36 +166,49 @@ fn is_record_id(id: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-fn store_failed(e: crate::store::StoreError) -> Response<Body> {
+fn store_failed(e: StoreError) -> Response<Body> {
+    if let StoreError::Decode(e) = &e {
+        warn!(error = %e, "admin API: the record cannot be read");
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "a value is stored under this id, but this build cannot read it",
+        );
+    }
     warn!(error = %e, "admin API: store operation failed");
     error(StatusCode::SERVICE_UNAVAILABLE, "the store did not answer")
 }
 
-/// The record as the admin API shows it; `Ok(None)` when there is none.
+/// The record as the admin API shows it; `Ok(None)` when there is none. Only
+/// the record's clear head is read: a sealed record is shown without its key,
+/// and no answer (headers, body) is ever at hand here.
 async fn inspect(app: &App, id: &str) -> Result<Option<serde_json::Value>, Response<Body>> {
     let found = app
         .store
-        .get(&app.store.key_for(id))
+        .peek(&app.store.key_for(id))
         .await
         .map_err(store_failed)?;
-    Ok(found.map(|Inspected { record, ttl }| view(id, &record, ttl)))
+    Ok(found.map(|(head, ttl)| view(id, &head, ttl)))
 }
 
-fn view(id: &str, record: &Record, ttl: std::time::Duration) -> serde_json::Value {
-    let age_seconds = now_ms().saturating_sub(record.created_ms()) / 1000;
+fn view(id: &str, head: &Head, ttl: std::time::Duration) -> serde_json::Value {
+    let age_seconds = now_ms().saturating_sub(head.created_ms) / 1000;
     let mut v = serde_json::json!({
         "id": id,
-        "route": record.route(),
+        "route": head.route,
         "age_seconds": age_seconds,
         "expires_in_seconds": ttl.as_millis().div_ceil(1000) as u64,
     });
-    match record {
-        Record::Processing(_) => v["state"] = "processing".into(),
-        Record::Finished(f) => {
+    match &head.finished {
+        None => v["state"] = "processing".into(),
+        Some(f) => {
             v["state"] = "finished".into();
             v["status"] = f.status.into();
             v["body_stored"] = f.body_stored.into();
+            v["sealed"] = head.sealed_with.is_some().into();
         }
+    }
+    if let Some(key_id) = &head.sealed_with {
+        v["key_id"] = key_id.as_str().into();
     }
     v
 }

@@ -15,7 +15,8 @@
 //!    flight, 422 when the fingerprint differs, 500 when unreadable;
 //! 5. forward in a task of its own that owns the reservation (`proxy::job`),
 //!    renewing the lease; store status, end-to-end headers and body with a TTL
-//!    (`record`), or release the key; then answer.
+//!    (`record`; sealed at rest by `seal` with an `encryption_key_file`), or
+//!    release the key; then answer.
 //!
 //! What a route does is its `policy`, built from the file by `config`. Every
 //! answer the proxy makes itself is a `problem`. Every other request streams
@@ -40,6 +41,7 @@ pub mod problem;
 pub mod proxy;
 pub mod record;
 pub mod routes;
+pub mod seal;
 pub mod server;
 pub mod store;
 pub mod tls;

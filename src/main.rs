@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
 use idemproxy::config::{Config, HumanDuration, Overrides};
-use idemproxy::server::Server;
+use idemproxy::seal;
+use idemproxy::server::{Server, StartError};
 use idemproxy::tls::{self, Certificates};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -98,7 +99,7 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         let server = match Server::bind(config).await {
             Ok(s) => s,
-            Err(e) if e.is_configuration() => {
+            Err(e) if is_configuration(&e) => {
                 tracing::error!("invalid configuration: {e}");
                 eprintln!("idemproxy: invalid configuration: {e}");
                 return ExitCode::from(EXIT_CONFIG);
@@ -121,18 +122,48 @@ fn main() -> ExitCode {
     })
 }
 
+/// A file the configuration names was read and is wrong (a certificate that
+/// is not PEM, a malformed key file): exit 2, as for the configuration itself.
+fn is_configuration(e: &StartError) -> bool {
+    match e {
+        StartError::Store(e) => e.is_configuration(),
+        e => e.is_configuration(),
+    }
+}
+
 /// `--check`: what can be checked without secrets or a store. The TLS files
-/// are checked when they can be read; an unreadable one is only a warning,
-/// since the check may run where the secrets are not mounted.
+/// and the encryption key file are checked when they can be read; an
+/// unreadable one is only a warning, since the check may run where the
+/// secrets are not mounted. No key is ever printed, only key ids.
 fn check(config: &Config) -> ExitCode {
-    let warnings = match config.server.tls.as_ref().map(tls::check).transpose() {
+    let mut warnings = match config.server.tls.as_ref().map(tls::check).transpose() {
         Ok(w) => w.unwrap_or_default(),
         Err(e) => {
             eprintln!("idemproxy: invalid configuration: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    let keys = match config.store.encryption_key_file.as_deref().map(seal::check) {
+        None => None,
+        Some(Ok(Ok(keys))) => Some(keys),
+        Some(Ok(Err(warning))) => {
+            warnings.push(warning);
+            None
+        }
+        Some(Err(e)) => {
+            eprintln!("idemproxy: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     print_check(config);
+    if let Some(keys) = keys {
+        let ids: Vec<&str> = keys.ids().collect();
+        println!(
+            "records sealed at rest: sealing key id {}, opening key ids {}",
+            keys.sealing_id(),
+            ids.join(",")
+        );
+    }
     for w in warnings {
         eprintln!("idemproxy: warning: {w}");
     }
@@ -207,6 +238,34 @@ async fn reload_on_sighup(
         }
         if let Some(certificates) = &certificates {
             reload_certificate(certificates.clone()).await;
+        }
+        reload_keys(app.clone()).await;
+    }
+}
+
+/// Re-reads the encryption key file, when records are sealed (off the async
+/// workers); a failure keeps the keys in use. Only key ids are logged.
+async fn reload_keys(app: Arc<idemproxy::app::App>) {
+    if app.store.sealing().is_none() {
+        return;
+    }
+    let reloaded =
+        tokio::task::spawn_blocking(move || app.store.sealing().map(seal::Sealing::reload)).await;
+    match reloaded {
+        Ok(Some(Ok(keys))) => {
+            let ids: Vec<&str> = keys.ids().collect();
+            tracing::info!(
+                sealing_key_id = keys.sealing_id(),
+                key_ids = %ids.join(","),
+                "encryption keys reloaded"
+            )
+        }
+        Ok(None) => {}
+        Ok(Some(Err(e))) => {
+            tracing::error!(error = %e, "encryption key reload failed; keeping the current keys")
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "encryption key reload failed; keeping the current keys")
         }
     }
 }

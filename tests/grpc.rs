@@ -188,12 +188,18 @@ async fn start_upstream() -> (Arc<Ledger>, String) {
 /// A proxy (Redis store) in front of the tonic server, speaking h2c to it;
 /// `Charge` is protected.
 async fn start(route_extra: &str) -> (Arc<Ledger>, Proxy, RedisServer) {
+    start_with(route_extra, "").await
+}
+
+/// As [`start`], with more `[store]` lines.
+async fn start_with(route_extra: &str, store: &str) -> (Arc<Ledger>, Proxy, RedisServer) {
     let (ledger, upstream) = start_upstream().await;
     let redis = RedisServer::start().await;
     let routes = format!("[[routes]]\nname = \"charge\"\npath = \"{CHARGE}\"\n{route_extra}\n");
     let config = ConfigBuilder::new(&upstream)
         .server("upstream_protocol = \"h2c\"")
         .redis(&redis)
+        .store(store)
         .routes(&routes)
         .build();
     (ledger, Proxy::start(&config).await, redis)
@@ -419,4 +425,41 @@ async fn a_replay_is_byte_identical_with_its_trailers() {
     assert_eq!(again.2, first.2, "the trailers");
     assert_eq!(first.2["grpc-status"], "0");
     assert_eq!(ledger.runs("k-bytes"), 1);
+}
+
+/// Records sealed at rest (§10): a gRPC answer's trailers are sealed with
+/// its headers and body, and the replay is still the upstream's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_grpc_answer_replays_with_its_trailers() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=\n").unwrap();
+    let store = format!("encryption_key_file = \"{}\"", keys.display());
+    let (ledger, proxy, redis) = start_with("", &store).await;
+    let mut grpc = client(&proxy).await;
+    let first = call(&mut grpc, CHARGE, 7, &[("idempotency-key", "k-sealed")])
+        .await
+        .unwrap();
+    let again = call(&mut grpc, CHARGE, 7, &[("idempotency-key", "k-sealed")])
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.get_ref(), first.get_ref());
+    assert_eq!(again.metadata().get("x-upstream").unwrap(), "payments");
+    assert_eq!(ledger.runs("k-sealed"), 1);
+    let key = format!("idemproxy:{}", idemproxy::key::record_id([], "k-sealed"));
+    let mut c = redis.conn().await.unwrap();
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!((stored[0], stored[1]), (3, b'F'));
+    for clear in [&b"grpc-status"[..], b"x-upstream", b"application/grpc"] {
+        assert!(
+            !stored.windows(clear.len()).any(|w| w == clear),
+            "{} stored in the clear",
+            String::from_utf8_lossy(clear)
+        );
+    }
 }

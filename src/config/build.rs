@@ -263,6 +263,17 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
             format!("invalid key prefix \"{prefix}\": visible ASCII without spaces, not empty"),
         ));
     }
+    if let Some(p) = s
+        .encryption_key_file
+        .as_ref()
+        .filter(|p| p.get_ref().as_os_str().is_empty())
+    {
+        return Err(src.entry(
+            &p.span(),
+            "store.encryption_key_file",
+            "an empty path: name the key file",
+        ));
+    }
     Ok(StoreConfig {
         backend,
         url: url.value,
@@ -278,6 +289,7 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
         wait_replicas: s.wait_replicas.unwrap_or(0),
         wait_timeout: duration(s.wait_timeout, Duration::from_millis(50)),
         memory_limit: s.memory_limit.map_or(256 << 20, |b| b.0),
+        encryption_key_file: s.encryption_key_file.map(Spanned::into_inner),
     })
 }
 

@@ -229,6 +229,8 @@ pub struct StoreConfig {
     pub wait_timeout: Duration,
     /// The memory store's bound on the bytes of its records (§8).
     pub memory_limit: u64,
+    /// Keys that seal finished records at rest (§10); read by the store, not here.
+    pub encryption_key_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]

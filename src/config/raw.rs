@@ -70,6 +70,7 @@ pub(super) struct RawStore {
     pub wait_replicas: Option<u32>,
     pub wait_timeout: Option<HumanDuration>,
     pub memory_limit: Option<ByteSize>,
+    pub encryption_key_file: Option<Spanned<PathBuf>>,
 }
 
 /// A `[[routes]]` entry or the `[defaults]` table.

@@ -307,8 +307,20 @@ impl Job {
             headers,
             body,
             trailers,
-        })
-        .encode();
+        });
+        // Sealed here, once: a retried completion sends the same bytes.
+        let record = match self.claim.app.store.encode(&self.claim.store_key, &record) {
+            Ok(record) => record,
+            Err(e) => {
+                error!(
+                    request_id = %self.request_id,
+                    route = %self.route_name,
+                    error = %e,
+                    "the record could not be sealed and is not stored; a retry with this key will execute again once the lease runs out"
+                );
+                return;
+            }
+        };
         if !self.try_complete(record.clone()).await {
             self.unsaved = Some(record);
         }

@@ -3,6 +3,12 @@
 //! Values are encoded [`Record`]s. Every operation is one round trip and
 //! touches exactly one key, so the code is the same on a single Redis,
 //! Sentinel or Cluster; every operation is safe to send twice.
+//!
+//! With `[store] encryption_key_file`, finished records are sealed here, the
+//! same on both backends ([`Store::encode`]), and opened where they are
+//! decoded. The associated data is the record id (with the record's clear
+//! head, see `record`): the store key is always `{prefix}:{id}`
+//! ([`Store::key_for`]), and the id is what follows the prefix.
 
 mod cluster;
 mod memory;
@@ -16,7 +22,8 @@ use bytes::Bytes;
 
 use crate::config::{Backend, StoreConfig};
 use crate::metrics::Metrics;
-use crate::record::{DecodeError, Record, Token};
+use crate::record::{DecodeError, Head, Record, Token};
+use crate::seal::{KeyFileError, SealError, Sealing};
 
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
@@ -58,6 +65,15 @@ pub enum StoreSetupError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    KeyFile(#[from] KeyFileError),
+}
+
+impl StoreSetupError {
+    /// A file was read and is wrong (a malformed key file): exit 2, not 1.
+    pub fn is_configuration(&self) -> bool {
+        matches!(self, StoreSetupError::KeyFile(e) if e.is_configuration())
+    }
 }
 
 /// What `reserve` found.
@@ -90,7 +106,7 @@ pub enum Completion {
     Refused,
 }
 
-/// A snapshot for the admin API.
+/// A record read whole, with its remaining lease or TTL.
 #[derive(Debug)]
 pub struct Inspected {
     pub record: Record,
@@ -194,10 +210,24 @@ pub struct Store {
     prefix: String,
     op_timeout: Duration,
     metrics: Arc<Metrics>,
+    /// The keys that seal finished records, when a key file is configured.
+    sealing: Option<Sealing>,
 }
 
 impl Store {
     pub fn new(cfg: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, StoreSetupError> {
+        let sealing = cfg
+            .encryption_key_file
+            .as_deref()
+            .map(Sealing::load)
+            .transpose()?;
+        if let Some(keys) = sealing.as_ref().map(Sealing::keys) {
+            tracing::info!(
+                keys = keys.ids().count(),
+                sealing_key_id = keys.sealing_id(),
+                "finished records are sealed at rest (encryption_key_file)"
+            );
+        }
         let inner = match cfg.backend {
             Backend::Memory => Inner::Memory(MemoryStore::new(cfg.memory_limit)),
             Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg)?)),
@@ -207,7 +237,35 @@ impl Store {
             prefix: cfg.key_prefix.clone(),
             op_timeout: cfg.op_timeout,
             metrics,
+            sealing,
         })
+    }
+
+    /// The keys and their file, when records are sealed (for reloads on SIGHUP).
+    pub fn sealing(&self) -> Option<&Sealing> {
+        self.sealing.as_ref()
+    }
+
+    /// The record id of a store key made by [`Store::key_for`].
+    fn record_id<'k>(&self, key: &'k str) -> &'k str {
+        key.strip_prefix(self.prefix.as_str())
+            .and_then(|id| id.strip_prefix(':'))
+            .unwrap_or(key)
+    }
+
+    /// The value to store under `key`: a finished record sealed with the
+    /// first key of the key file, when there is one; clear otherwise.
+    pub fn encode(&self, key: &str, record: &Record) -> Result<Bytes, SealError> {
+        match &self.sealing {
+            Some(sealing) => record.seal(&sealing.keys(), self.record_id(key)),
+            None => Ok(record.encode()),
+        }
+    }
+
+    /// A value read from `key`, opened when it is sealed.
+    fn decode(&self, key: &str, value: Bytes) -> Result<Record, DecodeError> {
+        let keys = self.sealing.as_ref().map(Sealing::keys);
+        Record::open(value, keys.as_deref(), self.record_id(key))
     }
 
     pub fn is_memory(&self) -> bool {
@@ -263,7 +321,7 @@ impl Store {
         match found {
             None => Ok(Reservation::Reserved),
             Some(Held::Large { len }) => Ok(Reservation::Large { len }),
-            Some(Held::Value { value, ttl }) => Ok(match Record::decode(value) {
+            Some(Held::Value { value, ttl }) => Ok(match self.decode(key, value) {
                 Ok(record) => Reservation::Existing { record, ttl },
                 Err(e) => Reservation::Unreadable(e),
             }),
@@ -310,7 +368,7 @@ impl Store {
             .await
     }
 
-    /// Reads a record (admin API).
+    /// Reads a record whole, opened when it is sealed (a large record's replay).
     pub async fn get(&self, key: &str) -> Result<Option<Inspected>, StoreError> {
         let found = self
             .timed("get", backend!(&self.inner, b => b.get(key)))
@@ -318,9 +376,21 @@ impl Store {
         match found {
             None => Ok(None),
             Some((value, ttl)) => Ok(Some(Inspected {
-                record: Record::decode(value)?,
+                record: self.decode(key, value)?,
                 ttl,
             })),
+        }
+    }
+
+    /// Reads a record's clear head and its remaining time (admin API): a
+    /// sealed record is not opened, so its answer is never at hand.
+    pub async fn peek(&self, key: &str) -> Result<Option<(Head, Duration)>, StoreError> {
+        let found = self
+            .timed("get", backend!(&self.inner, b => b.get(key)))
+            .await?;
+        match found {
+            None => Ok(None),
+            Some((value, ttl)) => Ok(Some((Head::decode(value)?, ttl))),
         }
     }
 

@@ -1,0 +1,506 @@
+//! What is stored under a key: a `processing` reservation or a finished answer, in a small binary format.
+//!
+//! Layout (all integers big-endian). The first 18 bytes are the same for every
+//! version and state, so the store scripts can check the owner token without decoding:
+//!
+//! ```text
+//! 0      version (1, 2 or 3)
+//! 1      state: 'P' processing | 'F' finished
+//! 2..18  owner token (16 bytes)
+//! 18..50 request fingerprint (SHA-256)
+//! 50..58 created, unix ms
+//! u16 + route name
+//! 'F' only: u64 completed unix ms, u16 status, u8 flags (bit 0: body stored)
+//!   — the head ends here; then the answer section:
+//! version 1: u16 header count, per header: u16 + name, u32 + value; u32 + body
+//! version 2: as version 1, then u16 trailer count, per trailer as per header
+//! version 3 (sealed, §10): u8 + key id, 12-byte nonce, then the version-2
+//!   answer section sealed with AES-256-GCM, followed by its 16-byte tag
+//! ```
+//!
+//! Version 2 (trailers, §9) is written only for an answer that has trailers;
+//! every other clear record is still written as version 1, which both versions
+//! read: a rolling upgrade, or a rollback by one step, replays the other's
+//! records (only an answer with trailers is unreadable to a version-1 proxy,
+//! and that is a 500 `record-unreadable`, never a second execution).
+//!
+//! Version 3 is written only with `[store] encryption_key_file`, for finished
+//! records (a reservation holds no answer and stays clear, as every version
+//! 1 record). Its head stays clear — the scripts need the state and the token,
+//! the verdict the fingerprint, the admin API the status and the times — and
+//! only the answer (headers, body, trailers) is sealed, under a fresh random
+//! nonce. The associated data is the record id (the hex name of the store key
+//! after the prefix) followed by the head as written: a sealed value copied
+//! under another id, or whose head was altered, does not open. A large record
+//! written piece by piece (`piece.lua`) reads as a reservation until its last
+//! piece sets the state to 'F'; the head is sealed with 'F', as it ends up.
+//! An older build reads a version-3 record as an unknown format version (500
+//! `record-unreadable`), never as something else.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderName, HeaderValue};
+
+use crate::seal::{self, Keyring, OpenError, SealError, NONCE_BYTES, TAG_LEN};
+
+/// A clear record without trailers: every reservation, and most answers.
+const VERSION_1: u8 = 1;
+/// A clear answer with trailers.
+const VERSION_2: u8 = 2;
+/// A finished record whose answer is sealed (§10).
+pub const VERSION_SEALED: u8 = 3;
+pub const STATE_PROCESSING: u8 = b'P';
+pub const STATE_FINISHED: u8 = b'F';
+/// Where the owner token sits; the Lua scripts read `string.sub(v, 3, 18)`.
+pub const TOKEN_RANGE: std::ops::Range<usize> = 2..18;
+/// The bytes of the head before the route name.
+const FIXED_HEAD: usize = 58;
+
+/// Identifies one reservation; a late finisher with an old token changes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Token(pub [u8; 16]);
+
+impl Token {
+    /// The owner token of an encoded record (at the same place in both states).
+    pub fn of_record(encoded: &[u8]) -> Option<Token> {
+        encoded.get(TOKEN_RANGE)?.try_into().ok().map(Token)
+    }
+
+    pub fn new() -> Self {
+        Token(*uuid::Uuid::new_v4().as_bytes())
+    }
+}
+
+impl Default for Token {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Processing {
+    pub token: Token,
+    pub fingerprint: [u8; 32],
+    pub created_ms: u64,
+    pub route: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finished {
+    pub token: Token,
+    pub fingerprint: [u8; 32],
+    pub created_ms: u64,
+    pub route: String,
+    pub completed_ms: u64,
+    pub status: u16,
+    /// False when the answer was larger than `max_response_body`: retries get a 410.
+    pub body_stored: bool,
+    /// End-to-end headers only (no hop-by-hop, `Set-Cookie`, `Date`, `Content-Length`).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub body: Bytes,
+    /// The answer's trailers (gRPC's `grpc-status` lives here), in order.
+    pub trailers: Vec<(HeaderName, HeaderValue)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    Processing(Processing),
+    Finished(Finished),
+}
+
+/// The clear head of any record, read without a key: what the admin API shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Head {
+    pub token: Token,
+    pub fingerprint: [u8; 32],
+    pub created_ms: u64,
+    pub route: String,
+    /// `None` while processing.
+    pub finished: Option<Answered>,
+    /// The id of the key that sealed the answer; `None` for a clear record.
+    pub sealed_with: Option<String>,
+}
+
+/// What the head of a finished record says of its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answered {
+    pub completed_ms: u64,
+    pub status: u16,
+    pub body_stored: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("stored record cannot be decoded: {0}")]
+    Malformed(&'static str),
+    #[error("stored record is sealed, and no encryption_key_file is configured")]
+    NoKeyFile,
+    #[error("stored record is sealed under key id \"{0}\", which the key file does not hold")]
+    UnknownKey(String),
+    #[error("stored record sealed under key id \"{0}\" does not open: altered, or copied from another record id")]
+    NotOpened(String),
+}
+
+fn need(b: &Bytes, n: usize) -> Result<(), DecodeError> {
+    if b.remaining() < n {
+        Err(DecodeError::Malformed("truncated"))
+    } else {
+        Ok(())
+    }
+}
+
+impl Head {
+    /// The clear head of a record of any version, sealed or not.
+    pub fn decode(mut b: Bytes) -> Result<Head, DecodeError> {
+        let (version, mut head) = read_head(&mut b)?;
+        if version == VERSION_SEALED && head.finished.is_some() {
+            head.sealed_with = Some(read_key_id(&mut b)?);
+        }
+        Ok(head)
+    }
+}
+
+/// Reads the head, up to the flags of a finished record; returns the version with it.
+fn read_head(b: &mut Bytes) -> Result<(u8, Head), DecodeError> {
+    need(b, FIXED_HEAD)?;
+    let version = b.get_u8();
+    if !(VERSION_1..=VERSION_SEALED).contains(&version) {
+        return Err(DecodeError::Malformed("unknown format version"));
+    }
+    let state = b.get_u8();
+    let mut token = [0u8; 16];
+    b.copy_to_slice(&mut token);
+    let mut fingerprint = [0u8; 32];
+    b.copy_to_slice(&mut fingerprint);
+    let created_ms = b.get_u64();
+    let route = get_str16(b)?;
+    let route = String::from_utf8(route.to_vec())
+        .map_err(|_| DecodeError::Malformed("route is not UTF-8"))?;
+    let finished = match state {
+        // A record being written piece by piece reads as a reservation: what follows is not read.
+        STATE_PROCESSING => None,
+        STATE_FINISHED => {
+            need(b, 11)?;
+            Some(Answered {
+                completed_ms: b.get_u64(),
+                status: b.get_u16(),
+                body_stored: b.get_u8() & 1 == 1,
+            })
+        }
+        _ => return Err(DecodeError::Malformed("unknown state")),
+    };
+    let head = Head {
+        token: Token(token),
+        fingerprint,
+        created_ms,
+        route,
+        finished,
+        sealed_with: None,
+    };
+    Ok((version, head))
+}
+
+fn read_key_id(b: &mut Bytes) -> Result<String, DecodeError> {
+    need(b, 1)?;
+    let len = b.get_u8() as usize;
+    need(b, len)?;
+    let id = b.split_to(len);
+    if !seal::valid_key_id(&id) {
+        return Err(DecodeError::Malformed("bad key id"));
+    }
+    Ok(String::from_utf8_lossy(&id).into_owned())
+}
+
+/// The associated data of a sealed answer: the record id, then the head as written.
+fn associated_data(record_id: &str, head: &[u8]) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(record_id.len() + head.len());
+    aad.extend_from_slice(record_id.as_bytes());
+    aad.extend_from_slice(head);
+    aad
+}
+
+impl Record {
+    pub fn token(&self) -> Token {
+        match self {
+            Record::Processing(p) => p.token,
+            Record::Finished(f) => f.token,
+        }
+    }
+
+    pub fn fingerprint(&self) -> &[u8; 32] {
+        match self {
+            Record::Processing(p) => &p.fingerprint,
+            Record::Finished(f) => &f.fingerprint,
+        }
+    }
+
+    pub fn route(&self) -> &str {
+        match self {
+            Record::Processing(p) => &p.route,
+            Record::Finished(f) => &f.route,
+        }
+    }
+
+    pub fn created_ms(&self) -> u64 {
+        match self {
+            Record::Processing(p) => p.created_ms,
+            Record::Finished(f) => f.created_ms,
+        }
+    }
+
+    /// The clear encoding: version 1, or 2 for an answer with trailers.
+    pub fn encode(&self) -> Bytes {
+        match self {
+            Record::Processing(p) => {
+                let mut b = BytesMut::with_capacity(FIXED_HEAD + 2 + p.route.len());
+                let common = Common {
+                    token: p.token,
+                    fingerprint: &p.fingerprint,
+                    created_ms: p.created_ms,
+                    route: &p.route,
+                };
+                put_head(&mut b, VERSION_1, common, None);
+                b.freeze()
+            }
+            Record::Finished(f) => {
+                let trailers = !f.trailers.is_empty();
+                let version = if trailers { VERSION_2 } else { VERSION_1 };
+                let mut b = BytesMut::with_capacity(head_len(f) + answer_len(f, trailers));
+                put_finished_head(&mut b, version, f);
+                put_answer(&mut b, f, trailers);
+                b.freeze()
+            }
+        }
+    }
+
+    /// The encoding for the record `record_id` with a key file: a finished
+    /// record sealed (version 3) with the first key; a reservation clear.
+    pub fn seal(&self, keys: &Keyring, record_id: &str) -> Result<Bytes, SealError> {
+        let Record::Finished(f) = self else {
+            return Ok(self.encode());
+        };
+        let key_id = keys.sealing_id();
+        let len = head_len(f) + 1 + key_id.len() + NONCE_BYTES + answer_len(f, true) + TAG_LEN;
+        let mut b = BytesMut::with_capacity(len);
+        put_finished_head(&mut b, VERSION_SEALED, f);
+        let aad = associated_data(record_id, &b);
+        put_str8(&mut b, key_id.as_bytes());
+        b.put_bytes(0, NONCE_BYTES);
+        let sealed_at = b.len();
+        put_answer(&mut b, f, true);
+        let (nonce, tag) = keys.seal(&aad, &mut b[sealed_at..])?;
+        b[sealed_at - NONCE_BYTES..sealed_at].copy_from_slice(&nonce);
+        b.put_slice(&tag);
+        Ok(b.freeze())
+    }
+
+    /// A clear record (a sealed one is an error: it needs [`Record::open`]).
+    pub fn decode(b: Bytes) -> Result<Record, DecodeError> {
+        Record::open(b, None, "")
+    }
+
+    /// Any record stored under `record_id`, a sealed one opened with `keys`.
+    /// The answer is opened in place when `value` is not shared.
+    pub fn open(
+        value: Bytes,
+        keys: Option<&Keyring>,
+        record_id: &str,
+    ) -> Result<Record, DecodeError> {
+        let mut rest = value.clone();
+        let (version, head) = read_head(&mut rest)?;
+        let Some(answered) = head.finished else {
+            return Ok(Record::Processing(Processing {
+                token: head.token,
+                fingerprint: head.fingerprint,
+                created_ms: head.created_ms,
+                route: head.route,
+            }));
+        };
+        let answer = if version == VERSION_SEALED {
+            let head_len = value.len() - rest.remaining();
+            let key_id = read_key_id(&mut rest)?;
+            need(&rest, NONCE_BYTES + TAG_LEN)?;
+            let mut nonce = [0u8; NONCE_BYTES];
+            rest.copy_to_slice(&mut nonce);
+            let sealed_at = value.len() - rest.remaining();
+            drop(rest);
+            let keys = keys.ok_or(DecodeError::NoKeyFile)?;
+            let aad = associated_data(record_id, &value[..head_len]);
+            let mut buf = BytesMut::from(value);
+            let opened = match keys.open(&key_id, nonce, &aad, &mut buf[sealed_at..]) {
+                Ok(text) => text.len(),
+                Err(OpenError::UnknownKey) => return Err(DecodeError::UnknownKey(key_id)),
+                Err(OpenError::Rejected) => return Err(DecodeError::NotOpened(key_id)),
+            };
+            buf.freeze().slice(sealed_at..sealed_at + opened)
+        } else {
+            rest
+        };
+        let (headers, body, trailers) = read_answer(answer, version != VERSION_1)?;
+        Ok(Record::Finished(Finished {
+            token: head.token,
+            fingerprint: head.fingerprint,
+            created_ms: head.created_ms,
+            route: head.route,
+            completed_ms: answered.completed_ms,
+            status: answered.status,
+            body_stored: answered.body_stored,
+            headers,
+            body,
+            trailers,
+        }))
+    }
+}
+
+type Fields = Vec<(HeaderName, HeaderValue)>;
+
+fn fields_len(h: &[(HeaderName, HeaderValue)]) -> usize {
+    2 + h
+        .iter()
+        .map(|(n, v)| 6 + n.as_str().len() + v.len())
+        .sum::<usize>()
+}
+
+fn head_len(f: &Finished) -> usize {
+    FIXED_HEAD + 2 + f.route.len() + 11
+}
+
+fn answer_len(f: &Finished, trailers: bool) -> usize {
+    let t = if trailers { fields_len(&f.trailers) } else { 0 };
+    fields_len(&f.headers) + 4 + f.body.len() + t
+}
+
+/// What a head holds before its route name and answer.
+struct Common<'a> {
+    token: Token,
+    fingerprint: &'a [u8; 32],
+    created_ms: u64,
+    route: &'a str,
+}
+
+/// The head: a reservation's whole record, or a finished one's clear part.
+fn put_head(b: &mut BytesMut, version: u8, c: Common<'_>, finished: Option<Answered>) {
+    b.put_u8(version);
+    b.put_u8(if finished.is_some() {
+        STATE_FINISHED
+    } else {
+        STATE_PROCESSING
+    });
+    b.put_slice(&c.token.0);
+    b.put_slice(c.fingerprint);
+    b.put_u64(c.created_ms);
+    put_str16(b, c.route.as_bytes());
+    if let Some(a) = finished {
+        b.put_u64(a.completed_ms);
+        b.put_u16(a.status);
+        b.put_u8(u8::from(a.body_stored));
+    }
+}
+
+fn put_finished_head(b: &mut BytesMut, version: u8, f: &Finished) {
+    let common = Common {
+        token: f.token,
+        fingerprint: &f.fingerprint,
+        created_ms: f.created_ms,
+        route: &f.route,
+    };
+    let answered = Answered {
+        completed_ms: f.completed_ms,
+        status: f.status,
+        body_stored: f.body_stored,
+    };
+    put_head(b, version, common, Some(answered));
+}
+
+/// Headers, body, and (from version 2 on) trailers.
+fn put_answer(b: &mut BytesMut, f: &Finished, trailers: bool) {
+    put_fields(b, &f.headers);
+    b.put_u32(f.body.len() as u32);
+    b.put_slice(&f.body);
+    if trailers {
+        put_fields(b, &f.trailers);
+    }
+}
+
+fn read_answer(mut b: Bytes, trailers: bool) -> Result<(Fields, Bytes, Fields), DecodeError> {
+    let headers = get_fields(&mut b)?;
+    need(&b, 4)?;
+    let len = b.get_u32() as usize;
+    need(&b, len)?;
+    let body = b.split_to(len);
+    let trailers = if trailers {
+        get_fields(&mut b)?
+    } else {
+        Vec::new()
+    };
+    Ok((headers, body, trailers))
+}
+
+/// A count, then each field as u16 + name, u32 + value (at most 65,535 fields).
+fn put_fields(b: &mut BytesMut, fields: &[(HeaderName, HeaderValue)]) {
+    b.put_u16(fields.len().min(u16::MAX as usize) as u16);
+    for (n, v) in fields.iter().take(u16::MAX as usize) {
+        put_str16(b, n.as_str().as_bytes());
+        b.put_u32(v.len() as u32);
+        b.put_slice(v.as_bytes());
+    }
+}
+
+fn get_fields(b: &mut Bytes) -> Result<Vec<(HeaderName, HeaderValue)>, DecodeError> {
+    if b.remaining() < 2 {
+        return Err(DecodeError::Malformed("truncated"));
+    }
+    let count = b.get_u16() as usize;
+    // Each field takes at least 6 bytes: a short or hostile value cannot
+    // make us reserve room for 65,535 of them.
+    let mut fields = Vec::with_capacity(count.min(b.remaining() / 6));
+    for _ in 0..count {
+        let name = get_str16(b)?;
+        let name =
+            HeaderName::from_bytes(&name).map_err(|_| DecodeError::Malformed("bad header name"))?;
+        if b.remaining() < 4 {
+            return Err(DecodeError::Malformed("truncated"));
+        }
+        let len = b.get_u32() as usize;
+        if b.remaining() < len {
+            return Err(DecodeError::Malformed("truncated"));
+        }
+        let value = HeaderValue::from_maybe_shared(b.split_to(len))
+            .map_err(|_| DecodeError::Malformed("bad header value"))?;
+        fields.push((name, value));
+    }
+    Ok(fields)
+}
+
+fn put_str16(b: &mut BytesMut, s: &[u8]) {
+    let s = &s[..s.len().min(u16::MAX as usize)];
+    b.put_u16(s.len() as u16);
+    b.put_slice(s);
+}
+
+/// A key id: u8 + bytes (ids are at most 64 bytes).
+fn put_str8(b: &mut BytesMut, s: &[u8]) {
+    let s = &s[..s.len().min(u8::MAX as usize)];
+    b.put_u8(s.len() as u8);
+    b.put_slice(s);
+}
+
+fn get_str16(b: &mut Bytes) -> Result<Bytes, DecodeError> {
+    if b.remaining() < 2 {
+        return Err(DecodeError::Malformed("truncated"));
+    }
+    let len = b.get_u16() as usize;
+    if b.remaining() < len {
+        return Err(DecodeError::Malformed("truncated"));
+    }
+    Ok(b.split_to(len))
+}
+
+/// Milliseconds since the Unix epoch, for `created` and `completed` stamps.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,213 @@
+//! The record format: round trips of every version, sealed records, and bytes that are not records.
+
+use super::*;
+
+#[test]
+fn roundtrip_both_states() {
+    let p = Record::Processing(Processing {
+        token: Token::new(),
+        fingerprint: [7; 32],
+        created_ms: 123,
+        route: "payments".into(),
+    });
+    assert_eq!(Record::decode(p.encode()).unwrap(), p);
+    let f = Record::Finished(Finished {
+        token: Token::new(),
+        fingerprint: [9; 32],
+        created_ms: 1,
+        route: "r".into(),
+        completed_ms: 2,
+        status: 201,
+        body_stored: true,
+        headers: vec![
+            (
+                HeaderName::from_static("location"),
+                HeaderValue::from_static("/x/1"),
+            ),
+            (HeaderName::from_static("x-a"), HeaderValue::from_static("")),
+        ],
+        body: Bytes::from_static(b"\x00\x01binary\xff"),
+        trailers: vec![],
+    });
+    let enc = f.encode();
+    assert_eq!(enc[0], 1, "no trailers: written as version 1");
+    assert_eq!(&enc[TOKEN_RANGE], &f.token().0);
+    assert_eq!(Record::decode(enc).unwrap(), f);
+}
+
+#[test]
+fn trailers_make_a_version_2_record_that_roundtrips() {
+    let mut f = Finished {
+        token: Token::new(),
+        fingerprint: [3; 32],
+        created_ms: 1,
+        route: "grpc".into(),
+        completed_ms: 2,
+        status: 200,
+        body_stored: true,
+        headers: vec![(
+            HeaderName::from_static("content-type"),
+            HeaderValue::from_static("application/grpc"),
+        )],
+        body: Bytes::from_static(b"\x00\x00\x00\x00\x02hi"),
+        trailers: vec![
+            (
+                HeaderName::from_static("grpc-status"),
+                HeaderValue::from_static("0"),
+            ),
+            (
+                HeaderName::from_static("grpc-message"),
+                HeaderValue::from_static(""),
+            ),
+        ],
+    };
+    let enc = Record::Finished(f.clone()).encode();
+    assert_eq!(enc[0], VERSION_2);
+    assert_eq!(
+        Record::decode(enc.clone()).unwrap(),
+        Record::Finished(f.clone())
+    );
+    for cut in 0..enc.len() {
+        assert!(Record::decode(enc.slice(..cut)).is_err(), "cut at {cut}");
+    }
+    // A version-1 record (what the previous build wrote) reads without trailers.
+    f.trailers.clear();
+    let v1 = Record::Finished(f.clone()).encode();
+    assert_eq!(v1[0], 1);
+    assert_eq!(Record::decode(v1).unwrap(), Record::Finished(f));
+}
+
+#[test]
+fn garbage_is_an_error_not_a_panic() {
+    assert!(Record::decode(Bytes::from_static(b"processing")).is_err());
+    let p = Record::Processing(Processing {
+        token: Token::new(),
+        fingerprint: [7; 32],
+        created_ms: 123,
+        route: "payments".into(),
+    })
+    .encode();
+    for cut in 0..p.len() {
+        assert!(Record::decode(p.slice(..cut)).is_err());
+    }
+}
+
+fn keys(text: &str) -> Keyring {
+    Keyring::parse(std::path::Path::new("keys"), text.as_bytes()).unwrap()
+}
+
+const OLD: &str = "old:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+const NEW: &str = "new:ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
+const ID: &str = "6b86b273ff34fce19d6b804eff5a3f5747ada4eaa22f1d49c01e52ddb7875b4b";
+
+fn answer() -> Finished {
+    Finished {
+        token: Token::new(),
+        fingerprint: [5; 32],
+        created_ms: 10,
+        route: "payments".into(),
+        completed_ms: 20,
+        status: 201,
+        body_stored: true,
+        headers: vec![(
+            HeaderName::from_static("location"),
+            HeaderValue::from_static("/secret/location/42"),
+        )],
+        body: Bytes::from_static(b"{\"card\":\"4242-secret-body\"}"),
+        trailers: vec![(
+            HeaderName::from_static("grpc-message"),
+            HeaderValue::from_static("secret-trailer"),
+        )],
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn a_sealed_record_keeps_its_head_clear_and_its_answer_sealed() {
+    let ring = keys(OLD);
+    let f = answer();
+    let sealed = Record::Finished(f.clone()).seal(&ring, ID).unwrap();
+    assert_eq!(sealed[0], VERSION_SEALED);
+    assert_eq!(sealed[1], STATE_FINISHED);
+    assert_eq!(&sealed[TOKEN_RANGE], &f.token.0);
+    assert_eq!(&sealed[18..50], &f.fingerprint);
+    for secret in [
+        &b"4242-secret-body"[..],
+        b"/secret/location",
+        b"secret-trailer",
+    ] {
+        assert!(!contains(&sealed, secret));
+    }
+    let opened = Record::open(sealed.clone(), Some(&ring), ID).unwrap();
+    assert_eq!(opened, Record::Finished(f.clone()));
+    // The head reads without a key: what the admin API shows.
+    let head = Head::decode(sealed.clone()).unwrap();
+    assert_eq!(head.token, f.token);
+    assert_eq!(head.sealed_with.as_deref(), Some("old"));
+    let answered = head.finished.unwrap();
+    assert_eq!((answered.status, answered.completed_ms), (201, 20));
+    assert!(answered.body_stored);
+    // A fresh nonce per record: the same answer seals differently.
+    let again = Record::Finished(f).seal(&ring, ID).unwrap();
+    assert_ne!(again, sealed);
+}
+
+#[test]
+fn a_sealed_record_opens_only_under_its_id_with_its_key_and_unaltered() {
+    let f = Record::Finished(answer());
+    let sealed = f.seal(&keys(OLD), ID).unwrap();
+    // Rotation: a new first key seals, the old one still opens.
+    let rotated = keys(&format!("{NEW}\n{OLD}\n"));
+    assert_eq!(Record::open(sealed.clone(), Some(&rotated), ID).unwrap(), f);
+    let resealed = f.seal(&rotated, ID).unwrap();
+    assert_eq!(Head::decode(resealed).unwrap().sealed_with.unwrap(), "new");
+    let other_id = ID.replace('6', "7");
+    let cases = [
+        Record::open(sealed.clone(), Some(&keys(NEW)), ID),
+        Record::open(sealed.clone(), Some(&rotated), &other_id),
+        Record::open(sealed.clone(), None, ID),
+        Record::decode(sealed.clone()),
+    ];
+    let errors: Vec<String> = cases
+        .into_iter()
+        .map(|r| r.unwrap_err().to_string())
+        .collect();
+    assert!(
+        errors[0].contains("\"old\", which the key file does not hold"),
+        "{errors:?}"
+    );
+    assert!(errors[1].contains("does not open"), "{errors:?}");
+    assert!(errors[2].contains("no encryption_key_file"), "{errors:?}");
+    assert!(errors[3].contains("no encryption_key_file"), "{errors:?}");
+    // Any altered byte, in the head (the status) or in the sealed answer.
+    for at in [59 + 8, 59 + 8 + 8, sealed.len() - 1, sealed.len() - 20] {
+        let mut altered = sealed.to_vec();
+        altered[at] ^= 0x01;
+        let r = Record::open(Bytes::from(altered), Some(&rotated), ID);
+        assert!(r.is_err(), "byte {at} altered");
+    }
+    for cut in 0..sealed.len() {
+        assert!(Record::open(sealed.slice(..cut), Some(&rotated), ID).is_err());
+    }
+}
+
+#[test]
+fn a_sealed_record_being_written_in_pieces_reads_as_a_reservation() {
+    let f = answer();
+    let sealed = Record::Finished(f.clone()).seal(&keys(OLD), ID).unwrap();
+    let mut first_piece = sealed[..100].to_vec();
+    first_piece[1] = STATE_PROCESSING;
+    let read = Record::open(Bytes::from(first_piece), Some(&keys(OLD)), ID).unwrap();
+    assert!(matches!(read, Record::Processing(p) if p.token == f.token));
+    // A reservation is never sealed.
+    let p = Record::Processing(Processing {
+        token: Token::new(),
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+    });
+    assert_eq!(p.seal(&keys(OLD), ID).unwrap(), p.encode());
+}
