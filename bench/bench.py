@@ -84,6 +84,20 @@ def wait_http(url, deadline=15.0):
     sys.exit(f"{url} never answered 200")
 
 
+def stop_all(procs):
+    """SIGTERM in reverse start order, then wait (SIGKILL after 10 s)."""
+    for p in reversed(procs):
+        try:
+            p.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def nginx_has_http2():
     """Whether this nginx was built with the HTTP/2 module (Debian's nginx-light is)."""
     out = subprocess.run(["nginx", "-V"], capture_output=True, text=True)
@@ -222,16 +236,7 @@ path = "/v1/payments"
             wait_http(f"http://127.0.0.1:{admin}/readyz")
 
     def stop(self):
-        for p in reversed(self.procs):
-            try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(self.procs)
 
     def url(self, which, path="/x"):
         port = {"idemproxy": self.idem_port, "nginx": self.ngx_port, "direct": self.up_port}[which]

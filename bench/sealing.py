@@ -30,7 +30,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import free_port, wait_http, wait_port  # noqa: E402
+from bench import free_port, stop_all, wait_http, wait_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A 1 KiB answer (1,024 bytes exactly).
@@ -140,16 +139,7 @@ path = "/v1/payments"
         return f"http://127.0.0.1:{self.proxies[name]['port']}{path}"
 
     def stop(self):
-        for p in reversed(self.procs):
-            try:
-                p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(self.procs)
 
 
 def cpu_seconds(pid):

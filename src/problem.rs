@@ -272,6 +272,16 @@ impl Problem {
     pub fn response(&self, request_id: &uuid::Uuid) -> Response<Body> {
         assemble(self.render(request_id))
     }
+
+    /// The answer to a request: a problem document, or on a gRPC request
+    /// the same problem as a gRPC error (§9).
+    pub fn response_to(&self, request_id: &uuid::Uuid, grpc: bool) -> Response<Body> {
+        if !grpc {
+            return self.response(request_id);
+        }
+        let (status, headers, body, trailers) = crate::grpc::render(self, request_id);
+        trailed(assemble((status, headers, body)), trailers)
+    }
 }
 
 /// A header name as problems spell it: the standard one in its usual capitals.

@@ -24,8 +24,7 @@ use crate::body::Body;
 use crate::config::{Config, ServerConfig};
 use crate::conn::{Busy, BusyGuard, ClientScheme, Guarded};
 use crate::metrics::Outcome;
-use crate::problem::{self, Problem};
-use crate::routes::RouteName;
+use crate::problem::Problem;
 use crate::store::StoreSetupError;
 use crate::tls::{Certificates, Tls, TlsError};
 use crate::{admin, grpc, proxy, tls};
@@ -304,17 +303,9 @@ fn over_capacity(app: &App, req: &Request<Incoming>) -> Response<Body> {
     let problem = Problem::ProxyBusy;
     let routes = app.routes();
     let route = routes.find(req.method(), req.uri().path());
-    app.metrics.request(
-        route.map_or(&RouteName::new(""), |r| &r.name),
-        Outcome::Busy,
-    );
-    let id = uuid::Uuid::new_v4();
-    if grpc::is_grpc(req.headers()) {
-        let (status, headers, body, trailers) = grpc::render(&problem, &id);
-        problem::trailed(problem::assemble((status, headers, body)), trailers)
-    } else {
-        problem.response(&id)
-    }
+    let name = route.map_or(&*proxy::UNPROTECTED, |r| &r.name);
+    app.metrics.request(name, Outcome::Busy);
+    problem.response_to(&uuid::Uuid::new_v4(), grpc::is_grpc(req.headers()))
 }
 
 impl http_body::Body for Tracked {

@@ -31,7 +31,7 @@ use crate::grpc;
 use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
-use crate::problem::{self, Problem};
+use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
 use crate::store::{Inspected, Reservation, StoreError, INLINE_RECORD};
@@ -40,7 +40,7 @@ use crate::upstream::UpstreamError;
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The `route` label of requests that no route protects.
-static UNPROTECTED: std::sync::LazyLock<RouteName> =
+pub(crate) static UNPROTECTED: std::sync::LazyLock<RouteName> =
     std::sync::LazyLock::new(|| RouteName::new(""));
 
 /// What the handler did, for the metrics and the log line.
@@ -80,13 +80,7 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn problem(&self, p: &Problem) -> Handled {
-        let response = if self.grpc {
-            let (status, headers, body, trailers) = grpc::render(p, &self.request_id);
-            problem::trailed(problem::assemble((status, headers, body)), trailers)
-        } else {
-            p.response(&self.request_id)
-        };
-        Handled::new(response, p.outcome())
+        Handled::new(p.response_to(&self.request_id, self.grpc), p.outcome())
     }
 }
 

@@ -17,6 +17,7 @@ use bytes::{Bytes, BytesMut};
 use redis::aio::ConnectionLike;
 use redis::Script;
 
+use super::redis::ms;
 use super::Completion;
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
@@ -29,10 +30,6 @@ pub const PIECE: usize = 256 * 1024;
 const WRITE_LEASE: Duration = Duration::from_secs(60);
 
 pub static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));
-
-fn ms(d: Duration) -> u64 {
-    d.as_millis().min(u128::from(u64::MAX)) as u64
-}
 
 /// A record and its TTL. Up to [`PIECE`] bytes it is one round trip
 /// (STRLEN, PTTL and the first piece); a larger one is read piece by piece.

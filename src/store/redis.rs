@@ -109,7 +109,7 @@ fn setup(e: impl std::fmt::Display) -> StoreSetupError {
     StoreSetupError::Redis(e.to_string())
 }
 
-fn ms(d: Duration) -> u64 {
+pub(super) fn ms(d: Duration) -> u64 {
     (d.as_millis() as u64).max(1)
 }
 
