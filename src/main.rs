@@ -86,10 +86,11 @@ fn main() -> ExitCode {
         return check(&config);
     }
     init_logging(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if config.server.workers > 0 {
+        builder.worker_threads(config.server.workers);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("idemproxy: cannot start the runtime: {e}");

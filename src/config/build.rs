@@ -140,6 +140,17 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
             ))
         }
     };
+    let workers = match &raw.workers {
+        None => 0,
+        Some(v) if (0..=1024).contains(v.get_ref()) => *v.get_ref() as usize,
+        Some(v) => {
+            return Err(src.invalid(
+                v.span().start,
+                "server.workers",
+                format!("invalid value {}: expected 0..=1024", v.get_ref()),
+            ))
+        }
+    };
     let max_header_bytes = match &raw.max_header_bytes {
         None => DEFAULT_MAX_HEADER_BYTES,
         Some(b) if (8192..=1 << 20).contains(&b.get_ref().0) => b.get_ref().0 as usize,
@@ -171,6 +182,7 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         header_read_timeout: duration(raw.header_read_timeout, Duration::from_secs(10)),
         body_read_timeout: duration(raw.body_read_timeout, Duration::from_secs(30)),
         max_connections,
+        workers,
         max_header_bytes,
         max_buffered,
         client_write_timeout: duration(raw.client_write_timeout, Duration::from_secs(30)),

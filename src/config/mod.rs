@@ -112,6 +112,8 @@ pub struct ServerConfig {
     pub body_read_timeout: Duration,
     /// Client connections open at once; beyond it new ones wait in the kernel's backlog.
     pub max_connections: usize,
+    /// Threads that run requests; 0: one per CPU the process may run on.
+    pub workers: usize,
     /// The request line and headers together; larger → 431.
     pub max_header_bytes: usize,
     /// Bytes held at once for protected request bodies, responses being

@@ -43,6 +43,7 @@ pub(super) struct RawServer {
     pub header_read_timeout: Option<HumanDuration>,
     pub body_read_timeout: Option<HumanDuration>,
     pub max_connections: Option<Spanned<i64>>,
+    pub workers: Option<Spanned<i64>>,
     pub max_header_bytes: Option<Spanned<ByteSize>>,
     pub max_buffered: Option<Spanned<ByteSize>>,
     pub client_write_timeout: Option<HumanDuration>,
