@@ -25,7 +25,7 @@ idemproxy and nginx in every repetition:
 Prints tables of medians with min-max and the ratios to nginx, writes
 bench/results/latest.json and an SVG chart (bench/results/latest.svg).
 
-    bench/bench.py [--reps 5] [--duration 5] [--rate 10000] [--svg PATH]
+    bench/bench.py [--pin] [--reps 5] [--duration 5] [--rate N] [--svg PATH]
                    [--only http1,h2,ws] [--json PATH]
                    [--h2-clients 16] [--h2-streams 4] [--ws-connections 64] [--ws-sizes 1024,65536]
 
@@ -54,6 +54,12 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BODY = '{"id":"pay_1","status":"succeeded","amount":4200}'
+BIG = 8 << 20
+# --pin: the proxy under test (idemproxy or nginx, one worker each) on one
+# vCPU, the load generator, the upstream and Redis on the other.
+PROXY_CPU, LOAD_CPU = "1", "0"
+# The load generators' command prefix (taskset with --pin).
+LOAD = []
 
 
 def free_port():
@@ -107,8 +113,9 @@ def nginx_has_http2():
 class Stack:
     """The processes under test, on free ports, in a temp dir."""
 
-    def __init__(self, workdir):
+    def __init__(self, workdir, pin=False):
         self.dir = workdir
+        self.pin = pin
         self.procs = []
         self.up_port, self.ngx_port, self.redis_port = free_port(), free_port(), free_port()
         self.idem_port, self.admin_port = free_port(), free_port()
@@ -119,7 +126,10 @@ class Stack:
         self.echo_port, self.ngx_ws_port = free_port(), free_port()
         self.idem_ws_port, self.idem_ws_admin = free_port(), free_port()
 
-    def spawn(self, args, **kw):
+    def spawn(self, args, proxy=False, **kw):
+        """Starts a process; with --pin, a proxy under test on CPU 1 and anything else on CPU 0."""
+        if self.pin:
+            args = ["taskset", "-c", PROXY_CPU if proxy else LOAD_CPU] + args
         p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=kw.pop("stderr", subprocess.DEVNULL), **kw)
         self.procs.append(p)
         return p
@@ -161,6 +171,8 @@ http {{
     def idem_conf(self, name, port, admin, upstream, protocol=None):
         path = os.path.join(self.dir, f"{name}.toml")
         proto = f'upstream_protocol = "{protocol}"\n' if protocol else ""
+        # Pinned: one worker thread, as nginx's one worker process.
+        workers = "workers = 1\n" if self.pin else ""
         with open(path, "w") as f:
             f.write(f"""[server]
 listen = "127.0.0.1:{port}"
@@ -168,7 +180,7 @@ admin_listen = "127.0.0.1:{admin}"
 upstream = "{upstream}"
 # Above the default (256): the RSS row holds 1,000 connections open.
 max_connections = 2048
-{proto}
+{workers}{proto}
 [store]
 backend = "redis"
 url = "redis://127.0.0.1:{self.redis_port}/0"
@@ -176,6 +188,12 @@ url = "redis://127.0.0.1:{self.redis_port}/0"
 [[routes]]
 name = "payments"
 path = "/v1/payments"
+
+# 8 MiB answers: the large records replayed beside small new keys.
+[[routes]]
+name = "big"
+path = "/v1/big"
+max_response_body = "16MiB"
 """)
         return path
 
@@ -186,7 +204,10 @@ path = "/v1/payments"
         up = self.nginx_conf(
             "upstream", 1,
             f"listen 127.0.0.1:{self.up_port} backlog=4096; {up_h2}default_type application/json; "
-            f"location / {{ return 200 '{BODY}'; }}",
+            f"location / {{ return 200 '{BODY}'; }} "
+            # 8 MiB from a file, to POST too (the static module refuses POST with 405: served as GET).
+            f"location = /v1/big {{ default_type application/octet-stream; alias {self.big_file()}; "
+            "error_page 405 =200 $uri; }",
         )
         self.upstream = self.spawn(["nginx", "-c", up])
         more = ""
@@ -203,37 +224,49 @@ path = "/v1/payments"
                      "proxy_set_header Upgrade $http_upgrade; proxy_set_header Connection \"upgrade\"; "
                      "proxy_buffer_size 8k; proxy_read_timeout 3600s; } }\n")
         px = self.nginx_conf(
-            "proxy", 2,
+            "proxy", 1 if self.pin else 2,
             f"listen 127.0.0.1:{self.ngx_port} backlog=4096; location / {{ proxy_pass http://up; "
             "proxy_http_version 1.1; proxy_set_header Connection \"\"; }",
             f"upstream up {{ server 127.0.0.1:{self.up_port}; keepalive 256; }}",
             more,
         )
-        self.nginx = self.spawn(["nginx", "-c", px])
+        self.nginx = self.spawn(["nginx", "-c", px], proxy=True)
         self.redis = self.spawn(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
                                  "--save", "", "--appendonly", "no", "--dir", self.dir])
         # Access logs off, as for nginx (`access_log off`): RUST_LOG=warn.
         env = dict(os.environ, RUST_LOG="warn")
         cfg = self.idem_conf("idemproxy", self.idem_port, self.admin_port, f"http://127.0.0.1:{self.up_port}")
-        self.idem = self.spawn([idem_bin, "--config", cfg], env=env, stderr=self.log("idemproxy"))
+        self.idem = self.spawn([idem_bin, "--config", cfg], proxy=True, env=env, stderr=self.log("idemproxy"))
         ports, admins = [self.up_port, self.ngx_port, self.redis_port, self.idem_port], [self.admin_port]
         if h2 and "h2" in groups:
             cfg = self.idem_conf("idemproxy-h2c", self.idem_h2c_port, self.idem_h2c_admin,
                                  f"http://127.0.0.1:{self.up_h2_port}", protocol="h2c")
-            self.idem_h2c = self.spawn([idem_bin, "--config", cfg], env=env, stderr=self.log("idemproxy-h2c"))
+            self.idem_h2c = self.spawn([idem_bin, "--config", cfg], proxy=True, env=env,
+                                       stderr=self.log("idemproxy-h2c"))
             ports += [self.up_h2_port, self.ngx_h2_port, self.idem_h2c_port]
             admins.append(self.idem_h2c_admin)
         if ws_bin:
             self.echo = self.spawn([ws_bin, "echo", f"127.0.0.1:{self.echo_port}"], stderr=None)
             cfg = self.idem_conf("idemproxy-ws", self.idem_ws_port, self.idem_ws_admin,
                                  f"http://127.0.0.1:{self.echo_port}")
-            self.idem_ws = self.spawn([idem_bin, "--config", cfg], env=env, stderr=self.log("idemproxy-ws"))
+            self.idem_ws = self.spawn([idem_bin, "--config", cfg], proxy=True, env=env,
+                                      stderr=self.log("idemproxy-ws"))
             ports += [self.echo_port, self.ngx_ws_port, self.idem_ws_port]
             admins.append(self.idem_ws_admin)
         for port in ports:
             wait_port(port)
         for admin in admins:
             wait_http(f"http://127.0.0.1:{admin}/readyz")
+
+    def big_file(self):
+        path = os.path.join(self.dir, "big.bin")
+        if not os.path.exists(path):
+            with open(path, "wb") as f:
+                f.write(os.urandom(BIG))
+            # nginx's workers run as another user: the file and its directory readable to them.
+            os.chmod(self.dir, 0o755)
+            os.chmod(path, 0o644)
+        return path
 
     def stop(self):
         stop_all(self.procs)
@@ -288,11 +321,12 @@ end
 
 KEYS_LUA = STATUS_LUA + r"""
 -- Keys drawn from a fixed set: replays (set stored first) or a duplicate storm (few keys).
+local path, keys, prefix = "%s", %d, "%s"
 function setup(thread) table.insert(threads_list, thread) end
 request = function()
-  local k = math.random(1, %d)
-  return wrk.format("POST", "/v1/payments",
-    {["Idempotency-Key"] = "%s-" .. k, ["Content-Type"] = "application/json"}, '{"amount":4200}')
+  local k = math.random(1, keys)
+  return wrk.format("POST", path,
+    {["Idempotency-Key"] = prefix .. "-" .. k, ["Content-Type"] = "application/json"}, '{"amount":4200}')
 end
 """
 
@@ -304,17 +338,51 @@ def lua(workdir, name, text):
     return path
 
 
-def wrk(url, duration, connections=64, threads=2, script=None):
-    args = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency"]
+def wrk(url, duration, connections=64, threads=2, script=None, meter=None):
+    """A closed-loop wrk run. meter: {name: [pid, ...]}, whose CPU time per
+    request (µs, from /proc) is added as "<name>_us"."""
+    args = LOAD + ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency"]
     if script:
         args += ["-s", script]
+    before = {k: cpu_seconds(pids) for k, pids in (meter or {}).items()}
     out = subprocess.run(args + [url], capture_output=True, text=True, check=True).stdout
+    after = {k: cpu_seconds(pids) for k, pids in (meter or {}).items()}
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
     p50 = parse_wrk_latency(re.search(r"50%\s+([\d.]+\w+)", out).group(1))
+    p99 = parse_wrk_latency(re.search(r"99%\s+([\d.]+\w+)", out).group(1))
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     statuses = re.search(r"STATUSES (\S*)", out)
-    return {"rps": rps, "p50_ms": p50, "non2xx": int(non2xx.group(1)) if non2xx else 0,
-            "statuses": statuses.group(1) if statuses else ""}
+    r = {"rps": rps, "requests": requests, "p50_ms": p50, "p99_ms": p99,
+         "non2xx": int(non2xx.group(1)) if non2xx else 0, "statuses": statuses.group(1) if statuses else ""}
+    for k in before:
+        r[f"{k}_us"] = (after[k] - before[k]) / max(requests, 1) * 1e6
+    return r
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids):
+    """User + system CPU time of processes (every thread), from /proc/<pid>/stat."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / TICK
+
+
+def with_children(pid):
+    """A process and its children (nginx: the master and its workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [pid] + [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return [pid]
 
 
 def parse_wrk_latency(text):
@@ -324,7 +392,7 @@ def parse_wrk_latency(text):
 
 
 def oha(url, rate, seconds, headers=(), method="GET", body=None):
-    args = ["oha", "--no-tui", "-q", str(rate), "-z", f"{seconds}s", "-c", "64", "--latency-correction",
+    args = LOAD + ["oha", "--no-tui", "-q", str(rate), "-z", f"{seconds}s", "-c", "64", "--latency-correction",
             "--output-format", "json", "-m", method]
     for h in headers:
         args += ["-H", h]
@@ -340,7 +408,7 @@ def oha(url, rate, seconds, headers=(), method="GET", body=None):
 def h2load(url, duration, clients, streams, threads=2, h1=False):
     """h2load over cleartext HTTP/2 with prior knowledge (or HTTP/1.1 with h1),
     for `duration` seconds after a 1 s warm-up."""
-    args = ["h2load", f"-t{threads}", f"-c{clients}", f"-m{streams}", f"-D{duration}", "--warm-up-time=1"]
+    args = LOAD + ["h2load", f"-t{threads}", f"-c{clients}", f"-m{streams}", f"-D{duration}", "--warm-up-time=1"]
     if h1:
         args.append("--h1")
     out = subprocess.run(args + [url], capture_output=True, text=True).stdout
@@ -359,7 +427,7 @@ def h2load(url, duration, clients, streams, threads=2, h1=False):
 
 def ws_load(ws_bin, url, connections, size, seconds):
     """bench/ws-bench: `connections` WebSockets, one `size`-byte message in flight on each."""
-    out = subprocess.run([ws_bin, "load", url, str(connections), str(size), str(seconds)],
+    out = subprocess.run(LOAD + [ws_bin, "load", url, str(connections), str(size), str(seconds)],
                          capture_output=True, text=True, timeout=seconds + 120)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
@@ -496,100 +564,175 @@ def svg_chart(rows, path):
 
 
 def run_http1(stack, args, workdir):
-    """The HTTP/1.1 scenarios (wrk, oha), RSS and store round trips."""
+    """The HTTP/1.1 scenarios (wrk, oha), RSS and store round trips, with the
+    proxies' and Redis's CPU time per request."""
     idle_rss = rss_kib(stack.idem.pid)
     # Keys to replay: stored once, untimed.
     for i in range(1, 1001):
         post(stack.url("idemproxy", "/v1/payments"), f"replay-{i}")
-    replay = lua(workdir, "replay.lua", KEYS_LUA % (1000, "replay"))
+    replay = lua(workdir, "replay.lua", KEYS_LUA % ("/v1/payments", 1000, "replay"))
     d = args.duration
-    # Warm-up (pools, allocator, JIT-free but caches).
+    idem = {"proxy": [stack.idem.pid], "redis": [stack.redis.pid]}
+    nginx = {"proxy": with_children(stack.nginx.pid)}
+    # Warm-up (pools, allocator, caches).
     for which in ("idemproxy", "nginx"):
         wrk(stack.url(which), 2)
 
-    series = {k: [] for k in ("direct", "pt_idem", "pt_nginx", "newkey", "replay", "storm",
-                              "pt_idem_p50", "pt_nginx_p50")}
-    storm_statuses = []
+    runs = {k: [] for k in ("direct", "pt_idem", "pt_nginx", "newkey", "replay", "storm")}
     for rep in range(args.reps):
         order = ("idemproxy", "nginx") if rep % 2 == 0 else ("nginx", "idemproxy")
         for which in order:
-            r = wrk(stack.url(which), d)
-            series["pt_idem" if which == "idemproxy" else "pt_nginx"].append(r["rps"])
-            series["pt_idem_p50" if which == "idemproxy" else "pt_nginx_p50"].append(r["p50_ms"])
-        series["direct"].append(wrk(stack.url("direct"), d)["rps"])
+            if which == "idemproxy":
+                runs["pt_idem"].append(wrk(stack.url(which), d, meter=idem))
+            else:
+                runs["pt_nginx"].append(wrk(stack.url(which), d, meter=nginx))
+        runs["direct"].append(wrk(stack.url("direct"), d))
         newkey = lua(workdir, f"newkey-{rep}.lua", NEWKEY_LUA % f"bench{time.time_ns()}")
-        r = wrk(stack.url("idemproxy"), d, script=newkey)
+        r = wrk(stack.url("idemproxy"), d, script=newkey, meter=idem)
         if r["non2xx"]:
             print(f"warning: non-2xx answers with new keys: {r['statuses']}", file=sys.stderr)
-        series["newkey"].append(r["rps"])
-        series["replay"].append(wrk(stack.url("idemproxy"), d, script=replay)["rps"])
-        storm = lua(workdir, f"storm-{rep}.lua", KEYS_LUA % (10, f"storm{rep}"))
-        r = wrk(stack.url("idemproxy"), d, connections=256, script=storm)
-        series["storm"].append(r["rps"])
-        storm_statuses.append(r["statuses"])
-        print(f"rep {rep + 1}/{args.reps}: pass-through idemproxy {series['pt_idem'][-1]:.0f}/s, "
-              f"nginx {series['pt_nginx'][-1]:.0f}/s, new keys {series['newkey'][-1]:.0f}/s, "
-              f"replays {series['replay'][-1]:.0f}/s", file=sys.stderr)
+        runs["newkey"].append(r)
+        runs["replay"].append(wrk(stack.url("idemproxy"), d, script=replay, meter=idem))
+        storm = lua(workdir, f"storm-{rep}.lua", KEYS_LUA % ("/v1/payments", 10, f"storm{rep}"))
+        runs["storm"].append(wrk(stack.url("idemproxy"), d, connections=256, script=storm))
+        print(f"rep {rep + 1}/{args.reps}: pass-through idemproxy {runs['pt_idem'][-1]['rps']:.0f}/s "
+              f"({runs['pt_idem'][-1]['proxy_us']:.1f} µs), nginx {runs['pt_nginx'][-1]['rps']:.0f}/s "
+              f"({runs['pt_nginx'][-1]['proxy_us']:.1f} µs), new keys {runs['newkey'][-1]['rps']:.0f}/s "
+              f"({runs['newkey'][-1]['proxy_us']:.1f} µs + Redis {runs['newkey'][-1]['redis_us']:.1f}), "
+              f"replays {runs['replay'][-1]['rps']:.0f}/s ({runs['replay'][-1]['proxy_us']:.1f} µs)",
+              file=sys.stderr)
 
-    # Latency at a fixed rate, open loop.
-    lat = {}
+    # Latency at 40 % of nginx's pass-through maximum, open loop.
+    rate = args.rate or int(0.4 * statistics.median(r["rps"] for r in runs["pt_nginx"]))
+    lat = {"rate": rate}
     for which in ("idemproxy", "nginx", "direct"):
-        lat[f"pt_{which}"] = oha(stack.url(which), args.rate, 10)
-    lat["replay"] = oha(stack.url("idemproxy", "/v1/payments"), args.rate, 10, method="POST",
+        lat[f"pt_{which}"] = oha(stack.url(which), rate, 10)
+    lat["replay"] = oha(stack.url("idemproxy", "/v1/payments"), rate, 10, method="POST",
                         headers=("Idempotency-Key: replay-1", "Content-Type: application/json"),
                         body='{"amount":4200}')
+    big = run_big(stack, args, workdir)
     conn_rss = rss_with_connections(stack)
     rt_new, rt_replay = round_trips(stack)
-    return {"series": series, "latency": lat, "rss_kib": {"idle": idle_rss, "connections_1000": conn_rss},
-            "round_trips": {"new_key": rt_new, "replay": rt_replay}, "storm_statuses": storm_statuses}
+    return {"layout": "pinned" if stack.pin else "unpinned", "runs": runs, "latency": lat, "big": big,
+            "rss_kib": {"idle": idle_rss, "connections_1000": conn_rss},
+            "round_trips": {"new_key": rt_new, "replay": rt_replay}}
+
+
+def run_big(stack, args, workdir):
+    """Small new keys (wrk -c8, closed loop) alone, then while 4 clients replay
+    8 MiB records: p99 of the small ones, each way, per repetition."""
+    url = stack.url("idemproxy", "/v1/big")
+    for i in range(1, 5):
+        req = urllib.request.Request(url, data=b"{}", method="POST", headers={"Idempotency-Key": f"big-{i}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert len(r.read()) == BIG, "the 8 MiB answer came back short"
+    big = lua(workdir, "big.lua", KEYS_LUA % ("/v1/big", 4, "big"))
+    out = {"alone": [], "beside": [], "big_rps": []}
+    for rep in range(args.reps):
+        small = lua(workdir, f"small-{rep}.lua", NEWKEY_LUA % f"small{time.time_ns()}")
+        out["alone"].append(wrk(stack.url("idemproxy"), args.duration, connections=8, threads=1, script=small))
+        small = lua(workdir, f"small-b-{rep}.lua", NEWKEY_LUA % f"smallb{time.time_ns()}")
+        bg = subprocess.Popen(LOAD + ["wrk", "-t1", "-c4", f"-d{args.duration + 2}s", "-s", big, url],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            time.sleep(1)  # the big replays are under way (a head start, not a synchronisation)
+            out["beside"].append(wrk(stack.url("idemproxy"), args.duration, connections=8, threads=1,
+                                     script=small))
+        finally:
+            text = bg.communicate(timeout=args.duration + 60)[0]
+        m = re.search(r"Requests/sec:\s+([\d.]+)", text)
+        out["big_rps"].append(float(m.group(1)) if m else 0.0)
+        print(f"big rep {rep + 1}/{args.reps}: small new keys p99 alone {out['alone'][-1]['p99_ms']:.2f} ms, "
+              f"beside 8 MiB replays {out['beside'][-1]['p99_ms']:.2f} ms ({out['big_rps'][-1]:.0f} big/s)",
+              file=sys.stderr)
+    return out
+
+
+def med(runs, key):
+    return statistics.median(r[key] for r in runs)
+
+
+def paired_ratio(a, b, key):
+    """Median of the per-repetition ratios a[i][key] / b[i][key] (measured back to back)."""
+    return statistics.median(x[key] / y[key] for x, y in zip(a, b) if y[key])
+
+
+def targets_http1(res):
+    """(label, value, target text, met) for every target of the performance issue."""
+    runs, lat, big = res["runs"], res["latency"], res["big"]
+    ng = runs["pt_nginx"]
+    t = []
+    for key, label, rps_min, cpu_max in (("pt_idem", "pass-through GET", 0.95, 1.0),
+                                         ("newkey", "protected POST, new key", 0.45, 2.0),
+                                         ("replay", "replay", 1.2, 0.75)):
+        r = paired_ratio(runs[key], ng, "rps")
+        c = paired_ratio(runs[key], ng, "proxy_us")
+        t.append((f"{label}: req/s vs nginx", f"{r:.2f}x", f">= {rps_min}x", r >= rps_min))
+        t.append((f"{label}: proxy CPU/request vs nginx", f"{c:.2f}x", f"<= {cpu_max}x", c <= cpu_max))
+    rss = res["rss_kib"]["connections_1000"] / 1024
+    t.append(("RSS with 1,000 idle connections", f"{rss:.1f} MiB", "<= 20 MiB", rss <= 20))
+    redis = med(runs["newkey"], "redis_us")
+    t.append(("Redis CPU per new key", f"{redis:.1f} µs", "<= 12 µs", redis <= 12))
+    b = statistics.median(x["p99_ms"] / y["p99_ms"] for x, y in zip(big["beside"], big["alone"]))
+    t.append(("small new keys' p99 beside 8 MiB replays", f"{b:.2f}x alone", "<= 2x", b <= 2))
+    for p in ("p50", "p99"):
+        added = {w: lat[f"pt_{w}"][f"{p}_ms"] - lat["pt_direct"][f"{p}_ms"] for w in ("idemproxy", "nginx")}
+        t.append((f"open loop at {lat['rate']}/s: {p} added, idemproxy vs nginx",
+                  f"{added['idemproxy'] * 1000:+.0f} vs {added['nginx'] * 1000:+.0f} µs", "<= nginx's",
+                  added["idemproxy"] <= added["nginx"]))
+    return t
 
 
 def report_http1(res, args):
-    series, lat = res["series"], res["latency"]
-    idle_rss, conn_rss = res["rss_kib"]["idle"], res["rss_kib"]["connections_1000"]
-    rt_new, rt_replay = res["round_trips"]["new_key"], res["round_trips"]["replay"]
-    storm_statuses = res["storm_statuses"]
-    med = lambda k: statistics.median(series[k])
-    nginx = med("pt_nginx")
-    rows = [
-        ("upstream directly (reference)", fmt(series["direct"], "rps"), "", f"{med('direct') / nginx:.2f}x", ""),
-        ("pass-through GET", fmt(series["pt_idem"], "rps"), fmt(series["pt_nginx"], "rps"),
-         f"{med('pt_idem') / nginx:.2f}x", ">= 1.0x"),
-        ("pass-through p50 (ms, wrk -c64)", fmt(series["pt_idem_p50"]), fmt(series["pt_nginx_p50"]),
-         f"{med('pt_idem_p50') - med('pt_nginx_p50'):+.2f} ms", "added <= nginx's"),
-        ("protected POST, new keys", fmt(series["newkey"], "rps"), "", f"{med('newkey') / nginx:.2f}x", ">= 0.75x"),
-        ("replay", fmt(series["replay"], "rps"), "", f"{med('replay') / nginx:.2f}x", ">= 1.3x"),
-        ("duplicate storm (256 clients, 10 keys)", fmt(series["storm"], "rps"), "", f"{med('storm') / nginx:.2f}x", ""),
-    ]
+    runs, lat = res["runs"], res["latency"]
+    ng_rps, ng_us = med(runs["pt_nginx"], "rps"), med(runs["pt_nginx"], "proxy_us")
     print()
-    print(f"{'scenario':42} {'idemproxy':24} {'nginx proxy':24} {'ratio to nginx':16} target")
-    for r in rows:
-        print(f"{r[0]:42} {r[1]:24} {r[2]:24} {r[3]:16} {r[4]}")
+    print(f"layout: {res['layout']}" + (" (proxies with one worker on CPU 1; wrk, upstream and Redis on CPU 0)"
+                                        if res["layout"] == "pinned" else ""))
+    print(f"{'scenario':40} {'req/s':24} {'proxy µs/req':16} {'Redis µs/req':14} vs nginx: req/s, CPU (paired)")
+    rows = (("direct", "upstream directly (reference)"), ("pt_nginx", "nginx proxy, pass-through GET"),
+            ("pt_idem", "idemproxy, pass-through GET"), ("newkey", "idemproxy, protected POST, new key"),
+            ("replay", "idemproxy, replay"), ("storm", "idemproxy, duplicate storm (256 c, 10 keys)"))
+    for key, label in rows:
+        rs = runs[key]
+        cpu = fmt([r["proxy_us"] for r in rs]) if "proxy_us" in rs[0] else ""
+        redis = f"{med(rs, 'redis_us'):.1f}" if "redis_us" in rs[0] else ""
+        ratio = f"{paired_ratio(rs, runs['pt_nginx'], 'rps'):.2f}x"
+        if "proxy_us" in rs[0]:
+            ratio += f", {paired_ratio(rs, runs['pt_nginx'], 'proxy_us'):.2f}x"
+        print(f"{label:40} {fmt([r['rps'] for r in rs], 'rps'):24} {cpu:16} {redis:14} {ratio}")
+    print(f"(nginx pass-through: {ng_rps / 1000:.1f}k/s, {ng_us:.1f} µs CPU per request)")
     print()
-    print(f"latency at {args.rate} req/s (oha, open loop, latency-corrected), ms:")
+    print(f"latency at {lat['rate']} req/s (40 % of nginx's maximum; oha, open loop, latency-corrected), ms:")
     for k, label in (("pt_direct", "upstream directly"), ("pt_idemproxy", "pass-through, idemproxy"),
                      ("pt_nginx", "pass-through, nginx"), ("replay", "replay, idemproxy")):
         v = lat[k]
         print(f"  {label:28} p50 {v['p50_ms']:.3f}  p99 {v['p99_ms']:.3f}  p99.9 {v['p999_ms']:.3f}  "
               f"({v['rps']:.0f} req/s, success {v['success']:.3f})")
-    added = {w: lat[f"pt_{w}"]["p50_ms"] - lat["pt_direct"]["p50_ms"] for w in ("idemproxy", "nginx")}
-    print(f"  p50 added over the upstream directly: idemproxy {added['idemproxy']:+.3f} ms, "
-          f"nginx {added['nginx']:+.3f} ms (target: idemproxy's <= nginx's)")
-    print(f"RSS idle {idle_rss / 1024:.1f} MiB; with 1,000 open connections {conn_rss / 1024:.1f} MiB (target <= 40 MiB)")
-    print(f"store round trips per request (MONITOR): new key {rt_new:.2f}, replay {rt_replay:.2f} (target 2 / 1)")
-    print(f"storm answers (status=count per repetition): {'; '.join(storm_statuses)}")
+    big = res["big"]
+    print(f"small new keys (wrk -t1 -c8), p99 ms: alone {fmt([r['p99_ms'] for r in big['alone']])}, "
+          f"beside 4 clients replaying 8 MiB records {fmt([r['p99_ms'] for r in big['beside']])} "
+          f"({statistics.median(big['big_rps']):.0f} big replays/s)")
+    print(f"RSS idle {res['rss_kib']['idle'] / 1024:.1f} MiB; with 1,000 open connections "
+          f"{res['rss_kib']['connections_1000'] / 1024:.1f} MiB")
+    rt = res["round_trips"]
+    print(f"store round trips per request (MONITOR): new key {rt['new_key']:.2f}, replay {rt['replay']:.2f}")
+    print()
+    print(f"{'target':58} {'measured':22} {'target':12} met")
+    for label, value, target, met in targets_http1(res):
+        print(f"{label:58} {value:22} {target:12} {'yes' if met else 'NO'}")
 
 
 def chart_http1(res, svg):
-    series, lat = res["series"], res["latency"]
-    med = lambda k: statistics.median(series[k])
+    runs, lat = res["runs"], res["latency"]
     chart_rows = [
-        {"label": "pass-through", "idem_rps": med("pt_idem"), "nginx_rps": med("pt_nginx"),
+        {"label": "pass-through", "idem_rps": med(runs["pt_idem"], "rps"), "nginx_rps": med(runs["pt_nginx"], "rps"),
          "idem_p99": lat["pt_idemproxy"]["p99_ms"], "nginx_p99": lat["pt_nginx"]["p99_ms"]},
-        {"label": "new keys", "idem_rps": med("newkey"), "nginx_rps": None},
-        {"label": "replay", "idem_rps": med("replay"), "nginx_rps": None, "idem_p99": lat["replay"]["p99_ms"], "nginx_p99": None},
-        {"label": "storm", "idem_rps": med("storm"), "nginx_rps": None},
-        {"label": "upstream", "idem_rps": None, "nginx_rps": med("direct")},
+        {"label": "new keys", "idem_rps": med(runs["newkey"], "rps"), "nginx_rps": None},
+        {"label": "replay", "idem_rps": med(runs["replay"], "rps"), "nginx_rps": None,
+         "idem_p99": lat["replay"]["p99_ms"], "nginx_p99": None},
+        {"label": "storm", "idem_rps": med(runs["storm"], "rps"), "nginx_rps": None},
+        {"label": "upstream", "idem_rps": None, "nginx_rps": med(runs["direct"], "rps")},
     ]
     svg_chart(chart_rows, svg)
     print(f"chart: {svg}")
@@ -715,8 +858,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--duration", type=int, default=5, help="seconds per wrk, h2load and ws-bench run")
-    ap.add_argument("--rate", type=int, default=10000, help="fixed request rate for the latency runs")
-    ap.add_argument("--svg", default=os.path.join(ROOT, "bench", "results", "latest.svg"))
+    ap.add_argument("--rate", type=int, default=0,
+                    help="request rate for the open-loop latency runs (default: 40 %% of nginx's maximum)")
+    ap.add_argument("--bin", help="an idemproxy binary to measure instead of building this checkout's")
+    ap.add_argument("--pin", action="store_true",
+                    help="the proxy under test (one worker) on CPU 1; wrk, the upstream and Redis on CPU 0")
+    ap.add_argument("--svg", help="chart (default bench/results/latest.svg, latest-pinned.svg with --pin)")
     ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups: http1, h2, ws")
     ap.add_argument("--json", help="results file (default latest.json, or latest-<groups>.json with --only)")
     ap.add_argument("--h2-clients", type=int, default=16, help="h2load -c: HTTP/2 connections")
@@ -738,8 +885,11 @@ def main():
     if missing:
         sys.exit("missing " + ", ".join(missing) + ": " + "; ".join(dict.fromkeys(tools[t] for t in missing)))
     nginx_h2 = nginx_has_http2()
-    subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
-    idem_bin = os.path.join(ROOT, "target", "release", "idemproxy")
+    if args.bin:
+        idem_bin = os.path.abspath(args.bin)
+    else:
+        subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
+        idem_bin = os.path.join(ROOT, "target", "release", "idemproxy")
     ws_bin = None
     if "ws" in groups:
         # A crate of its own (not in the proxy's build), into the same target directory.
@@ -749,8 +899,12 @@ def main():
                        cwd=ROOT, check=True)
         ws_bin = os.path.join(target, "release", "ws-bench")
 
+    if args.pin:
+        if os.cpu_count() < 2 or not shutil.which("taskset"):
+            sys.exit("--pin needs two CPUs and taskset (util-linux)")
+        LOAD[:] = ["taskset", "-c", LOAD_CPU]
     workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
-    stack = Stack(workdir)
+    stack = Stack(workdir, pin=args.pin)
     results = {}
     try:
         stack.start(idem_bin, groups, h2=nginx_h2, ws_bin=ws_bin)
@@ -777,19 +931,21 @@ def main():
         for name, text in logs.items():
             lines = text.splitlines()
             print(f"  {name}: {len(lines)} lines; first: {lines[0][:300]}")
-    results.update({"reps": args.reps, "duration_s": args.duration, "rate": args.rate, "groups": groups,
+    results.update({"reps": args.reps, "duration_s": args.duration, "pin": args.pin, "groups": groups,
                     "logs": {name: text.splitlines()[:20] for name, text in logs.items()}})
     if args.json:
         path = args.json
     else:
-        name = "latest.json" if groups == list(GROUPS) else f"latest-{'-'.join(groups)}.json"
+        name = "latest" if groups == list(GROUPS) else f"latest-{'-'.join(groups)}"
+        name += "-pinned.json" if args.pin else ".json"
         path = os.path.join(ROOT, "bench", "results", name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"results: {path}")
     if "http1" in groups:
-        chart_http1(results, args.svg)
+        chart_http1(results, args.svg or os.path.join(
+            ROOT, "bench", "results", "latest-pinned.svg" if args.pin else "latest.svg"))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use crate::upstream::Inbound;
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use crate::budget::Room;
 
@@ -23,9 +23,9 @@ pub enum Body {
     /// Fully buffered (protected requests, replays, problems); its length is known.
     Full(Option<Bytes>),
     /// Streamed through untouched (pass-through).
-    Stream(Incoming),
+    Stream(Inbound),
     /// What was read before a limit was hit, then the rest of the stream.
-    Prefixed(Option<Bytes>, Incoming),
+    Prefixed(Option<Bytes>, Inbound),
     /// A body whose bytes are counted in the memory budget until it is dropped.
     Counted(Box<Body>, Room),
     /// A body, then its trailers (a replayed gRPC answer's `grpc-status`).

@@ -317,3 +317,117 @@ async fn an_upstream_closing_idle_connections_after_2s_never_causes_a_502() {
         "a fresh connection"
     );
 }
+
+/// An upstream that keeps its connections alive and answers by path:
+/// `/ok` "ok", `/empty` 204, `/cut` a body cut short by a close. Counts the
+/// connections it accepted and those that the proxy closed.
+struct CountingUpstream {
+    url: String,
+    accepted: Arc<Mutex<usize>>,
+    closed: Arc<Mutex<usize>>,
+}
+
+impl CountingUpstream {
+    async fn start() -> CountingUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (accepted, closed) = (Arc::new(Mutex::new(0)), Arc::new(Mutex::new(0)));
+        let (a, c) = (accepted.clone(), closed.clone());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                *a.lock().unwrap() += 1;
+                let c = c.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    while let Some(req) = read_request(&mut s, &mut buf).await {
+                        let line = String::from_utf8_lossy(&req)
+                            .lines()
+                            .next()
+                            .unwrap_or_default()
+                            .to_string();
+                        let answer: &[u8] = if line.contains("/cut") {
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
+                        } else if line.contains("/empty") {
+                            b"HTTP/1.1 204 No Content\r\n\r\n"
+                        } else if line.starts_with("HEAD") {
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"
+                        } else {
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                        };
+                        if s.write_all(answer).await.is_err() || line.contains("/cut") {
+                            return;
+                        }
+                    }
+                    *c.lock().unwrap() += 1;
+                });
+            }
+        });
+        CountingUpstream {
+            url,
+            accepted,
+            closed,
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        *self.accepted.lock().unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_upstream_connection_serves_request_after_request_until_one_breaks() {
+    let upstream = CountingUpstream::start().await;
+    let proxy = proxy_for(&upstream.url).await;
+    for (method, path, status) in [
+        ("GET", "/ok", 200),
+        ("POST", "/ok", 200),
+        // No body to read: the connection goes back all the same.
+        ("HEAD", "/ok", 200),
+        ("GET", "/empty", 204),
+        ("DELETE", "/empty", 204),
+        ("GET", "/ok", 200),
+    ] {
+        let r = Call::new(method, &proxy.url(path)).send().await;
+        assert_eq!(r.status, status, "{method} {path}");
+    }
+    assert_eq!(
+        upstream.accepted(),
+        1,
+        "every exchange on the one connection"
+    );
+    // An answer cut short: that connection is never used again.
+    raw_request(
+        proxy.addr,
+        b"GET /cut HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    let r = Call::new("GET", &proxy.url("/ok")).send().await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, "ok");
+    assert_eq!(
+        upstream.accepted(),
+        2,
+        "a fresh connection after the broken one"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_are_closed_after_upstream_idle_timeout() {
+    let upstream = CountingUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url)
+        .server("upstream_idle_timeout = \"300ms\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let r = Call::new("GET", &proxy.url("/ok")).send().await;
+    assert_eq!(r.status, 200);
+    // Nobody uses the pool now: the proxy closes the connection on its own.
+    let closed = upstream.closed.clone();
+    support::eventually("the idle upstream connection closed", DEADLINE, || {
+        let n = *closed.lock().unwrap();
+        async move { (n == 1).then_some(()) }
+    })
+    .await;
+    let r = Call::new("GET", &proxy.url("/ok")).send().await;
+    assert_eq!(r.status, 200);
+    assert_eq!(upstream.accepted(), 2);
+}

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::upstream::Inbound;
 use bytes::Bytes;
 use http::response::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
-use hyper::body::Incoming;
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
@@ -103,7 +103,7 @@ fn fields(map: &HeaderMap) -> Fields {
 }
 
 /// The upstream's answer with its body read up to `max_response_body`, and its room in the budget.
-type Exchanged = (Parts, Capped<Incoming>, Room);
+type Exchanged = (Parts, Capped<Inbound>, Room);
 
 impl Job {
     /// Forwards, records the outcome (or releases the key), and returns the

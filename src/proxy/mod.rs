@@ -35,7 +35,7 @@ use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
 use crate::store::{Inspected, Reservation, StoreError, INLINE_RECORD};
-use crate::upstream::UpstreamError;
+use crate::upstream::{Inbound, UpstreamError};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -106,7 +106,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> 
         _ if tunnel::is_upgrade(&req) => tunnel::open(&ctx, req).await,
         None => {
             let (parts, body) = req.into_parts();
-            forward(&ctx, parts, Body::Stream(body), Outcome::Passthrough).await
+            forward(&ctx, parts, Body::Stream(body.into()), Outcome::Passthrough).await
         }
         Some(route) => protected(&ctx, route, req).await,
     };
@@ -163,7 +163,7 @@ async fn forward(
 async fn send(
     ctx: &Ctx<'_>,
     prepared: Result<Request<Body>, UpstreamError>,
-) -> Result<Response<Incoming>, Handled> {
+) -> Result<Response<Inbound>, Handled> {
     let sent = match prepared {
         Ok(req) => ctx.app.upstream.send_with_timeout(req).await,
         Err(e) => Err(e),
@@ -235,7 +235,7 @@ async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Hand
     let (parts, body) = req.into_parts();
     let pending = Pending {
         parts,
-        body: Body::Stream(body),
+        body: Body::Stream(body.into()),
         record_id: None,
     };
     match enforce(ctx, route, pending).await {

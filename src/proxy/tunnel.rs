@@ -44,7 +44,7 @@ pub(super) async fn open(ctx: &Ctx<'_>, mut req: Request<Incoming>) -> Handled {
     let prepared = ctx
         .app
         .upstream
-        .prepare_upgrade(parts, Body::Stream(body), ctx.peer);
+        .prepare_upgrade(parts, Body::Stream(body.into()), ctx.peer);
     let mut resp = match send(ctx, prepared).await {
         Ok(resp) => resp,
         Err(problem) => return problem,

@@ -1,12 +1,17 @@
 //! The pooled upstream client, hop-by-hop header stripping (RFC 9110 §7.6.1) and forwarding headers.
 
+mod pool;
+
+pub use pool::Inbound;
+
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{HeaderMap, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
-use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -101,7 +106,9 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// The upstream: base URL and keep-alive connection pools, one per protocol.
 pub struct Upstream {
-    /// HTTP/1.1: a pool of connections, one request at a time on each.
+    /// HTTP/1.1 exchanges, driven by the request's own task.
+    pool: Arc<pool::Pool>,
+    /// HTTP/1.1 upgrades (a WebSocket's 101 and the tunnel after it).
     http1: Client<HttpConnector, Body>,
     /// Cleartext HTTP/2 with prior knowledge: requests multiplexed on one connection.
     h2c: Client<HttpConnector, Body>,
@@ -117,9 +124,11 @@ impl Upstream {
         timeout: Duration,
         idle_timeout: Duration,
     ) -> Self {
+        let connect_timeout = timeout.min(Duration::from_secs(5));
+        let pool = pool::Pool::new(&base.authority, connect_timeout, idle_timeout);
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(5))));
+        connector.set_connect_timeout(Some(connect_timeout));
         let mut builder = Client::builder(TokioExecutor::new());
         builder
             .pool_timer(TokioTimer::new())
@@ -133,6 +142,7 @@ impl Upstream {
             .timer(TokioTimer::new())
             .build(connector);
         Upstream {
+            pool,
             http1,
             h2c,
             protocol,
@@ -253,7 +263,7 @@ impl Upstream {
     pub async fn send_with_timeout(
         &self,
         req: Request<Body>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> Result<Response<Inbound>, UpstreamError> {
         match tokio::time::timeout(self.timeout, self.send(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(r) => r,
@@ -261,12 +271,26 @@ impl Upstream {
     }
 
     /// Sends a request and waits for the response headers; the caller bounds the time.
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Inbound>, UpstreamError> {
         let client = match req.version() {
             Version::HTTP_2 => &self.h2c,
-            _ => &self.http1,
+            _ if req.headers().contains_key(header::UPGRADE) => &self.http1,
+            _ => {
+                // The request line takes the origin form; `Host` names the
+                // upstream when the client's request had none.
+                let pq = req.uri().path_and_query().cloned();
+                *req.uri_mut() = Uri::from(pq.unwrap_or_else(|| PathAndQuery::from_static("/")));
+                if !req.headers().contains_key(header::HOST) {
+                    if let Ok(v) = HeaderValue::from_str(self.base.authority.as_str()) {
+                        req.headers_mut().insert(header::HOST, v);
+                    }
+                }
+                let mut resp = self.pool.send(req).await?;
+                strip_hop_by_hop(resp.headers_mut());
+                return Ok(resp);
+            }
         };
-        match client.request(req).await {
+        match client.request(req).await.map(|r| r.map(Inbound::from)) {
             Err(e) if e.is_connect() => Err(UpstreamError::Connect(describe(&e))),
             Err(e) => Err(UpstreamError::Exchange(describe(&e))),
             // A 101 is relayed to the client, which needs its `Upgrade` to know what it switched to.

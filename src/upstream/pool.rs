@@ -1,0 +1,290 @@
+//! HTTP/1.1 connections to the upstream, driven by the request's own task.
+//!
+//! hyper-util's pooled client runs every connection in a task of its own and
+//! spawns one more per exchange to put the connection back when it is ready:
+//! each exchange hands the request, the answer's head and its body across
+//! tasks, and wakes three of them. Here the task that sends the request polls
+//! the connection itself — while waiting for the head, then beside the body
+//! as the body is read ([`Inbound`]) — and once the body is done the
+//! connection goes back on a stack of idle ones (most recently used first).
+//!
+//! What the pool keeps of the old client's behaviour: idle connections are
+//! closed after `upstream_idle_timeout` (§8: before the upstream closes them),
+//! a connection found closed when it is taken is dropped, and a request that
+//! a connection closed before it was written goes once more on a new one
+//! (never a request that may have reached the upstream). Upgrades (a
+//! WebSocket's 101) and HTTP/2 still go through hyper-util's client.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body as _, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, Connection, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::UpstreamError;
+use crate::body::Body;
+
+/// Idle connections kept at most (as many as hyper-util's client kept per host).
+const MAX_IDLE: usize = 1024;
+
+/// One HTTP/1.1 connection: the handle requests are sent through, and the
+/// future that does its I/O (polled by whoever is using it).
+struct Conn {
+    sender: SendRequest<Body>,
+    io: Connection<TokioIo<TcpStream>, Body>,
+    /// The I/O future has finished (closed or failed): never poll it again.
+    done: bool,
+}
+
+impl Conn {
+    /// Drives the connection's I/O; true while it is still open.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.done && Pin::new(&mut self.io).poll(cx).is_ready() {
+            self.done = true;
+        }
+        !self.done
+    }
+}
+
+struct Idle {
+    conn: Conn,
+    since: Instant,
+}
+
+pub struct Pool {
+    idle: Mutex<Vec<Idle>>,
+    host: String,
+    port: u16,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl Pool {
+    /// A pool for `authority` (`host[:port]`, port 80 when none). A task
+    /// started here closes idle connections after `idle_timeout`; it ends with the pool.
+    pub fn new(
+        authority: &http::uri::Authority,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
+        let host = authority.host();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let pool = Arc::new(Pool {
+            idle: Mutex::new(Vec::new()),
+            host: host.to_string(),
+            port: authority.port_u16().unwrap_or(80),
+            connect_timeout,
+            idle_timeout,
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(reap(Arc::downgrade(&pool)));
+        }
+        pool
+    }
+
+    /// Sends a request and waits for the answer's head, driving the
+    /// connection from this task; the answer's body drives it on.
+    pub async fn send(
+        self: &Arc<Self>,
+        mut req: Request<Body>,
+    ) -> Result<Response<Inbound>, UpstreamError> {
+        // A pooled connection may turn out closed before the request was
+        // written: then once more, on a new connection.
+        for fresh in [false, true] {
+            let mut conn = match self.take().filter(|_| !fresh) {
+                Some(c) => c,
+                None => self.connect().await?,
+            };
+            let mut answer = std::pin::pin!(conn.sender.try_send_request(req));
+            let result = std::future::poll_fn(|cx| {
+                conn.drive(cx);
+                answer.as_mut().poll(cx)
+            })
+            .await;
+            match result {
+                Ok(resp) => return Ok(self.lease(conn, resp)),
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) if !fresh => req = unsent,
+                    _ => return Err(UpstreamError::Exchange(super::describe(e.error()))),
+                },
+            }
+        }
+        unreachable!("the second attempt returns")
+    }
+
+    /// The answer, its body holding the connection until it is read to the end.
+    fn lease(self: &Arc<Self>, conn: Conn, resp: Response<Incoming>) -> Response<Inbound> {
+        resp.map(|body| {
+            let mut inbound = Inbound {
+                body,
+                lease: Some(Box::new(Lease {
+                    conn,
+                    pool: self.clone(),
+                })),
+            };
+            // No body to read (HEAD, 204, 304, `Content-Length: 0`): the
+            // server may never poll it, so the connection goes back now.
+            if inbound.body.is_end_stream() {
+                inbound.give_back(None);
+            }
+            inbound
+        })
+    }
+
+    /// The most recently used idle connection that is still open and ready.
+    fn take(&self) -> Option<Conn> {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(mut entry) = idle.pop() {
+            if now.duration_since(entry.since) >= self.idle_timeout {
+                // The rest are older still.
+                idle.clear();
+                return None;
+            }
+            // One poll (no waker wanted) sees a close or a stray byte from the upstream.
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            if entry.conn.drive(&mut cx) && entry.conn.sender.is_ready() {
+                return Some(entry.conn);
+            }
+        }
+        None
+    }
+
+    fn put(&self, conn: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    async fn connect(&self) -> Result<Conn, UpstreamError> {
+        let addr = (self.host.as_str(), self.port);
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+                Err(_) => {
+                    return Err(UpstreamError::Connect(format!(
+                        "connecting to {}:{} timed out after {:?}",
+                        self.host, self.port, self.connect_timeout
+                    )))
+                }
+                Ok(Err(e)) => {
+                    return Err(UpstreamError::Connect(format!(
+                        "{}:{}: {e}",
+                        self.host, self.port
+                    )))
+                }
+                Ok(Ok(s)) => s,
+            };
+        let _ = stream.set_nodelay(true);
+        let (sender, io) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| UpstreamError::Connect(super::describe(&e)))?;
+        Ok(Conn {
+            sender,
+            io,
+            done: false,
+        })
+    }
+}
+
+/// Closes idle connections older than the pool's idle timeout, every half of it.
+async fn reap(pool: Weak<Pool>) {
+    let every = match pool.upgrade() {
+        Some(p) => (p.idle_timeout / 2).max(Duration::from_millis(10)),
+        None => return,
+    };
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(pool) = pool.upgrade() else { return };
+        let now = Instant::now();
+        let mut idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.retain(|e| now.duration_since(e.since) < pool.idle_timeout);
+    }
+}
+
+/// A connection lent to one answer's body.
+struct Lease {
+    conn: Conn,
+    pool: Arc<Pool>,
+}
+
+/// A body from a peer: a client's request body, or an upstream answer's,
+/// whose reader drives the pooled connection it arrives on. Dropped before
+/// its end, it closes that connection (the rest of the answer is unread).
+pub struct Inbound {
+    body: Incoming,
+    lease: Option<Box<Lease>>,
+}
+
+impl From<Incoming> for Inbound {
+    fn from(body: Incoming) -> Self {
+        Inbound { body, lease: None }
+    }
+}
+
+impl Inbound {
+    /// The body is read to its end: its connection goes back to the pool
+    /// once it is ready for the next request (one more poll lets hyper see
+    /// that the exchange is over).
+    fn give_back(&mut self, cx: Option<&mut Context<'_>>) {
+        let Some(mut lease) = self.lease.take() else {
+            return;
+        };
+        let mut noop = Context::from_waker(std::task::Waker::noop());
+        let open = lease.conn.drive(cx.unwrap_or(&mut noop));
+        if open && !lease.conn.sender.is_closed() {
+            let Lease { conn, pool } = *lease;
+            pool.put(conn);
+        }
+    }
+}
+
+impl http_body::Body for Inbound {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if let Some(lease) = &mut this.lease {
+            lease.conn.drive(cx);
+        }
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if this.lease.is_some() {
+            match &frame {
+                Poll::Ready(None) => this.give_back(Some(cx)),
+                Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(Some(cx)),
+                // An error: the connection is in no state to be used again.
+                Poll::Ready(Some(Err(_))) => this.lease = None,
+                _ => {}
+            }
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
