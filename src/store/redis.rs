@@ -194,7 +194,9 @@ impl RedisStore {
         let user = cfg.username.as_deref();
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(cfg.op_timeout))
-            .set_response_timeout(Some(cfg.op_timeout))
+            // Every operation is bounded by `op_timeout` in `Store` already: a
+            // second timer per command here would cost a timer-wheel entry each.
+            .set_response_timeout(None)
             .set_max_delay(Duration::from_secs(1));
         let source = match cfg.mode {
             RedisMode::Standalone => {
