@@ -222,9 +222,9 @@ async fn accept(
             begin.notify_one();
             async move {
                 let resp = match &request {
-                    // Boxed: the handler's state is freed once it has answered,
-                    // while the stream's task lives on to send the body.
-                    Some(_) => Box::pin(proxy::handle(app, req, peer)).await,
+                    // On the heap (`Handling`): the handler's state is freed once
+                    // it has answered, while the stream's task lives on to send the body.
+                    Some(_) => proxy::handle(app, req, peer).await,
                     None => over_capacity(&app, &req),
                 };
                 Ok::<_, Infallible>(resp.map(|body| Tracked {

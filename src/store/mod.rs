@@ -15,6 +15,7 @@ mod memory;
 mod pieces;
 mod redis;
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -281,10 +282,28 @@ impl Store {
         k
     }
 
-    async fn timed<T, F>(&self, op: &'static str, fut: F) -> Result<T, StoreError>
+    /// An operation with its timeout, its metric and the reconnect count.
+    /// The backend's future is boxed here, in a plain function: it is the
+    /// large part (the client's command and connection futures), and the
+    /// request's own future would otherwise carry it, and copy it whole.
+    fn timed<'a, T: 'a, F>(
+        &'a self,
+        op: &'static str,
+        fut: F,
+    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a
     where
-        F: std::future::Future<Output = Result<T, StoreError>>,
+        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
     {
+        let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
+            Box::pin(fut);
+        self.timed_boxed(op, fut)
+    }
+
+    async fn timed_boxed<T>(
+        &self,
+        op: &'static str,
+        fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
+    ) -> Result<T, StoreError> {
         let start = Instant::now();
         let res = match tokio::time::timeout(self.op_timeout, fut).await {
             Ok(r) => r,

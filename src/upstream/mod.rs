@@ -290,7 +290,12 @@ impl Upstream {
                 return Ok(resp);
             }
         };
-        match client.request(req).await.map(|r| r.map(Inbound::from)) {
+        // Boxed: hyper-util's request future is large (~10 KiB with its
+        // connector's), and only upgrades and HTTP/2 take this path.
+        match Box::pin(client.request(req))
+            .await
+            .map(|r| r.map(Inbound::from))
+        {
             Err(e) if e.is_connect() => Err(UpstreamError::Connect(describe(&e))),
             Err(e) => Err(UpstreamError::Exchange(describe(&e))),
             // A 101 is relayed to the client, which needs its `Upgrade` to know what it switched to.

@@ -55,8 +55,10 @@ impl Conn {
     }
 }
 
+/// Connections are boxed: hyper's connection state is large, and a pooled
+/// one moves between the stack, a body and the idle stack.
 struct Idle {
-    conn: Conn,
+    conn: Box<Conn>,
     since: Instant,
 }
 
@@ -105,7 +107,8 @@ impl Pool {
         for fresh in [false, true] {
             let mut conn = match self.take().filter(|_| !fresh) {
                 Some(c) => c,
-                None => self.connect().await?,
+                // Boxed: connecting is rare, and its future would make every exchange's larger.
+                None => Box::pin(self.connect()).await?,
             };
             let mut answer = std::pin::pin!(conn.sender.try_send_request(req));
             let result = std::future::poll_fn(|cx| {
@@ -125,14 +128,14 @@ impl Pool {
     }
 
     /// The answer, its body holding the connection until it is read to the end.
-    fn lease(self: &Arc<Self>, conn: Conn, resp: Response<Incoming>) -> Response<Inbound> {
+    fn lease(self: &Arc<Self>, conn: Box<Conn>, resp: Response<Incoming>) -> Response<Inbound> {
         resp.map(|body| {
             let mut inbound = Inbound {
                 body,
-                lease: Some(Box::new(Lease {
+                lease: Some(Lease {
                     conn,
                     pool: self.clone(),
-                })),
+                }),
             };
             // No body to read (HEAD, 204, 304, `Content-Length: 0`): the
             // server may never poll it, so the connection goes back now.
@@ -144,7 +147,7 @@ impl Pool {
     }
 
     /// The most recently used idle connection that is still open and ready.
-    fn take(&self) -> Option<Conn> {
+    fn take(&self) -> Option<Box<Conn>> {
         let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         while let Some(mut entry) = idle.pop() {
@@ -162,7 +165,7 @@ impl Pool {
         None
     }
 
-    fn put(&self, conn: Conn) {
+    fn put(&self, conn: Box<Conn>) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < MAX_IDLE {
             idle.push(Idle {
@@ -172,7 +175,7 @@ impl Pool {
         }
     }
 
-    async fn connect(&self) -> Result<Conn, UpstreamError> {
+    async fn connect(&self) -> Result<Box<Conn>, UpstreamError> {
         let addr = (self.host.as_str(), self.port);
         let stream =
             match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
@@ -195,11 +198,11 @@ impl Pool {
             .handshake(TokioIo::new(stream))
             .await
             .map_err(|e| UpstreamError::Connect(super::describe(&e)))?;
-        Ok(Conn {
+        Ok(Box::new(Conn {
             sender,
             io,
             done: false,
-        })
+        }))
     }
 }
 
@@ -220,7 +223,7 @@ async fn reap(pool: Weak<Pool>) {
 
 /// A connection lent to one answer's body.
 struct Lease {
-    conn: Conn,
+    conn: Box<Conn>,
     pool: Arc<Pool>,
 }
 
@@ -229,7 +232,7 @@ struct Lease {
 /// its end, it closes that connection (the rest of the answer is unread).
 pub struct Inbound {
     body: Incoming,
-    lease: Option<Box<Lease>>,
+    lease: Option<Lease>,
 }
 
 impl From<Incoming> for Inbound {
@@ -249,8 +252,7 @@ impl Inbound {
         let mut noop = Context::from_waker(std::task::Waker::noop());
         let open = lease.conn.drive(cx.unwrap_or(&mut noop));
         if open && !lease.conn.sender.is_closed() {
-            let Lease { conn, pool } = *lease;
-            pool.put(conn);
+            lease.pool.put(lease.conn);
         }
     }
 }
