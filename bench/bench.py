@@ -610,12 +610,44 @@ def run_http1(stack, args, workdir):
     lat["replay"] = oha(stack.url("idemproxy", "/v1/payments"), rate, 10, method="POST",
                         headers=("Idempotency-Key: replay-1", "Content-Type: application/json"),
                         body='{"amount":4200}')
+    redis_stats = redis_commandstats(stack, workdir, args.duration)
     big = run_big(stack, args, workdir)
     conn_rss = rss_with_connections(stack)
     rt_new, rt_replay = round_trips(stack)
     return {"layout": "pinned" if stack.pin else "unpinned", "runs": runs, "latency": lat, "big": big,
+            "redis_commandstats": redis_stats,
             "rss_kib": {"idle": idle_rss, "connections_1000": conn_rss},
             "round_trips": {"new_key": rt_new, "replay": rt_replay}}
+
+
+def redis_command(port, *args):
+    """One command to Redis, its reply as text (bulk string or status)."""
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(f"*{len(args)}\r\n".encode() + b"".join(f"${len(a)}\r\n{a}\r\n".encode() for a in args))
+        data = b""
+        while True:
+            data += c.recv(65536)
+            if data.startswith(b"+") and data.endswith(b"\r\n"):
+                return data[1:-2].decode()
+            if data.startswith(b"$"):
+                head, _, rest = data.partition(b"\r\n")
+                if len(rest) >= int(head[1:]) + 2:
+                    return rest[:int(head[1:])].decode()
+
+
+def redis_commandstats(stack, workdir, duration):
+    """What Redis spends per new key, by command (INFO commandstats after
+    CONFIG RESETSTAT), and how many commands each read of the connection carried."""
+    redis_command(stack.redis_port, "CONFIG", "RESETSTAT")
+    script = lua(workdir, "newkey-stats.lua", NEWKEY_LUA % f"stats{time.time_ns()}")
+    r = wrk(stack.url("idemproxy"), duration, script=script)
+    stats = {}
+    for line in redis_command(stack.redis_port, "INFO", "commandstats").splitlines():
+        m = re.match(r"cmdstat_(\w+):calls=(\d+),usec=(\d+),usec_per_call=([\d.]+)", line)
+        if m:
+            stats[m.group(1)] = {"calls": int(m.group(2)), "usec_per_call": float(m.group(4))}
+    info = dict(l.split(":", 1) for l in redis_command(stack.redis_port, "INFO", "stats").splitlines() if ":" in l)
+    return {"requests": r["requests"], "commands": stats, "reads": int(info.get("total_reads_processed", 0))}
 
 
 def run_big(stack, args, workdir):
@@ -715,6 +747,12 @@ def report_http1(res, args):
           f"({statistics.median(big['big_rps']):.0f} big replays/s)")
     print(f"RSS idle {res['rss_kib']['idle'] / 1024:.1f} MiB; with 1,000 open connections "
           f"{res['rss_kib']['connections_1000'] / 1024:.1f} MiB")
+    rs = res["redis_commandstats"]
+    n = max(rs["requests"], 1)
+    per = ", ".join(f"{k} {v['calls'] / n:.2f}x {v['usec_per_call']:.2f} µs" for k, v in sorted(rs["commands"].items())
+                    if v["calls"] >= n / 10)
+    print(f"Redis per new key (INFO commandstats, {n} new keys): {per}; "
+          f"{rs['reads'] / n:.2f} reads of the connection per new key")
     rt = res["round_trips"]
     print(f"store round trips per request (MONITOR): new key {rt['new_key']:.2f}, replay {rt['replay']:.2f}")
     print()

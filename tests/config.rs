@@ -607,12 +607,17 @@ fn memory_bounds_are_checked() {
         "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"512KiB\"\n",
         &["server.max_buffered", "at least 1MiB"],
     );
-    let ok = "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"8MiB\"\nclient_write_timeout = \"5s\"\nidle_timeout = \"10s\"\nupstream_idle_timeout = \"500ms\"\n[store]\nmemory_limit = \"1MiB\"\n";
+    rejects(
+        "[server]\nupstream = \"http://127.0.0.1:3000\"\nworkers = -1\n",
+        &["test.toml:3:11", "server.workers", "expected 0..=1024"],
+    );
+    let ok = "[server]\nupstream = \"http://127.0.0.1:3000\"\nmax_buffered = \"8MiB\"\nclient_write_timeout = \"5s\"\nidle_timeout = \"10s\"\nupstream_idle_timeout = \"500ms\"\nworkers = 1\n[store]\nmemory_limit = \"1MiB\"\n";
     let c = Config::from_toml(ok, "test.toml", &Overrides::default()).unwrap();
     assert_eq!(c.server.max_buffered, 8 << 20);
     assert_eq!(c.server.client_write_timeout, Duration::from_secs(5));
     assert_eq!(c.server.idle_timeout, Duration::from_secs(10));
     assert_eq!(c.server.upstream_idle_timeout, Duration::from_millis(500));
+    assert_eq!(c.server.workers, 1);
     assert_eq!(c.store.memory_limit, 1 << 20);
     let d = Config::from_toml(
         "[server]\nupstream = \"http://127.0.0.1:3000\"\n",
@@ -624,9 +629,10 @@ fn memory_bounds_are_checked() {
         (
             d.server.max_buffered,
             d.server.max_connections,
-            d.server.max_header_bytes
+            d.server.max_header_bytes,
+            d.server.workers
         ),
-        (64 << 20, 256, 16 << 10)
+        (64 << 20, 256, 16 << 10, 0)
     );
     assert_eq!(d.store.memory_limit, 256 << 20);
 }
