@@ -22,6 +22,15 @@ idemproxy and nginx in every repetition:
     message in flight, 1 KiB and 64 KiB messages, through a second idemproxy
     whose upstream is the echo server, through nginx, and directly.
 
+Every wrk run also reads the proxy's and Redis's CPU time from /proc and
+reports CPU microseconds per request. --pin puts the proxy under test (one
+worker: nginx worker_processes 1, idemproxy workers = 1) on CPU 1 and the
+load generators, the upstream and Redis on CPU 0. The http1 group adds:
+small new keys' p99 alone and beside 8 MiB replays, open-loop latency at 40 %
+of nginx's maximum, Redis INFO commandstats per new key, and a check of the
+performance issue's targets. --bin measures a given binary instead of
+building this checkout.
+
 Prints tables of medians with min-max and the ratios to nginx, writes
 bench/results/latest.json and an SVG chart (bench/results/latest.svg).
 

@@ -5,6 +5,7 @@
 //! plain forward in one place ([`stopped`]). An upgrade request (a WebSocket)
 //! is never protected: it becomes a tunnel ([`tunnel`]).
 
+mod access;
 mod job;
 mod tunnel;
 mod verdict;
@@ -24,12 +25,12 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
+use self::access::Begun;
 use self::job::{Claim, Job};
 use self::verdict::{replay, Verdict};
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
-use crate::grpc;
 use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
@@ -59,15 +60,6 @@ impl Handled {
             outcome,
             record_id: None,
         }
-    }
-}
-
-/// Keeps `idemproxy_inflight` right even when hyper drops the handler (client gone).
-struct InflightGuard<'a>(&'a App);
-
-impl Drop for InflightGuard<'_> {
-    fn drop(&mut self) {
-        self.0.metrics.inflight.dec();
     }
 }
 
@@ -127,86 +119,6 @@ async fn any_path(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Re
         Some(route) => protected(&ctx, route, req).await,
     };
     begun.finish(&app, &ctx, route, handled)
-}
-
-/// What every request has from its start to its log line.
-struct Begun<'a> {
-    start: Instant,
-    _inflight: InflightGuard<'a>,
-    request_id: Uuid,
-    client_request_id: Option<String>,
-    grpc: bool,
-    method: http::Method,
-    /// A cheap clone (shared bytes), kept for the log line.
-    uri: http::Uri,
-}
-
-impl<'a> Begun<'a> {
-    fn new(app: &'a App, req: &Request<Incoming>) -> Self {
-        app.metrics.inflight.inc();
-        let (request_id, client_request_id) = request_ids(req.headers());
-        Begun {
-            start: Instant::now(),
-            _inflight: InflightGuard(app),
-            request_id,
-            client_request_id,
-            grpc: grpc::is_grpc(req.headers()),
-            method: req.method().clone(),
-            uri: req.uri().clone(),
-        }
-    }
-
-    fn ctx<'c>(&self, app: &'c Arc<App>, peer: SocketAddr) -> Ctx<'c> {
-        Ctx {
-            app,
-            peer,
-            request_id: self.request_id,
-            grpc: self.grpc,
-        }
-    }
-
-    /// The request metric and the access log line; the answer.
-    fn finish(
-        self,
-        app: &App,
-        ctx: &Ctx<'_>,
-        route: Option<&Route>,
-        handled: Handled,
-    ) -> Response<Body> {
-        let route_name = route.map_or(&*UNPROTECTED, |r| &r.name);
-        app.metrics.request(route_name, handled.outcome);
-        info!(
-            target: "idemproxy::access",
-            request_id = %ctx.request_id,
-            method = %self.method,
-            path = self.uri.path(),
-            route = route_name.as_str(),
-            outcome = handled.outcome.as_str(),
-            status = handled.response.status().as_u16(),
-            duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
-            record_id = handled.record_id.as_deref(),
-            client_request_id = self.client_request_id,
-            "request"
-        );
-        handled.response
-    }
-}
-
-/// An incoming `X-Request-Id` that is a UUID names the request; otherwise we
-/// make one, and an incoming id of another form is logged beside it as
-/// `client_request_id` (it is forwarded unchanged either way, §8). Ours is sent
-/// upstream only on protected routes, and only when the client sent none.
-fn request_ids(headers: &HeaderMap) -> (Uuid, Option<String>) {
-    let Some(given) = headers.get(X_REQUEST_ID) else {
-        return (Uuid::new_v4(), None);
-    };
-    match given.to_str().map(Uuid::parse_str) {
-        Ok(Ok(id)) => (id, None),
-        _ => {
-            let shown = String::from_utf8_lossy(given.as_bytes()).into_owned();
-            (Uuid::new_v4(), Some(shown))
-        }
-    }
 }
 
 /// Forwards without protection, streaming both ways.

@@ -1,0 +1,107 @@
+//! What every request has from its start to its access log line: its ids
+//! (ours, and the client's `X-Request-Id` when it is not a UUID), its place in
+//! `idemproxy_inflight`, the request metric and the log line.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{HeaderMap, Request, Response};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+use tracing::info;
+use uuid::Uuid;
+
+use super::{Ctx, Handled, UNPROTECTED, X_REQUEST_ID};
+use crate::app::App;
+use crate::body::Body;
+use crate::grpc;
+use crate::routes::Route;
+
+/// Keeps `idemproxy_inflight` right even when hyper drops the handler (client gone).
+struct InflightGuard<'a>(&'a App);
+
+impl Drop for InflightGuard<'_> {
+    fn drop(&mut self) {
+        self.0.metrics.inflight.dec();
+    }
+}
+
+/// What every request has from its start to its log line.
+pub(super) struct Begun<'a> {
+    start: Instant,
+    _inflight: InflightGuard<'a>,
+    request_id: Uuid,
+    client_request_id: Option<String>,
+    grpc: bool,
+    pub(super) method: http::Method,
+    /// A cheap clone (shared bytes), kept for the log line.
+    pub(super) uri: http::Uri,
+}
+
+impl<'a> Begun<'a> {
+    pub(super) fn new(app: &'a App, req: &Request<Incoming>) -> Self {
+        app.metrics.inflight.inc();
+        let (request_id, client_request_id) = request_ids(req.headers());
+        Begun {
+            start: Instant::now(),
+            _inflight: InflightGuard(app),
+            request_id,
+            client_request_id,
+            grpc: grpc::is_grpc(req.headers()),
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+        }
+    }
+
+    pub(super) fn ctx<'c>(&self, app: &'c Arc<App>, peer: SocketAddr) -> Ctx<'c> {
+        Ctx {
+            app,
+            peer,
+            request_id: self.request_id,
+            grpc: self.grpc,
+        }
+    }
+
+    /// The request metric and the access log line; the answer.
+    pub(super) fn finish(
+        self,
+        app: &App,
+        ctx: &Ctx<'_>,
+        route: Option<&Route>,
+        handled: Handled,
+    ) -> Response<Body> {
+        let route_name = route.map_or(&*UNPROTECTED, |r| &r.name);
+        app.metrics.request(route_name, handled.outcome);
+        info!(
+            target: "idemproxy::access",
+            request_id = %ctx.request_id,
+            method = %self.method,
+            path = self.uri.path(),
+            route = route_name.as_str(),
+            outcome = handled.outcome.as_str(),
+            status = handled.response.status().as_u16(),
+            duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
+            record_id = handled.record_id.as_deref(),
+            client_request_id = self.client_request_id,
+            "request"
+        );
+        handled.response
+    }
+}
+
+/// An incoming `X-Request-Id` that is a UUID names the request; otherwise we
+/// make one, and an incoming id of another form is logged beside it as
+/// `client_request_id` (it is forwarded unchanged either way, §8). Ours is sent
+/// upstream only on protected routes, and only when the client sent none.
+fn request_ids(headers: &HeaderMap) -> (Uuid, Option<String>) {
+    let Some(given) = headers.get(X_REQUEST_ID) else {
+        return (Uuid::new_v4(), None);
+    };
+    match given.to_str().map(Uuid::parse_str) {
+        Ok(Ok(id)) => (id, None),
+        _ => {
+            let shown = String::from_utf8_lossy(given.as_bytes()).into_owned();
+            (Uuid::new_v4(), Some(shown))
+        }
+    }
+}
