@@ -4,13 +4,13 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::upstream::Inbound;
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 
 use crate::budget::Room;
+use crate::upstream::Inbound;
 
 /// Buffered bytes go out in frames of at most this size: the connection asks
 /// for the next one only when it has written the last, so a client that reads

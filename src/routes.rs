@@ -184,18 +184,9 @@ impl RouteTable {
     }
 
     pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
-        self.position(method, path).map(|i| &self.routes[i])
-    }
-
-    /// Where [`RouteTable::find`]'s route is in the table.
-    pub fn position(&self, method: &Method, path: &str) -> Option<usize> {
         self.routes
             .iter()
-            .position(|r| r.methods.iter().any(|m| m == method) && r.path.matches(path))
-    }
-
-    pub fn get(&self, index: usize) -> Option<&Route> {
-        self.routes.get(index)
+            .find(|r| r.methods.iter().any(|m| m == method) && r.path.matches(path))
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Route> {

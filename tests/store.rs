@@ -156,12 +156,14 @@ async fn store_holds_neither_the_raw_key_nor_credentials() {
     assert_eq!(value[0], 1, "records carry their format version");
     assert_eq!(value[1], b'F', "finished");
 
-    // The record id in the log line names the store key.
-    let logs = env.proxy.logs();
-    assert!(
-        logs.iter().any(|l| l.contains(id)),
-        "the request log line carries the record id"
-    );
+    // The record id in the log line names the store key. (The line is read
+    // from the proxy's stderr by a thread of the harness: waited for.)
+    let proxy = &env.proxy;
+    let logs = support::eventually("the request log line with the record id", DEADLINE, || {
+        let logs = proxy.logs();
+        async move { logs.iter().any(|l| l.contains(id)).then_some(logs) }
+    })
+    .await;
     assert!(
         !logs
             .iter()

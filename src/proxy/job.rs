@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::upstream::Inbound;
 use bytes::Bytes;
 use http::response::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
@@ -23,7 +22,7 @@ use crate::problem::{self, Problem};
 use crate::record::{now_ms, Finished, Record, Token};
 use crate::routes::RouteName;
 use crate::store::{self, Completion};
-use crate::upstream::UpstreamError;
+use crate::upstream::{Inbound, UpstreamError};
 
 /// Releases: attempts, and the first pause between them.
 const STORE_ATTEMPTS: u32 = 3;

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""The floor of one client-facing HTTP/1.1 exchange, next to nginx.
+
+Pinned as bench.py --pin (the measured server on CPU 1, one worker; wrk,
+the upstream and Redis on CPU 0). In every repetition, alternating order,
+wrk -t2 -c64 against:
+  - nginx as the proxy (pass-through), the reference of the performance targets;
+  - nginx answering by itself (a `return 200` server on CPU 1): nginx's own
+    cost of a client exchange with no upstream;
+  - examples/hyper_floor: a hyper server answering from memory, one tokio
+    worker: the same for idemproxy's stack;
+  - idemproxy replaying stored keys (a client exchange plus one Redis round trip).
+Prints CPU µs per request (utime + stime from /proc) and the ratios to the
+nginx proxy, paired per repetition.
+
+    bench/floor.py [--reps 5] [--duration 3]
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--duration", type=int, default=3)
+    args = ap.parse_args()
+    subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy", "--example", "hyper_floor"],
+                   cwd=bench.ROOT, check=True)
+    bench.LOAD[:] = ["taskset", "-c", bench.LOAD_CPU]
+    workdir = tempfile.mkdtemp(prefix="idemproxy-floor-")
+    stack = bench.Stack(workdir, pin=True)
+    try:
+        stack.start(os.path.join(bench.ROOT, "target", "release", "idemproxy"))
+        floor_port, solo_port = bench.free_port(), bench.free_port()
+        floor = stack.spawn([os.path.join(bench.ROOT, "target", "release", "examples", "hyper_floor"),
+                             f"127.0.0.1:{floor_port}"], proxy=True)
+        solo_conf = stack.nginx_conf("solo", 1, f"listen 127.0.0.1:{solo_port} backlog=4096; "
+                                     f"default_type application/json; location / {{ return 200 '{bench.BODY}'; }}")
+        solo = stack.spawn(["nginx", "-c", solo_conf], proxy=True)
+        bench.wait_port(floor_port)
+        bench.wait_port(solo_port)
+        for i in range(1, 1001):
+            bench.post(stack.url("idemproxy", "/v1/payments"), f"replay-{i}")
+        replay = bench.lua(workdir, "replay.lua", bench.KEYS_LUA % ("/v1/payments", 1000, "replay"))
+        targets = {
+            "nginx proxy, pass-through": (stack.url("nginx"), None, bench.with_children(stack.nginx.pid)),
+            "nginx answering itself": (f"http://127.0.0.1:{solo_port}/x", None, bench.with_children(solo.pid)),
+            "hyper answering from memory": (f"http://127.0.0.1:{floor_port}/x", None, [floor.pid]),
+            "idemproxy, replay": (stack.url("idemproxy", "/v1/payments"), replay, [stack.idem.pid]),
+        }
+        for url, script, _ in targets.values():
+            bench.wrk(url, 1, script=script)
+        runs = {k: [] for k in targets}
+        for rep in range(args.reps):
+            order = list(targets) if rep % 2 == 0 else list(reversed(targets))
+            for name in order:
+                url, script, pids = targets[name]
+                runs[name].append(bench.wrk(url, args.duration, script=script, meter={"proxy": pids}))
+            print(f"rep {rep + 1}/{args.reps}: " + ", ".join(f"{k} {v[-1]['proxy_us']:.1f} µs" for k, v in runs.items()),
+                  file=sys.stderr)
+    finally:
+        stack.stop()
+    ref = runs["nginx proxy, pass-through"]
+    print(f"\n{'server (CPU 1, one worker)':32} {'req/s':>10} {'CPU µs/request':>16} {'vs nginx proxy (paired)':>24}")
+    for name, rs in runs.items():
+        ratio = statistics.median(r["proxy_us"] / n["proxy_us"] for r, n in zip(rs, ref))
+        print(f"{name:32} {statistics.median(r['rps'] for r in rs) / 1000:9.1f}k "
+              f"{statistics.median(r['proxy_us'] for r in rs):16.2f} {ratio:23.2f}x")
+
+
+if __name__ == "__main__":
+    main()
