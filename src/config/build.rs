@@ -112,6 +112,29 @@ fn duration(value: Option<HumanDuration>, default: Duration) -> Duration {
     value.map_or(default, |d| d.0)
 }
 
+/// A whole number within `range`, or the error at the value given.
+fn count(
+    given: &Option<Spanned<i64>>,
+    key: &str,
+    range: std::ops::RangeInclusive<i64>,
+    src: &Source,
+) -> Result<Option<usize>, ConfigError> {
+    match given {
+        None => Ok(None),
+        Some(v) if range.contains(v.get_ref()) => Ok(Some(*v.get_ref() as usize)),
+        Some(v) => Err(src.invalid(
+            v.span().start,
+            key,
+            format!(
+                "invalid value {}: expected {}..={}",
+                v.get_ref(),
+                range.start(),
+                range.end()
+            ),
+        )),
+    }
+}
+
 fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, ConfigError> {
     let upstream =
         Given::pick(Overrides::UPSTREAM, &ov.upstream, raw.upstream).ok_or_else(|| {
@@ -129,28 +152,14 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
     check_addr(&listen, "server.listen", src)?;
     let admin_listen = Given::or_default(Given::file(raw.admin_listen), "127.0.0.1:9901");
     check_addr(&admin_listen, "server.admin_listen", src)?;
-    let max_connections = match &raw.max_connections {
-        None => DEFAULT_MAX_CONNECTIONS,
-        Some(v) if (1..=1_000_000).contains(v.get_ref()) => *v.get_ref() as usize,
-        Some(v) => {
-            return Err(src.invalid(
-                v.span().start,
-                "server.max_connections",
-                format!("invalid value {}: expected 1..=1000000", v.get_ref()),
-            ))
-        }
-    };
-    let workers = match &raw.workers {
-        None => 0,
-        Some(v) if (0..=1024).contains(v.get_ref()) => *v.get_ref() as usize,
-        Some(v) => {
-            return Err(src.invalid(
-                v.span().start,
-                "server.workers",
-                format!("invalid value {}: expected 0..=1024", v.get_ref()),
-            ))
-        }
-    };
+    let max_connections = count(
+        &raw.max_connections,
+        "server.max_connections",
+        1..=1_000_000,
+        src,
+    )?
+    .unwrap_or(DEFAULT_MAX_CONNECTIONS);
+    let workers = count(&raw.workers, "server.workers", 0..=1024, src)?.unwrap_or(0);
     let max_header_bytes = match &raw.max_header_bytes {
         None => DEFAULT_MAX_HEADER_BYTES,
         Some(b) if (8192..=1 << 20).contains(&b.get_ref().0) => b.get_ref().0 as usize,
