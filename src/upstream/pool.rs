@@ -105,7 +105,8 @@ impl Pool {
         // A pooled connection may turn out closed before the request was
         // written: then once more, on a new connection.
         for fresh in [false, true] {
-            let mut conn = match self.take().filter(|_| !fresh) {
+            let pooled = if fresh { None } else { self.take() };
+            let mut conn = match pooled {
                 Some(c) => c,
                 // Boxed: connecting is rare, and its future would make every exchange's larger.
                 None => Box::pin(self.connect()).await?,
@@ -120,7 +121,9 @@ impl Pool {
                 Ok(resp) => return Ok(self.lease(conn, resp)),
                 Err(mut e) => match e.take_message() {
                     Some(unsent) if !fresh => req = unsent,
-                    _ => return Err(UpstreamError::Exchange(super::describe(e.error()))),
+                    // Never written, on a new connection: it did not reach the upstream.
+                    Some(_) => return Err(UpstreamError::Connect(super::describe(e.error()))),
+                    None => return Err(UpstreamError::Exchange(super::describe(e.error()))),
                 },
             }
         }
