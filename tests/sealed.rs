@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::process::{Command, Output, Stdio};
-
 use support::*;
 
 /// Three keys, as `head -c 32 /dev/urandom | base64` makes them.
@@ -357,30 +355,6 @@ async fn a_sealed_value_copied_under_another_record_id_does_not_open() {
     assert!(Call::post(&url).key("k-a").body("same").await.is_replay());
 }
 
-/// Runs the binary on `text`, with `--check` or for real, to its exit (or kills it at the deadline).
-fn run(text: &str, check: bool) -> Output {
-    let config = write_config(text);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
-    cmd.arg("--config").arg(config.path());
-    if check {
-        cmd.arg("--check");
-    }
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let until = std::time::Instant::now() + DEADLINE;
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > until {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
 fn config_with(keys: &KeyFile) -> String {
     ConfigBuilder::new("http://127.0.0.1:1")
         .store(&keys.store_line())
@@ -406,7 +380,7 @@ fn a_malformed_key_file_exits_2_naming_the_line_and_never_the_key() {
     for (lines, at, says) in cases {
         let keys = KeyFile::new(&lines);
         for check in [true, false] {
-            let out = run(&config_with(&keys), check);
+            let out = run_to_exit(&config_with(&keys), check);
             let err = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(2), "{lines:?} check={check}: {err}");
             let named = format!("{}{at}store.encryption_key_file: ", keys.path.display());
@@ -421,7 +395,7 @@ fn a_malformed_key_file_exits_2_naming_the_line_and_never_the_key() {
 #[test]
 fn a_missing_key_file_stops_the_start_but_check_only_warns() {
     let keys = KeyFile::new(&[K2, K1]);
-    let out = run(&config_with(&keys), true);
+    let out = run_to_exit(&config_with(&keys), true);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
     assert!(
@@ -432,7 +406,7 @@ fn a_missing_key_file_stops_the_start_but_check_only_warns() {
 
     std::fs::remove_file(&keys.path).unwrap();
     let path = keys.path.display().to_string();
-    let out = run(&config_with(&keys), true);
+    let out = run_to_exit(&config_with(&keys), true);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("is valid"));
@@ -440,7 +414,7 @@ fn a_missing_key_file_stops_the_start_but_check_only_warns() {
         err.contains("warning: cannot read store.encryption_key_file") && err.contains(&path),
         "{err}"
     );
-    let out = run(&config_with(&keys), false);
+    let out = run_to_exit(&config_with(&keys), false);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(

@@ -7,7 +7,7 @@ mod support;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -421,31 +421,6 @@ async fn clients_that_do_not_speak_tls_are_closed_and_do_not_hold_up_others() {
 // Configuration errors: exit 2 naming the key or the file; an unreadable file
 // stops the start (exit 1) but `--check` only warns.
 
-/// Runs the binary on `text`, with `--check` or for real, and waits for it to
-/// exit (a start that unexpectedly succeeds is killed at the deadline).
-fn run(text: &str, check: bool) -> Output {
-    let config = write_config(text);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
-    cmd.arg("--config").arg(config.path());
-    if check {
-        cmd.arg("--check");
-    }
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let until = std::time::Instant::now() + DEADLINE;
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > until {
-            let _ = child.kill();
-            panic!("idemproxy did not exit: {:?}", child.wait_with_output());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -453,7 +428,7 @@ fn stderr(out: &Output) -> String {
 /// Both `--check` and the start exit `code` with each of `parts` in the message.
 fn both_exit(text: &str, code: i32, parts: &[&str]) {
     for check in [true, false] {
-        let out = run(text, check);
+        let out = run_to_exit(text, check);
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(code), "check={check}: {err}");
         for p in parts {
@@ -516,11 +491,11 @@ fn files_that_are_not_a_certificate_and_its_key_exit_2_naming_the_file() {
         }
         both_exit(&text, 2, &["invalid configuration", name, problem]);
         for check in [true, false] {
-            assert!(!stderr(&run(&text, check)).contains("SECRET-MATERIAL"));
+            assert!(!stderr(&run_to_exit(&text, check)).contains("SECRET-MATERIAL"));
         }
     }
     certs.install("one");
-    let out = run(&text, true);
+    let out = run_to_exit(&text, true);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -538,7 +513,7 @@ fn an_unreadable_file_stops_the_start_but_check_only_warns() {
     std::fs::remove_file(certs.key_file()).unwrap();
     let key_name = certs.key_file().display().to_string();
 
-    let out = run(&text, true);
+    let out = run_to_exit(&text, true);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("is valid"));
     let err = stderr(&out);
@@ -547,7 +522,7 @@ fn an_unreadable_file_stops_the_start_but_check_only_warns() {
         "{err}"
     );
 
-    let out = run(&text, false);
+    let out = run_to_exit(&text, false);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -557,7 +532,7 @@ fn an_unreadable_file_stops_the_start_but_check_only_warns() {
 
     // What can be read is still checked.
     std::fs::write(certs.cert_file(), "hello\n").unwrap();
-    let out = run(&text, true);
+    let out = run_to_exit(&text, true);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("holds no PEM certificate"));
 }

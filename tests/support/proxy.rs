@@ -26,6 +26,32 @@ pub fn write_config(toml: &str) -> tempfile::NamedTempFile {
     f
 }
 
+/// Runs the binary on `text`, with `--check` or for real, and waits for it
+/// to exit (configuration errors); one that starts and keeps running fails
+/// the test at the deadline.
+pub fn run_to_exit(text: &str, check: bool) -> std::process::Output {
+    let config = write_config(text);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+    cmd.arg("--config").arg(config.path());
+    if check {
+        cmd.arg("--check");
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = std::time::Instant::now() + DEADLINE;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!("idemproxy did not exit: {:?}", child.wait_with_output());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
 impl Proxy {
     /// Starts `idemproxy --config <toml> --log-format json` and waits until `/readyz` is 200.
     pub async fn start(toml: &str) -> Proxy {
