@@ -2,11 +2,15 @@
 //! accepts no bytes of an answer for `client_write_timeout` is disconnected,
 //! and a connection with no request in progress and no bytes either way for
 //! `idle_timeout` is closed. One timer per connection, reset in place.
+//!
+//! The same timer says when an HTTP/1.1 connection has been idle long enough
+//! to be parked (`crate::serve`): its HTTP state and buffers freed until the
+//! client sends again.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -27,6 +31,13 @@ pub struct Busy(Arc<Counter>);
 #[derive(Default)]
 struct Counter {
     requests: AtomicUsize,
+    /// Requests begun on this connection, ever (wrapping).
+    begun: AtomicUsize,
+    /// The connection has been idle for the parking delay (set by [`Guarded`]).
+    park_wanted: AtomicBool,
+    /// The HTTP connection is being closed to park it: its shutdown must not
+    /// close the socket (read by `crate::serve`'s I/O).
+    parking: AtomicBool,
     _slot: Option<OwnedSemaphorePermit>,
 }
 
@@ -34,19 +45,39 @@ impl Busy {
     /// The counter of a connection that holds `slot` for as long as it lives.
     pub fn holding(slot: OwnedSemaphorePermit) -> Self {
         Busy(Arc::new(Counter {
-            requests: AtomicUsize::new(0),
             _slot: Some(slot),
+            ..Counter::default()
         }))
     }
 
     /// Counts a request until the guard is dropped.
     pub fn enter(&self) -> BusyGuard {
         self.0.requests.fetch_add(1, Ordering::AcqRel);
+        self.0.begun.fetch_add(1, Ordering::Relaxed);
         BusyGuard(self.0.clone())
     }
 
-    fn idle(&self) -> bool {
+    pub fn idle(&self) -> bool {
         self.0.requests.load(Ordering::Acquire) == 0
+    }
+
+    fn begun(&self) -> usize {
+        self.0.begun.load(Ordering::Relaxed)
+    }
+
+    /// Whether the connection has been idle for the parking delay; clears it.
+    pub fn take_park_wanted(&self) -> bool {
+        self.0.park_wanted.load(Ordering::Relaxed)
+            && self.0.park_wanted.swap(false, Ordering::AcqRel)
+    }
+
+    /// Marks the connection as being closed only to be parked (or not any more).
+    pub fn set_parking(&self, on: bool) {
+        self.0.parking.store(on, Ordering::Release);
+    }
+
+    pub fn parking(&self) -> bool {
+        self.0.parking.load(Ordering::Acquire)
     }
 }
 
@@ -71,6 +102,9 @@ enum Armed {
     Nothing,
     /// A write is waiting for the client to accept bytes.
     Write,
+    /// A read is waiting, with no request in progress; at the end, the
+    /// connection may be parked, and the timer counts on to `idle_timeout`.
+    Park,
     /// A read is waiting, with no request in progress.
     Idle,
 }
@@ -80,7 +114,17 @@ pub struct Guarded<IO> {
     busy: Busy,
     write_timeout: Duration,
     idle_timeout: Duration,
+    /// Idle this long (with a request since the last bytes read), the
+    /// connection asks to be parked; `None`: never.
+    park_after: Option<Duration>,
+    /// `busy.begun()` when bytes were last read with no request in progress:
+    /// while no request has begun since, those bytes are part of a request
+    /// not yet whole, and the connection is not parked (a client trickling
+    /// a request's head stays under hyper's `header_read_timeout`).
+    read_mark: usize,
     timer: Pin<Box<Sleep>>,
+    /// When an idle wait that began with `Park` runs out.
+    idle_until: Instant,
     armed: Armed,
 }
 
@@ -91,9 +135,19 @@ impl<IO> Guarded<IO> {
             busy,
             write_timeout,
             idle_timeout,
+            park_after: None,
+            read_mark: 0,
             timer: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle_until: Instant::now(),
             armed: Armed::Nothing,
         }
+    }
+
+    /// Asks for the connection to be parked once idle for `after` (when that
+    /// is shorter than `idle_timeout`).
+    pub fn park_after(mut self, after: Duration) -> Self {
+        self.park_after = (after < self.idle_timeout).then_some(after);
+        self
     }
 
     /// Progress either way: nothing is overdue.
@@ -101,26 +155,53 @@ impl<IO> Guarded<IO> {
         self.armed = Armed::Nothing;
     }
 
-    /// Waits on `what`, arming the timer if it was counting something else;
-    /// an error once it has run out.
-    fn stalled(&mut self, what: Armed, cx: &mut Context<'_>) -> Poll<io::Error> {
-        if self.armed != what {
-            let after = match what {
-                Armed::Write => self.write_timeout,
-                _ => self.idle_timeout,
-            };
-            self.timer.as_mut().reset(Instant::now() + after);
-            self.armed = what;
+    /// A write waits for the client: an error once `client_write_timeout` has run out.
+    fn write_stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        if self.armed != Armed::Write {
+            self.timer
+                .as_mut()
+                .reset(Instant::now() + self.write_timeout);
+            self.armed = Armed::Write;
         }
         match self.timer.as_mut().poll(cx) {
             Poll::Ready(()) => Poll::Ready(io::Error::new(
                 io::ErrorKind::TimedOut,
-                match what {
-                    Armed::Write => "the client accepted no bytes within client_write_timeout",
-                    _ => "the connection was idle for idle_timeout",
-                },
+                "the client accepted no bytes within client_write_timeout",
             )),
             Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// A read waits with no request in progress: on the way, the wish to be
+    /// parked; an error once `idle_timeout` has run out.
+    fn idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        if !matches!(self.armed, Armed::Park | Armed::Idle) {
+            let now = Instant::now();
+            match self.park_after {
+                Some(after) if self.busy.begun() != self.read_mark => {
+                    self.idle_until = now + self.idle_timeout;
+                    self.timer.as_mut().reset(now + after);
+                    self.armed = Armed::Park;
+                }
+                _ => {
+                    self.timer.as_mut().reset(now + self.idle_timeout);
+                    self.armed = Armed::Idle;
+                }
+            }
+        }
+        loop {
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            if self.armed == Armed::Idle {
+                return Poll::Ready(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the connection was idle for idle_timeout",
+                ));
+            }
+            self.busy.0.park_wanted.store(true, Ordering::Release);
+            self.armed = Armed::Idle;
+            self.timer.as_mut().reset(self.idle_until);
         }
     }
 }
@@ -132,21 +213,25 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Guarded<IO> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        let before = buf.filled().len();
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
-                if this.armed == Armed::Idle {
+                if matches!(this.armed, Armed::Park | Armed::Idle) {
                     this.progressed();
+                }
+                if buf.filled().len() > before && this.busy.idle() {
+                    this.read_mark = this.busy.begun();
                 }
                 Poll::Ready(r)
             }
             // A write stall has its own deadline; a request in progress is not idleness.
             Poll::Pending if this.armed == Armed::Write || !this.busy.idle() => {
-                if this.armed == Armed::Idle {
+                if matches!(this.armed, Armed::Park | Armed::Idle) {
                     this.progressed();
                 }
                 Poll::Pending
             }
-            Poll::Pending => this.stalled(Armed::Idle, cx).map(Err),
+            Poll::Pending => this.idle(cx).map(Err),
         }
     }
 }
@@ -163,7 +248,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
                 this.progressed();
                 Poll::Ready(r)
             }
-            Poll::Pending => this.stalled(Armed::Write, cx).map(Err),
+            Poll::Pending => this.write_stalled(cx).map(Err),
         }
     }
 
@@ -178,7 +263,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
                 this.progressed();
                 Poll::Ready(r)
             }
-            Poll::Pending => this.stalled(Armed::Write, cx).map(Err),
+            Poll::Pending => this.write_stalled(cx).map(Err),
         }
     }
 

@@ -42,6 +42,7 @@ pub mod proxy;
 pub mod record;
 pub mod routes;
 pub mod seal;
+pub mod serve;
 pub mod server;
 pub mod store;
 pub mod tls;

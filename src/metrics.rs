@@ -87,6 +87,7 @@ pub struct Metrics {
     store_errors: Family<OpLabel, Counter>,
     lease_lost: Family<RouteLabel, Counter>,
     pub inflight: Gauge,
+    pub parked: Gauge,
     pub store_up: Gauge,
     /// The memory budget in use; set when the metrics are read.
     pub buffered_bytes: Gauge,
@@ -143,6 +144,12 @@ impl Metrics {
         );
         let inflight = Gauge::default();
         registry.register("inflight", "Requests being handled now", inflight.clone());
+        let parked = Gauge::default();
+        registry.register(
+            "parked_connections",
+            "Idle HTTP/1.1 client connections parked: their HTTP state and buffers freed until the client sends again",
+            parked.clone(),
+        );
         let store_up = Gauge::default();
         registry.register(
             "store_up",
@@ -166,6 +173,7 @@ impl Metrics {
             store_errors,
             lease_lost,
             inflight,
+            parked,
             store_up,
         }
     }

@@ -10,13 +10,14 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
+use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::app::App;
@@ -25,9 +26,10 @@ use crate::config::{Config, ServerConfig};
 use crate::conn::{Busy, BusyGuard, ClientScheme, Guarded};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
+use crate::serve::{Builders, PARK_AFTER};
 use crate::store::StoreSetupError;
 use crate::tls::{Certificates, Tls, TlsError};
-use crate::{admin, grpc, proxy, tls};
+use crate::{admin, grpc, proxy, serve, tls};
 
 /// Admin requests' headers must arrive within this time.
 const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -138,9 +140,9 @@ impl Server {
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
-        let graceful = GracefulShutdown::new();
-        accept(&app, &config, listener, tls, &graceful, shutdown).await;
-        drain(&app, config.server.shutdown_grace, graceful).await;
+        let connections = Connections::default();
+        accept(&app, &config, listener, tls, &connections, shutdown).await;
+        drain(&app, config.server.shutdown_grace, connections).await;
         pinger.abort();
         admin_task.abort();
         info!("stopped");
@@ -164,15 +166,22 @@ fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListe
     }
 }
 
+/// The client connections' tasks, and the signal that tells them to finish.
+#[derive(Default)]
+struct Connections {
+    tasks: TaskTracker,
+    stop: CancellationToken,
+}
+
 /// Accepts connections until `shutdown` resolves; each is served in a task of
-/// its own, watched by `graceful` for draining. With `tls`, the handshake is
+/// its own, tracked by `connections` for draining. With `tls`, the handshake is
 /// done in that task too: a slow one must not keep the loop from accepting.
 async fn accept(
     app: &Arc<App>,
     config: &Config,
     listener: TcpListener,
     tls: Option<Arc<Tls>>,
-    graceful: &GracefulShutdown,
+    connections: &Connections,
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(config.server.max_connections));
@@ -209,15 +218,16 @@ async fn accept(
         let _ = stream.set_nodelay(true);
         let busy = Busy::holding(slot);
         let (s, io) = (&config.server, busy.clone());
-        let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout);
-        let (app, requests) = (app.clone(), requests.clone());
+        let stream =
+            Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout).park_after(PARK_AFTER);
+        let (app_, requests, conn_busy) = (app.clone(), requests.clone(), busy.clone());
         let began = Arc::new(Notify::new());
         let begin = began.clone();
         let service = service_fn(move |mut req: Request<Incoming>| {
             // For an upgrade tunnel to keep its connection counted as busy while it lives.
             req.extensions_mut().insert(busy.clone());
             req.extensions_mut().insert(scheme);
-            let (app, in_progress) = (app.clone(), busy.enter());
+            let (app, in_progress) = (app_.clone(), busy.enter());
             let request = requests.clone().try_acquire_owned().ok();
             begin.notify_one();
             async move {
@@ -236,43 +246,51 @@ async fn accept(
         });
         // The handshake and the first request's headers, together.
         let until = Instant::now() + s.header_read_timeout;
-        let (http, tls, watcher) = (http.clone(), tls.clone(), graceful.watcher());
-        tokio::spawn(async move {
-            let Some(io) = tls::open(tls.as_deref(), stream, until).await else {
+        let (http, tls, stop) = (http.clone(), tls.clone(), connections.stop.clone());
+        let app = app.clone();
+        connections.tasks.spawn(async move {
+            // A handshake in progress does not hold up draining.
+            let opened = tokio::select! {
+                io = tls::open(tls.as_deref(), stream, until) => io,
+                () = stop.cancelled() => None,
+            };
+            let Some(io) = opened else {
                 return;
             };
-            let conn = http.serve_connection_with_upgrades(TokioIo::new(io), service);
-            serve(watcher.watch(conn.into_owned()), &began, until).await;
+            // Until the first bytes tell HTTP/1.1 from HTTP/2, neither
+            // protocol's own limits run: a client that sends nothing, or
+            // trickles the HTTP/2 preface or its first header block, would
+            // otherwise hold its slot until `idle_timeout`. So no request
+            // begun by `until` closes the connection. Later requests: HTTP/1.1
+            // has its header timeout; on HTTP/2, bytes that keep arriving keep
+            // the connection open.
+            serve::serve(
+                &http,
+                io,
+                conn_busy,
+                service,
+                &app.metrics,
+                &began,
+                until,
+                &stop,
+            )
+            .await;
         });
     }
     app.accepting.store(false, Ordering::Release);
 }
 
-/// Serves a connection, closing it if no request has begun by `until`. Until the first bytes tell HTTP/1.1 from HTTP/2, neither
-/// protocol's own limits run: a client that sends nothing, or trickles the
-/// HTTP/2 preface or its first header block, would otherwise hold its slot
-/// until `idle_timeout`. Later requests: HTTP/1.1 has its header timeout;
-/// on HTTP/2, bytes that keep arriving keep the connection open.
-async fn serve(conn: impl Future, began: &Notify, until: Instant) {
-    tokio::pin!(conn);
-    tokio::select! {
-        _ = &mut conn => return,
-        () = began.notified() => {}
-        () = tokio::time::sleep_until(until) => return,
-    }
-    let _ = conn.await;
-}
-
-/// One builder for client connections: HTTP/1.1, or cleartext HTTP/2 when
+/// The builders for client connections: HTTP/1.1, or cleartext HTTP/2 when
 /// the connection opens with the HTTP/2 preface (prior knowledge, as gRPC
 /// clients use it). The §8 bounds hold per stream as per request.
-fn connection_builder(s: &ServerConfig) -> auto::Builder<TokioExecutor> {
-    let mut http = auto::Builder::new(TokioExecutor::new());
-    http.http1()
+fn connection_builder(s: &ServerConfig) -> Builders {
+    let mut http1 = http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(s.header_read_timeout)
         .max_buf_size(s.max_header_bytes.max(8192));
-    http.http2()
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(TokioTimer::new())
         .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS)
         // Decoded header list beyond it: 431, as HTTP/1.1's header buffer gives.
@@ -285,7 +303,7 @@ fn connection_builder(s: &ServerConfig) -> auto::Builder<TokioExecutor> {
         // rather than kept open by its own pings (an answer is traffic).
         .keep_alive_interval(s.idle_timeout + Duration::from_secs(1))
         .keep_alive_timeout(H2_PING_TIMEOUT);
-    http
+    Builders { http1, http2 }
 }
 
 /// A response body; its request counts as in progress (so its connection is
@@ -330,14 +348,16 @@ impl http_body::Body for Tracked {
 
 /// Draining: readiness off, open connections finish, then the forward-and-store
 /// tasks; at the end of the grace, what still waits for the upstream is cut short.
-async fn drain(app: &App, grace: Duration, graceful: GracefulShutdown) {
+async fn drain(app: &App, grace: Duration, connections: Connections) {
     app.draining.store(true, Ordering::Release);
     let deadline = tokio::time::Instant::now() + grace;
     info!(
         grace_ms = grace.as_millis() as u64,
         "shutting down: draining connections"
     );
-    if tokio::time::timeout_at(deadline, graceful.shutdown())
+    connections.stop.cancel();
+    connections.tasks.close();
+    if tokio::time::timeout_at(deadline, connections.tasks.wait())
         .await
         .is_err()
     {

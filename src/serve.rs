@@ -1,0 +1,285 @@
+//! Serving one client connection: HTTP/1.1, or cleartext HTTP/2 when the
+//! first bytes are the HTTP/2 preface; an idle HTTP/1.1 connection parked.
+//!
+//! Parking: hyper keeps a connection's read and write buffers (8 KiB each)
+//! and its state for as long as the connection lives, also while it waits
+//! for the next request — with 1,000 idle keep-alive connections that is
+//! most of the proxy's memory. Once an HTTP/1.1 connection has been idle for
+//! [`PARK_AFTER`] (the connection's one timer, [`Guarded`], says when), its
+//! hyper connection is closed without closing the socket, and the task waits
+//! for the client's next byte with nothing but the socket; then a new hyper
+//! connection serves it, with any bytes already read put back in front.
+//! The client sees one keep-alive connection throughout. `idle_timeout`
+//! still counts from the end of the last request.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper::service::HttpService;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::conn::Busy;
+use crate::metrics::Metrics;
+
+/// How long an HTTP/1.1 connection waits for its next request with hyper's
+/// state and buffers before it is parked. Parking and waking again cost about
+/// what a new connection costs hyper, so a client that sends requests back to
+/// back never pays it.
+pub const PARK_AFTER: Duration = Duration::from_millis(250);
+
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// The two protocols' builders, set up once for all connections.
+pub struct Builders {
+    pub http1: http1::Builder,
+    pub http2: http2::Builder<TokioExecutor>,
+}
+
+/// Serves `io` until the client is done, the connection fails, or `stop` is
+/// cancelled (then it closes once the request in progress is answered). If
+/// no request has begun (`began`) by `until`, the connection is closed: until
+/// the first bytes tell the protocol, neither protocol's own limits run.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve<IO, S>(
+    builders: &Builders,
+    mut io: IO,
+    busy: Busy,
+    service: S,
+    metrics: &Metrics,
+    began: &Notify,
+    until: Instant,
+    stop: &CancellationToken,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: HttpService<Incoming> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    // Made once per connection, not per wake-up: each would register a waiter or a timer.
+    let stopped = stop.cancelled();
+    tokio::pin!(stopped);
+    let first = first_request(began, until);
+    tokio::pin!(first);
+    let sniffed = tokio::select! {
+        r = tokio::time::timeout_at(until, sniff(&mut io)) => r,
+        () = &mut stopped => return,
+    };
+    let Ok(Ok((prefix, h2))) = sniffed else {
+        return;
+    };
+    if prefix.is_empty() {
+        return;
+    }
+    let io = Client {
+        prefix,
+        io,
+        busy: busy.clone(),
+    };
+    let mut begun = false;
+    if h2 {
+        let conn = builders.http2.serve_connection(TokioIo::new(io), service);
+        tokio::pin!(conn);
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut conn => return,
+                () = &mut stopped => break,
+                ok = &mut first, if !begun => if ok { begun = true } else { return },
+            }
+        }
+        conn.as_mut().graceful_shutdown();
+        let _ = conn.await;
+        return;
+    }
+    let (mut io, mut service) = (io, service);
+    loop {
+        let mut conn = builders
+            .http1
+            .serve_connection(TokioIo::new(io), service)
+            .with_upgrades();
+        let mut closing = false;
+        let done = loop {
+            tokio::select! {
+                biased;
+                r = &mut conn => break r,
+                () = &mut stopped, if !closing => {
+                    closing = true;
+                    Pin::new(&mut conn).graceful_shutdown();
+                }
+                // Set by the connection's timer while `conn` was polled just above
+                // (`biased`: in this same round; no waker of its own needed).
+                () = park_wanted(&busy), if !closing => {
+                    // A request that began after the timer asked is left to finish.
+                    if busy.idle() {
+                        closing = true;
+                        busy.set_parking(true);
+                        Pin::new(&mut conn).graceful_shutdown();
+                    }
+                }
+                ok = &mut first, if !begun => if ok { begun = true } else { return },
+            }
+        };
+        let parked = busy.parking();
+        busy.set_parking(false);
+        // Upgraded (the tunnel has the socket), failed, or over.
+        let (Ok(()), true, Some(parts)) = (done, parked, conn.into_parts()) else {
+            return;
+        };
+        let Client {
+            prefix: left,
+            io: mut inner,
+            ..
+        } = parts.io.into_inner();
+        let mut prefix = join(left, parts.read_buf);
+        service = parts.service;
+        if prefix.is_empty() {
+            metrics.parked.inc();
+            let mut byte = [0u8; 1];
+            let next = tokio::select! {
+                r = read_one(inner, &mut byte) => r,
+                () = &mut stopped => None,
+            };
+            metrics.parked.dec();
+            // The client closed, `idle_timeout` ran out, or the proxy is stopping.
+            let Some(back) = next else {
+                return;
+            };
+            (inner, prefix) = (back, Bytes::copy_from_slice(&byte));
+        }
+        io = Client {
+            prefix,
+            io: inner,
+            busy: busy.clone(),
+        };
+    }
+}
+
+/// Whether a request began (`began`) by `until`.
+async fn first_request(began: &Notify, until: Instant) -> bool {
+    tokio::select! {
+        () = began.notified() => true,
+        () = tokio::time::sleep_until(until) => false,
+    }
+}
+
+/// Ready once the connection's timer has asked for it to be parked (and
+/// clears the ask); never registers a waker.
+fn park_wanted(busy: &Busy) -> impl std::future::Future<Output = ()> + '_ {
+    std::future::poll_fn(move |_| {
+        if busy.take_park_wanted() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+}
+
+/// Reads one byte into `byte`; the I/O back when there was one.
+async fn read_one<IO: AsyncRead + Unpin>(mut io: IO, byte: &mut [u8; 1]) -> Option<IO> {
+    match io.read(byte).await {
+        Ok(1) => Some(io),
+        _ => None,
+    }
+}
+
+fn join(a: Bytes, b: Bytes) -> Bytes {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b,
+        (_, true) => a,
+        _ => {
+            let mut both = BytesMut::with_capacity(a.len() + b.len());
+            both.extend_from_slice(&a);
+            both.extend_from_slice(&b);
+            both.freeze()
+        }
+    }
+}
+
+/// Reads until the bytes are the HTTP/2 preface or cannot be: the bytes
+/// read, and whether they are the preface. Empty: the client closed.
+async fn sniff<IO: AsyncRead + Unpin>(io: &mut IO) -> io::Result<(Bytes, bool)> {
+    let mut buf = [0u8; PREFACE.len()];
+    let mut n = 0;
+    while n < buf.len() {
+        let got = io.read(&mut buf[n..]).await?;
+        if got == 0 {
+            break;
+        }
+        n += got;
+        if buf[..n] != PREFACE[..n] {
+            break;
+        }
+    }
+    Ok((Bytes::copy_from_slice(&buf[..n]), &buf[..] == PREFACE))
+}
+
+/// The client's bytes, with those already read put back in front; its
+/// shutdown does not close the socket while the connection is being parked.
+struct Client<IO> {
+    prefix: Bytes,
+    io: IO,
+    busy: Busy,
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Client<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix[..n]);
+            this.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Client<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.busy.parking() {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_shutdown(cx)
+    }
+}

@@ -1,0 +1,224 @@
+//! Idle HTTP/1.1 connections parked: their hyper state freed while the client
+//! is silent, the next request served on the same socket, no byte lost.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The proxy parks a connection idle this long (`serve::PARK_AFTER`), with margin.
+const PAST_PARKING: Duration = Duration::from_millis(700);
+
+fn addr(proxy: &Proxy) -> String {
+    proxy
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string()
+}
+
+/// Reads one answer (head and a `Content-Length` body): its status and body.
+async fn answer(c: &mut TcpStream) -> (u16, String) {
+    let mut got = Vec::new();
+    let read = async {
+        loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if got.len() >= end + 4 + len {
+                    let body = String::from_utf8_lossy(&got[end + 4..end + 4 + len]).into_owned();
+                    return (raw_status(&head), body);
+                }
+            }
+            let mut buf = [0u8; 4096];
+            let n = c.read(&mut buf).await.expect("read");
+            assert!(
+                n > 0,
+                "closed before a whole answer: {:?}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+        }
+    };
+    tokio::time::timeout(DEADLINE, read)
+        .await
+        .expect("an answer in time")
+}
+
+async fn parked(proxy: &Proxy) -> f64 {
+    metric(proxy, "idemproxy_parked_connections").await
+}
+
+fn post(key: &str, body: &str) -> String {
+    format!(
+        "POST /v1/payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_is_parked_and_serves_its_next_request() {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    c.write_all(post("park-1", r#"{"n":1}"#).as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(answer(&mut c).await.0, 201);
+    eventually("the idle connection parked", DEADLINE, || async {
+        (parked(&proxy).await == 1.0).then_some(())
+    })
+    .await;
+    // The same socket: the next request is served, and the wait is over.
+    c.write_all(post("park-2", r#"{"n":2}"#).as_bytes())
+        .await
+        .unwrap();
+    let (status, body) = answer(&mut c).await;
+    assert_eq!(status, 201);
+    assert!(
+        body.contains(r#""idempotency-key":"park-2""#) && body.contains(r#""n":2"#),
+        "the second request's own answer: {body}"
+    );
+    // A retry over the parked-then-woken connection is still a replay.
+    eventually("parked again", DEADLINE, || async {
+        (parked(&proxy).await == 1.0).then_some(())
+    })
+    .await;
+    c.write_all(post("park-1", r#"{"n":1}"#).as_bytes())
+        .await
+        .unwrap();
+    let (status, body) = answer(&mut c).await;
+    assert_eq!((status, body.contains(r#""n":1"#)), (201, true));
+    assert_eq!(upstream.hits(), 2, "the retry was replayed");
+    // The client leaving ends the parked wait.
+    eventually("parked again", DEADLINE, || async {
+        (parked(&proxy).await == 1.0).then_some(())
+    })
+    .await;
+    drop(c);
+    eventually("no parked connection left", DEADLINE, || async {
+        (parked(&proxy).await == 0.0).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_read_before_parking_are_not_lost() {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    // One whole request and the start of the next, in one write: the first is
+    // answered, the second's first bytes sit in hyper's buffer while it waits.
+    let second = post("buf-2", r#"{"n":2}"#);
+    let (start, rest) = second.split_at(30);
+    let first = post("buf-1", r#"{"n":1}"#) + start;
+    c.write_all(first.as_bytes()).await.unwrap();
+    assert_eq!(answer(&mut c).await.0, 201);
+    tokio::time::sleep(PAST_PARKING).await; // time is the subject: past the parking delay
+    c.write_all(rest.as_bytes()).await.unwrap();
+    let (status, body) = answer(&mut c).await;
+    assert_eq!(status, 201);
+    assert!(
+        body.contains(r#""idempotency-key":"buf-2""#) && body.contains(r#""body_len":7"#),
+        "the second request whole: {body}"
+    );
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_trickled_in_is_not_parked_and_its_header_timeout_holds() {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("header_read_timeout = \"1500ms\"\nidle_timeout = \"60s\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    c.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(answer(&mut c).await.0, 201);
+    // The next request's head, a few bytes at a time, each pause past the
+    // parking delay: parking must not start hyper's header clock again.
+    let started = tokio::time::Instant::now();
+    let (mut r, mut w) = c.into_split();
+    let closed = tokio::spawn(async move {
+        let mut rest = Vec::new();
+        let _ = r.read_to_end(&mut rest).await;
+        (tokio::time::Instant::now(), rest)
+    });
+    for piece in [
+        &b"GET /ot"[..],
+        b"her HT",
+        b"TP/1.1\r\n",
+        b"Host: x\r\n",
+        b"X-A: 1\r\n",
+    ] {
+        if closed.is_finished() || w.write_all(piece).await.is_err() {
+            break;
+        }
+        assert_eq!(
+            parked(&proxy).await,
+            0.0,
+            "a half-read request is never parked"
+        );
+        tokio::time::sleep(PAST_PARKING).await; // time is the subject: past the parking delay
+    }
+    let (at, rest) = tokio::time::timeout(DEADLINE, closed)
+        .await
+        .expect("closed by header_read_timeout")
+        .unwrap();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(!text.starts_with("HTTP/1.1 201"), "never answered: {text}");
+    assert!(
+        at - started < Duration::from_millis(2500),
+        "closed near header_read_timeout (1.5 s), not later: {:?}",
+        at - started
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_connection_does_not_hold_up_shutdown() {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("shutdown_grace = \"30s\"")
+        .build();
+    let mut proxy = Proxy::start(&config).await;
+    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    c.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(answer(&mut c).await.0, 201);
+    eventually("the idle connection parked", DEADLINE, || async {
+        (parked(&proxy).await == 1.0).then_some(())
+    })
+    .await;
+    let asked = tokio::time::Instant::now();
+    proxy.signal("TERM");
+    let code = tokio::time::timeout(DEADLINE, proxy.wait_exit())
+        .await
+        .expect("the proxy stops");
+    assert_eq!(code, Some(0));
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "not the 30 s grace"
+    );
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(DEADLINE, c.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(n, Ok(Ok(0)) | Ok(Err(_))),
+        "the parked connection is closed"
+    );
+}
