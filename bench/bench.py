@@ -464,9 +464,25 @@ def rss_kib(pid):
     return 0
 
 
+def parked_connections(stack):
+    """idemproxy's `idemproxy_parked_connections` gauge (0 for a build without it)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.admin_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("idemproxy_parked_connections "):
+            return int(float(line.split()[1]))
+    return 0
+
+
 def rss_with_connections(stack, n=1000):
     """Opens n keep-alive connections, each having made one request (one after the
-    other, so the upstream pool stays small), holds them open and reads RSS."""
+    other, so the upstream pool stays small), holds them open and reads RSS twice:
+    0.5 s after the last one answered, and once they are idle — parked (idemproxy
+    frees an idle connection's HTTP state after 250 ms and gives freed memory
+    back at most once a second) or, for a build without parking, 3 s later."""
     socks = []
     req = b"GET /x HTTP/1.1\r\nHost: bench\r\n\r\n"
     try:
@@ -481,7 +497,12 @@ def rss_with_connections(stack, n=1000):
                     break
                 data += chunk
         time.sleep(0.5)  # let allocator statistics settle; not a synchronisation
-        return rss_kib(stack.idem.pid)
+        at_once = rss_kib(stack.idem.pid)
+        deadline = time.time() + 3
+        while time.time() < deadline and parked_connections(stack) < n:
+            time.sleep(0.05)
+        time.sleep(1.5)  # one period of giving freed memory back, and a margin
+        return at_once, rss_kib(stack.idem.pid), parked_connections(stack)
     finally:
         for s in socks:
             s.close()
@@ -621,11 +642,12 @@ def run_http1(stack, args, workdir):
                         body='{"amount":4200}')
     redis_stats = redis_commandstats(stack, workdir, args.duration)
     big = run_big(stack, args, workdir)
-    conn_rss = rss_with_connections(stack)
+    conn_rss, idle_conn_rss, parked = rss_with_connections(stack)
     rt_new, rt_replay = round_trips(stack)
     return {"layout": "pinned" if stack.pin else "unpinned", "runs": runs, "latency": lat, "big": big,
             "redis_commandstats": redis_stats,
-            "rss_kib": {"idle": idle_rss, "connections_1000": conn_rss},
+            "rss_kib": {"idle": idle_rss, "connections_1000": idle_conn_rss,
+                        "connections_1000_at_once": conn_rss, "parked": parked},
             "round_trips": {"new_key": rt_new, "replay": rt_replay}}
 
 
@@ -754,8 +776,10 @@ def report_http1(res, args):
     print(f"small new keys (wrk -t1 -c8), p99 ms: alone {fmt([r['p99_ms'] for r in big['alone']])}, "
           f"beside 4 clients replaying 8 MiB records {fmt([r['p99_ms'] for r in big['beside']])} "
           f"({statistics.median(big['big_rps']):.0f} big replays/s)")
-    print(f"RSS idle {res['rss_kib']['idle'] / 1024:.1f} MiB; with 1,000 open connections "
-          f"{res['rss_kib']['connections_1000'] / 1024:.1f} MiB")
+    rk = res["rss_kib"]
+    print(f"RSS idle {rk['idle'] / 1024:.1f} MiB; with 1,000 open connections "
+          f"{rk.get('connections_1000_at_once', rk['connections_1000']) / 1024:.1f} MiB 0.5 s after the last "
+          f"answer, {rk['connections_1000'] / 1024:.1f} MiB once idle ({rk.get('parked', 0)} parked)")
     rs = res["redis_commandstats"]
     n = max(rs["requests"], 1)
     per = ", ".join(f"{k} {v['calls'] / n:.2f}x {v['usec_per_call']:.2f} µs" for k, v in sorted(rs["commands"].items())

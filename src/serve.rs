@@ -5,15 +5,18 @@
 //! and its state for as long as the connection lives, also while it waits
 //! for the next request — with 1,000 idle keep-alive connections that is
 //! most of the proxy's memory. Once an HTTP/1.1 connection has been idle for
-//! [`PARK_AFTER`] (the connection's one timer, [`Guarded`], says when), its
+//! [`PARK_AFTER`] (the connection's one timer, [`crate::conn::Guarded`], says when), its
 //! hyper connection is closed without closing the socket, and the task waits
 //! for the client's next byte with nothing but the socket; then a new hyper
 //! connection serves it, with any bytes already read put back in front.
 //! The client sees one keep-alive connection throughout. `idle_timeout`
-//! still counts from the end of the last request.
+//! still counts from the end of the last request. glibc keeps what was freed
+//! between live allocations, so after parkings the free pages are given back
+//! ([`give_back_freed_memory`], at most once a second).
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -146,6 +149,7 @@ pub async fn serve<IO, S>(
         service = parts.service;
         if prefix.is_empty() {
             metrics.parked.inc();
+            PARKED_SINCE_TRIM.fetch_add(1, Ordering::Relaxed);
             let mut byte = [0u8; 1];
             let next = tokio::select! {
                 r = read_one(inner, &mut byte) => r,
@@ -165,6 +169,43 @@ pub async fn serve<IO, S>(
         };
     }
 }
+
+/// Connections parked since the freed memory was last given back.
+static PARKED_SINCE_TRIM: AtomicUsize = AtomicUsize::new(0);
+
+/// Gives the memory that parked connections freed back to the system, at
+/// most once a second and only after parkings: the allocator (glibc's) keeps
+/// freed memory between live allocations otherwise, so a burst of
+/// connections that then go idle would keep the burst's memory resident.
+pub async fn give_back_freed_memory() {
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if PARKED_SINCE_TRIM.swap(0, Ordering::Relaxed) > 0 {
+            let _ = tokio::task::spawn_blocking(trim).await;
+        }
+    }
+}
+
+/// glibc's `malloc_trim(0)`: the free pages of every arena back to the
+/// system (`MADV_DONTNEED`), live allocations untouched. Measured at 0.3 to
+/// 2.5 ms after 1,000 connections were parked at once.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn trim() {
+    extern "C" {
+        fn malloc_trim(pad: usize) -> std::ffi::c_int;
+    }
+    // SAFETY: malloc_trim takes no pointers and has no caller-side
+    // invariants; glibc locks each arena while it walks it.
+    unsafe {
+        malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() {}
 
 /// Whether a request began (`began`) by `until`.
 async fn first_request(began: &Notify, until: Instant) -> bool {
@@ -194,17 +235,16 @@ async fn read_one<IO: AsyncRead + Unpin>(mut io: IO, byte: &mut [u8; 1]) -> Opti
     }
 }
 
+/// The bytes read and not yet served, `a` then `b`, in an allocation of their
+/// own: `b` is a view into hyper's read buffer, which it would keep alive.
 fn join(a: Bytes, b: Bytes) -> Bytes {
-    match (a.is_empty(), b.is_empty()) {
-        (true, _) => b,
-        (_, true) => a,
-        _ => {
-            let mut both = BytesMut::with_capacity(a.len() + b.len());
-            both.extend_from_slice(&a);
-            both.extend_from_slice(&b);
-            both.freeze()
-        }
+    if a.is_empty() && b.is_empty() {
+        return Bytes::new();
     }
+    let mut both = BytesMut::with_capacity(a.len() + b.len());
+    both.extend_from_slice(&a);
+    both.extend_from_slice(&b);
+    both.freeze()
 }
 
 /// Reads until the bytes are the HTTP/2 preface or cannot be: the bytes

@@ -139,11 +139,13 @@ impl Server {
         } = self;
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
+        let trimmer = tokio::spawn(serve::give_back_freed_memory());
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
         let connections = Connections::default();
         accept(&app, &config, listener, tls, &connections, shutdown).await;
         drain(&app, config.server.shutdown_grace, connections).await;
         pinger.abort();
+        trimmer.abort();
         admin_task.abort();
         info!("stopped");
     }
