@@ -55,6 +55,14 @@ async fn parked(proxy: &Proxy) -> f64 {
     metric(proxy, "idemproxy_parked_connections").await
 }
 
+/// Waits until `n` connections are parked.
+async fn until_parked(proxy: &Proxy, n: f64, what: &str) {
+    eventually(what, DEADLINE, || async {
+        (parked(proxy).await == n).then_some(())
+    })
+    .await;
+}
+
 fn post(key: &str, body: &str) -> String {
     format!(
         "POST /v1/payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\n\
@@ -75,10 +83,7 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
         .await
         .unwrap();
     assert_eq!(answer(&mut c).await.0, 201);
-    eventually("the idle connection parked", DEADLINE, || async {
-        (parked(&proxy).await == 1.0).then_some(())
-    })
-    .await;
+    until_parked(&proxy, 1.0, "the idle connection parked").await;
     // The same socket: the next request is served, and the wait is over.
     c.write_all(post("park-2", r#"{"n":2}"#).as_bytes())
         .await
@@ -90,10 +95,7 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
         "the second request's own answer: {body}"
     );
     // A retry over the parked-then-woken connection is still a replay.
-    eventually("parked again", DEADLINE, || async {
-        (parked(&proxy).await == 1.0).then_some(())
-    })
-    .await;
+    until_parked(&proxy, 1.0, "parked again").await;
     c.write_all(post("park-1", r#"{"n":1}"#).as_bytes())
         .await
         .unwrap();
@@ -101,15 +103,9 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
     assert_eq!((status, body.contains(r#""n":1"#)), (201, true));
     assert_eq!(upstream.hits(), 2, "the retry was replayed");
     // The client leaving ends the parked wait.
-    eventually("parked again", DEADLINE, || async {
-        (parked(&proxy).await == 1.0).then_some(())
-    })
-    .await;
+    until_parked(&proxy, 1.0, "parked again").await;
     drop(c);
-    eventually("no parked connection left", DEADLINE, || async {
-        (parked(&proxy).await == 0.0).then_some(())
-    })
-    .await;
+    until_parked(&proxy, 0.0, "no parked connection left").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,10 +197,7 @@ async fn a_parked_connection_does_not_hold_up_shutdown() {
         .await
         .unwrap();
     assert_eq!(answer(&mut c).await.0, 201);
-    eventually("the idle connection parked", DEADLINE, || async {
-        (parked(&proxy).await == 1.0).then_some(())
-    })
-    .await;
+    until_parked(&proxy, 1.0, "the idle connection parked").await;
     let asked = tokio::time::Instant::now();
     proxy.signal("TERM");
     let code = tokio::time::timeout(DEADLINE, proxy.wait_exit())
