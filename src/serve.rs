@@ -85,11 +85,7 @@ pub async fn serve<IO, S>(
     if prefix.is_empty() {
         return;
     }
-    let io = Client {
-        prefix,
-        io,
-        busy: busy.clone(),
-    };
+    let io = Client::new(prefix, io, &busy);
     let mut begun = false;
     if h2 {
         let conn = builders.http2.serve_connection(TokioIo::new(io), service);
@@ -162,11 +158,7 @@ pub async fn serve<IO, S>(
             };
             (inner, prefix) = (back, Bytes::copy_from_slice(&byte));
         }
-        io = Client {
-            prefix,
-            io: inner,
-            busy: busy.clone(),
-        };
+        io = Client::new(prefix, inner, &busy);
     }
 }
 
@@ -271,6 +263,16 @@ struct Client<IO> {
     prefix: Bytes,
     io: IO,
     busy: Busy,
+}
+
+impl<IO> Client<IO> {
+    fn new(prefix: Bytes, io: IO, busy: &Busy) -> Self {
+        Client {
+            prefix,
+            io,
+            busy: busy.clone(),
+        }
+    }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Client<IO> {

@@ -51,6 +51,18 @@ async fn answer(c: &mut TcpStream) -> (u16, String) {
         .expect("an answer in time")
 }
 
+/// The test upstream, a proxy protecting `/v1/payments` in front of it, and
+/// one client connection to the proxy.
+async fn payments() -> (TestUpstream, Proxy, TcpStream) {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    (upstream, proxy, c)
+}
+
 async fn parked(proxy: &Proxy) -> f64 {
     metric(proxy, "idemproxy_parked_connections").await
 }
@@ -73,12 +85,7 @@ fn post(key: &str, body: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_connection_is_parked_and_serves_its_next_request() {
-    let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
-        .route("payments", "/v1/payments", "")
-        .build();
-    let proxy = Proxy::start(&config).await;
-    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    let (upstream, proxy, mut c) = payments().await;
     c.write_all(post("park-1", r#"{"n":1}"#).as_bytes())
         .await
         .unwrap();
@@ -110,12 +117,7 @@ async fn an_idle_connection_is_parked_and_serves_its_next_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_read_before_parking_are_not_lost() {
-    let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
-        .route("payments", "/v1/payments", "")
-        .build();
-    let proxy = Proxy::start(&config).await;
-    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    let (upstream, _proxy, mut c) = payments().await;
     // One whole request and the start of the next, in one write: the first is
     // answered, the second's first bytes sit in hyper's buffer while it waits.
     let second = post("buf-2", r#"{"n":2}"#);
