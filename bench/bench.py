@@ -35,11 +35,13 @@ Prints tables of medians with min-max and the ratios to nginx, writes
 bench/results/latest.json and an SVG chart (bench/results/latest.svg).
 
     bench/bench.py [--pin] [--reps 5] [--duration 5] [--rate N] [--svg PATH]
-                   [--only http1,h2,ws] [--json PATH]
+                   [--only http1,h2,ws,big] [--json PATH]
                    [--h2-clients 16] [--h2-streams 4] [--ws-connections 64] [--ws-sizes 1024,65536]
 
 --only runs some groups of scenarios: http1 (the wrk/oha scenarios, RSS and
-round trips), h2, ws; without it all run. A partial run writes
+round trips), h2, ws; without it all run. big runs only http1's 8 MiB
+scenario (small new keys' p99 alone and beside 8 MiB replays), to compare
+builds with --bin. A partial run writes
 bench/results/latest-<groups>.json (not latest.json) and no chart unless
 http1 is among them.
 
@@ -746,6 +748,14 @@ def targets_http1(res):
     return t
 
 
+def report_big(big):
+    ratio = statistics.median(x["p99_ms"] / y["p99_ms"] for x, y in zip(big["beside"], big["alone"]))
+    print(f"small new keys (wrk -t1 -c8), p99 ms: alone {fmt([r['p99_ms'] for r in big['alone']])}, "
+          f"beside 4 clients replaying 8 MiB records {fmt([r['p99_ms'] for r in big['beside']])} "
+          f"(paired ratio {ratio:.2f}x; {statistics.median(big['big_rps']):.0f} big replays/s; small new keys "
+          f"{med(big['alone'], 'rps'):.0f}/s alone, {med(big['beside'], 'rps'):.0f}/s beside)")
+
+
 def report_http1(res, args):
     runs, lat = res["runs"], res["latency"]
     ng_rps, ng_us = med(runs["pt_nginx"], "rps"), med(runs["pt_nginx"], "proxy_us")
@@ -772,10 +782,7 @@ def report_http1(res, args):
         v = lat[k]
         print(f"  {label:28} p50 {v['p50_ms']:.3f}  p99 {v['p99_ms']:.3f}  p99.9 {v['p999_ms']:.3f}  "
               f"({v['rps']:.0f} req/s, success {v['success']:.3f})")
-    big = res["big"]
-    print(f"small new keys (wrk -t1 -c8), p99 ms: alone {fmt([r['p99_ms'] for r in big['alone']])}, "
-          f"beside 4 clients replaying 8 MiB records {fmt([r['p99_ms'] for r in big['beside']])} "
-          f"({statistics.median(big['big_rps']):.0f} big replays/s)")
+    report_big(res["big"])
     rk = res["rss_kib"]
     print(f"RSS idle {rk['idle'] / 1024:.1f} MiB; with 1,000 open connections "
           f"{rk.get('connections_1000_at_once', rk['connections_1000']) / 1024:.1f} MiB 0.5 s after the last "
@@ -923,6 +930,8 @@ def report_ws(res):
 
 
 GROUPS = ("http1", "h2", "ws")
+# Runs only when asked for (http1 includes it).
+EXTRA_GROUPS = ("big",)
 
 
 def main():
@@ -935,21 +944,25 @@ def main():
     ap.add_argument("--pin", action="store_true",
                     help="the proxy under test (one worker) on CPU 1; wrk, the upstream and Redis on CPU 0")
     ap.add_argument("--svg", help="chart (default bench/results/latest.svg, latest-pinned.svg with --pin)")
-    ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups: http1, h2, ws")
+    ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups: http1, h2, ws, big")
     ap.add_argument("--json", help="results file (default latest.json, or latest-<groups>.json with --only)")
     ap.add_argument("--h2-clients", type=int, default=16, help="h2load -c: HTTP/2 connections")
     ap.add_argument("--h2-streams", type=int, default=4, help="h2load -m: streams in flight per connection")
     ap.add_argument("--ws-connections", type=int, default=64, help="WebSocket connections")
     ap.add_argument("--ws-sizes", default="1024,65536", help="WebSocket message sizes, bytes")
     args = ap.parse_args()
-    groups = [g for g in GROUPS if g in args.only.split(",")]
-    if not groups or set(args.only.split(",")) - set(GROUPS):
-        sys.exit(f"--only takes a comma-separated list of {', '.join(GROUPS)}")
+    groups = [g for g in GROUPS + EXTRA_GROUPS if g in args.only.split(",")]
+    if "http1" in groups and "big" in groups:
+        groups.remove("big")
+    if not groups or set(args.only.split(",")) - set(GROUPS + EXTRA_GROUPS):
+        sys.exit(f"--only takes a comma-separated list of {', '.join(GROUPS + EXTRA_GROUPS)}")
 
     tools = {"nginx": "apt-get install nginx-light", "redis-server": "apt-get install redis-server",
              "cargo": "rustup"}
     if "http1" in groups:
         tools.update({"wrk": "apt-get install wrk", "oha": "cargo install oha --locked"})
+    if "big" in groups:
+        tools["wrk"] = "apt-get install wrk"
     if "h2" in groups:
         tools["h2load"] = "apt-get install nghttp2-client"
     missing = [t for t in tools if not shutil.which(t)]
@@ -981,6 +994,8 @@ def main():
         stack.start(idem_bin, groups, h2=nginx_h2, ws_bin=ws_bin)
         if "http1" in groups:
             results.update(run_http1(stack, args, workdir))
+        if "big" in groups:
+            results["big"] = run_big(stack, args, workdir)
         if "h2" in groups:
             results["h2"] = run_h2(stack, args, nginx_h2)
         if "ws" in groups:
@@ -992,6 +1007,9 @@ def main():
 
     if "http1" in groups:
         report_http1(results, args)
+    if "big" in groups:
+        print()
+        report_big(results["big"])
     if "h2" in groups:
         report_h2(results["h2"])
     if "ws" in groups:

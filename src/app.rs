@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -11,7 +12,7 @@ use crate::budget::Budget;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::routes::RouteTable;
-use crate::store::{Store, StoreSetupError};
+use crate::store::{Store, StoreSetupError, LARGE_READS};
 use crate::upstream::Upstream;
 
 pub struct App {
@@ -22,6 +23,8 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// Bytes held for protected bodies, recorded responses and replays (`max_buffered`).
     pub budget: Arc<Budget>,
+    /// Turns to read a record larger than [`crate::store::INLINE_RECORD`] from the store ([`LARGE_READS`]).
+    pub large_reads: Semaphore,
     /// Forward-and-store tasks and upgrade tunnels: they outlive the request
     /// that started them, and draining waits for them (until the grace runs out).
     pub tasks: TaskTracker,
@@ -57,6 +60,7 @@ impl App {
             upstream,
             metrics,
             budget: Budget::new(config.server.max_buffered),
+            large_reads: Semaphore::new(LARGE_READS),
             tasks: TaskTracker::new(),
             accepting: AtomicBool::new(false),
             store_answered: AtomicBool::new(false),

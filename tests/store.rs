@@ -397,6 +397,58 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
     assert_eq!(upstream.hits(), 2, "executed once");
 }
 
+/// Records larger than a reserve brings back are read from Redis two at a
+/// time: six replays of 1 MiB records at once all come back whole, and
+/// Redis never sees more than two of their reads under way together (a read
+/// runs from its first `STRLEN` to the owner-token re-read at the end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_records_are_read_two_at_a_time() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .redis(&redis)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let url = proxy.url("/v1/payments");
+    let size = |i: usize| 1024 * 1024 + i * 1024;
+    let big = |i: usize| {
+        Call::post(&url)
+            .key(&format!("k-big-{i}"))
+            .header("x-test-body-bytes", &size(i).to_string())
+    };
+    for i in 0..6 {
+        assert_eq!(big(i).body("x").await.status, 201);
+    }
+    let mut monitor = Monitor::start(&redis).await;
+    let replays: Vec<_> = (0..6).map(|i| big(i).spawn("x")).collect();
+    for (i, replay) in replays.into_iter().enumerate() {
+        let replay = replay.await.unwrap();
+        assert!(replay.is_replay(), "replay {i}: {}", replay.status);
+        assert_eq!(replay.body, binary(size(i)), "replay {i} whole");
+    }
+    let cmds = monitor.record_commands("marker-reads").await;
+    let (mut open, mut most, mut reads) = (std::collections::HashSet::new(), 0, 0);
+    for c in &cmds {
+        let args: Vec<&str> = c.split('"').filter(|a| !a.trim().is_empty()).collect();
+        let Some(key) = args.iter().find(|a| a.starts_with("idemproxy:")) else {
+            continue;
+        };
+        let name = args.get(1).map(|n| n.to_ascii_lowercase());
+        if name.as_deref() == Some("strlen") && open.insert(key.to_string()) {
+            reads += 1;
+            most = most.max(open.len());
+        }
+        if name.as_deref() == Some("getrange") && args.ends_with(&["2", "17"]) {
+            open.remove(*key);
+        }
+    }
+    assert_eq!(reads, 6, "each record read once: {cmds:#?}");
+    assert!(open.is_empty(), "every read ended: {open:?}");
+    assert!(most <= 2, "at most two reads under way at once, saw {most}");
+    assert_eq!(upstream.hits(), 6, "executed once each");
+}
+
 /// A record over 256 KiB is written in pieces (`piece.lua`), its state byte
 /// 'P' until the last one: a retry that arrives mid-way is told the request
 /// is in progress (409), never given half an answer or a 500; the last

@@ -129,6 +129,14 @@ pub(crate) enum Held {
 /// fetched only once there is room for it in the memory budget (§8).
 pub const INLINE_RECORD: u64 = 64 * 1024;
 
+/// How many larger records one proxy reads from the store at a time; the
+/// others wait their turn (first come, first served) before they take room.
+/// Redis is single-threaded and shared: two reads keep large replays' pace
+/// (one alone is latency-bound at about half of it) while leaving it free
+/// for small keys' reserves and completions, which otherwise queue behind
+/// a stream of 256 KiB pieces (`docs/benchmarks.md`, "Large replays").
+pub const LARGE_READS: usize = 2;
+
 /// The operations each backend implements, with the same shapes; [`Store`]
 /// adds timing, timeouts, metrics and record decoding around them. Every one
 /// touches one key and is safe to send twice.
