@@ -88,6 +88,7 @@ pub struct Metrics {
     lease_lost: Family<RouteLabel, Counter>,
     pub inflight: Gauge,
     pub parked: Gauge,
+    pub tunnels: Gauge,
     pub store_up: Gauge,
     /// The memory budget in use; set when the metrics are read.
     pub buffered_bytes: Gauge,
@@ -150,6 +151,12 @@ impl Metrics {
             "Idle HTTP/1.1 client connections parked: their HTTP state and buffers freed until the client sends again",
             parked.clone(),
         );
+        let tunnels = Gauge::default();
+        registry.register(
+            "tunnels",
+            "Upgrade tunnels open (WebSocket and others); each holds its client connection's slot",
+            tunnels.clone(),
+        );
         let store_up = Gauge::default();
         registry.register(
             "store_up",
@@ -174,6 +181,7 @@ impl Metrics {
             lease_lost,
             inflight,
             parked,
+            tunnels,
             store_up,
         }
     }

@@ -16,7 +16,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use support::{metric, Call, Proxy, DEADLINE};
+use support::{eventually, metric, Call, Proxy, DEADLINE};
 
 type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
@@ -302,6 +302,31 @@ async fn a_tunnel_holds_its_connection_slot_until_it_closes() {
         .expect("join")
         .expect("the second handshake");
     echoes(&mut second, Message::text("my turn")).await;
+}
+
+/// `idemproxy_tunnels` counts a tunnel from its 101 until both sides have closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_tunnels_are_counted_until_they_close() {
+    let (mut server, proxy) = start("").await;
+    let tunnels = || async { metric(&proxy, "idemproxy_tunnels").await };
+    assert_eq!(tunnels().await, 0.0);
+    let mut first = connect(&proxy, "/chat").await;
+    let mut second = connect(&proxy, "/chat").await;
+    echoes(&mut first, Message::text("one")).await;
+    echoes(&mut second, Message::text("two")).await;
+    eventually("two tunnels counted", DEADLINE, || async {
+        (tunnels().await == 2.0).then_some(())
+    })
+    .await;
+    first.close(None).await.expect("close");
+    wait_closed(&mut first).await;
+    assert_eq!(server.next_event().await, "close: ");
+    drop(first);
+    eventually("the closed tunnel uncounted", DEADLINE, || async {
+        (tunnels().await == 1.0).then_some(())
+    })
+    .await;
+    echoes(&mut second, Message::text("still open")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

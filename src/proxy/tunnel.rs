@@ -5,6 +5,7 @@ use http::{Request, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 use uuid::Uuid;
@@ -56,6 +57,7 @@ pub(super) async fn open(ctx: &Ctx<'_>, mut req: Request<Incoming>) -> Handled {
         client,
         upstream: hyper::upgrade::on(&mut resp),
         _busy: busy,
+        _open: Open::count(&ctx.app.metrics.tunnels),
         request_id: ctx.request_id,
         hard_stop: ctx.app.hard_stop.clone(),
     };
@@ -69,9 +71,26 @@ struct Tunnel {
     client: OnUpgrade,
     upstream: OnUpgrade,
     _busy: Option<BusyGuard>,
+    _open: Open,
     request_id: Uuid,
     /// Cancelled when `shutdown_grace` runs out: the tunnel is closed then.
     hard_stop: CancellationToken,
+}
+
+/// One tunnel counted in `idemproxy_tunnels` from its 101 until its task ends.
+struct Open(Gauge);
+
+impl Open {
+    fn count(gauge: &Gauge) -> Open {
+        gauge.inc();
+        Open(gauge.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl Tunnel {
