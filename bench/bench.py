@@ -643,13 +643,17 @@ def run_http1(stack, args, workdir):
                         headers=("Idempotency-Key: replay-1", "Content-Type: application/json"),
                         body='{"amount":4200}')
     redis_stats = redis_commandstats(stack, workdir, args.duration)
-    big = run_big(stack, args, workdir)
+    # RSS with idle connections before the 8 MiB replays: what those leave in
+    # glibc's arena varies from run to run (measured again after them, below).
     conn_rss, idle_conn_rss, parked = rss_with_connections(stack)
+    big = run_big(stack, args, workdir)
+    _, after_big_rss, _ = rss_with_connections(stack)
     rt_new, rt_replay = round_trips(stack)
     return {"layout": "pinned" if stack.pin else "unpinned", "runs": runs, "latency": lat, "big": big,
             "redis_commandstats": redis_stats,
             "rss_kib": {"idle": idle_rss, "connections_1000": idle_conn_rss,
-                        "connections_1000_at_once": conn_rss, "parked": parked},
+                        "connections_1000_at_once": conn_rss, "parked": parked,
+                        "connections_1000_after_big": after_big_rss},
             "round_trips": {"new_key": rt_new, "replay": rt_replay}}
 
 
@@ -786,7 +790,9 @@ def report_http1(res, args):
     rk = res["rss_kib"]
     print(f"RSS idle {rk['idle'] / 1024:.1f} MiB; with 1,000 open connections "
           f"{rk.get('connections_1000_at_once', rk['connections_1000']) / 1024:.1f} MiB 0.5 s after the last "
-          f"answer, {rk['connections_1000'] / 1024:.1f} MiB once idle ({rk.get('parked', 0)} parked)")
+          f"answer, {rk['connections_1000'] / 1024:.1f} MiB once idle ({rk.get('parked', 0)} parked)"
+          + (f"; once idle after the 8 MiB replays {rk['connections_1000_after_big'] / 1024:.1f} MiB"
+             if "connections_1000_after_big" in rk else ""))
     rs = res["redis_commandstats"]
     n = max(rs["requests"], 1)
     per = ", ".join(f"{k} {v['calls'] / n:.2f}x {v['usec_per_call']:.2f} µs" for k, v in sorted(rs["commands"].items())
