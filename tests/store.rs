@@ -50,6 +50,19 @@ impl Monitor {
     }
 }
 
+/// A proxy on a Redis of its own, with `routes` and the `[server]` lines `server`.
+async fn on_redis(server: &str, routes: &str) -> (RedisServer, TestUpstream, Proxy) {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server(server)
+        .redis(&redis)
+        .routes(routes)
+        .build();
+    let proxy = Proxy::start(&config).await;
+    (redis, upstream, proxy)
+}
+
 async fn evalsha_calls(redis: &RedisServer) -> u64 {
     let info: String = redis.cmd(&["INFO", "commandstats"]).await;
     info.lines()
@@ -322,15 +335,8 @@ on_both_backends!(operations_are_safe_to_send_twice);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_record_is_fetched_only_with_room_for_it() {
-    let redis = RedisServer::start().await;
-    let upstream = TestUpstream::start().await;
     let routes = "[defaults]\nmax_request_body = \"1MiB\"\n\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n";
-    let config = ConfigBuilder::new(&upstream.url())
-        .server("max_buffered = \"1MiB\"")
-        .redis(&redis)
-        .routes(routes)
-        .build();
-    let proxy = Proxy::start(&config).await;
+    let (redis, upstream, proxy) = on_redis("max_buffered = \"1MiB\"", routes).await;
     let url = proxy.url("/v1/payments");
     let size = 600 * 1024;
     let big = || {
@@ -403,13 +409,7 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
 /// runs from its first `STRLEN` to the owner-token re-read at the end).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_records_are_read_two_at_a_time() {
-    let redis = RedisServer::start().await;
-    let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
-        .redis(&redis)
-        .routes(ROUTES)
-        .build();
-    let proxy = Proxy::start(&config).await;
+    let (redis, upstream, proxy) = on_redis("", ROUTES).await;
     let url = proxy.url("/v1/payments");
     let size = |i: usize| 1024 * 1024 + i * 1024;
     let big = |i: usize| {
@@ -455,13 +455,7 @@ async fn large_records_are_read_two_at_a_time() {
 /// piece makes it a replayable answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
-    let redis = RedisServer::start().await;
-    let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
-        .redis(&redis)
-        .routes(ROUTES)
-        .build();
-    let proxy = Proxy::start(&config).await;
+    let (redis, upstream, proxy) = on_redis("", ROUTES).await;
     let url = proxy.url("/v1/payments");
     let size = 600 * 1024;
     let big = || {
