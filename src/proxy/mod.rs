@@ -505,8 +505,9 @@ async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -
         Reservation::Existing { record, ttl } => (record, ttl, None),
         Reservation::Unreadable(e) => return unreadable(&e),
         Reservation::Large { len } => {
-            // The turn first: a request waiting for one holds no room. The
-            // wait is outside `op_timeout`; each turn is bounded by it.
+            // The turn first: a request waiting for one holds no room for
+            // the record (only the reserve's `INLINE_RECORD`). The wait is
+            // outside `op_timeout`; each turn is bounded by it.
             let _turn = ctx.app.large_reads.acquire().await;
             let Some(room) = ctx.app.budget.take(len) else {
                 return Err(Stop::Refuse(Problem::ProxyBusy));

@@ -130,7 +130,8 @@ pub(crate) enum Held {
 pub const INLINE_RECORD: u64 = 64 * 1024;
 
 /// How many larger records one proxy reads from the store at a time; the
-/// others wait their turn (first come, first served) before they take room.
+/// others wait their turn (first come, first served) before they take room
+/// for the record.
 /// Redis is single-threaded and shared: two reads keep large replays' pace
 /// (one alone is latency-bound at about half of it) while leaving it free
 /// for small keys' reserves and completions, which otherwise queue behind
