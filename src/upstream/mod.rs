@@ -4,7 +4,7 @@ mod pool;
 
 pub use pool::Inbound;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -333,8 +333,8 @@ fn asks_for_trailers(headers: &HeaderMap) -> bool {
 /// The `X-Forwarded-For` to send: every incoming line, in order, joined with
 /// `", "`, then the peer's address. Read as bytes, so an odd line is kept too.
 fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> HeaderValue {
-    let ip = peer.ip().to_string();
-    let mut joined: Vec<u8> = Vec::new();
+    // One allocation, handed to the value as it is (every request makes one).
+    let mut joined: Vec<u8> = Vec::with_capacity(48);
     for line in headers.get_all(X_FORWARDED_FOR) {
         let line = line.as_bytes().trim_ascii();
         if !line.is_empty() {
@@ -342,12 +342,37 @@ fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> HeaderValue {
             joined.extend_from_slice(b", ");
         }
     }
-    joined.extend_from_slice(ip.as_bytes());
+    push_ip(&mut joined, peer.ip());
     // Each line was a valid value and ", " and an IP address are too, so this
     // cannot fail; if it ever did, the peer's address alone is still true.
-    HeaderValue::from_bytes(&joined).unwrap_or_else(|_| {
-        HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown"))
+    HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)).unwrap_or_else(|_| {
+        HeaderValue::from_str(&peer.ip().to_string()).unwrap_or(HeaderValue::from_static("unknown"))
     })
+}
+
+/// An address as `Display` writes it; IPv4 without the formatting machinery
+/// (its padding and width support cost more than the rest of the header).
+fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                if octet >= 100 {
+                    out.push(b'0' + octet / 100);
+                }
+                if octet >= 10 {
+                    out.push(b'0' + octet / 10 % 10);
+                }
+                out.push(b'0' + octet % 10);
+            }
+        }
+        IpAddr::V6(v6) => {
+            use std::io::Write as _;
+            let _ = write!(out, "{v6}");
+        }
+    }
 }
 
 pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -442,6 +467,34 @@ mod tests {
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
         strip_hop_by_hop(&mut h);
         assert_eq!(h[header::CONTENT_LENGTH], "5");
+    }
+
+    #[test]
+    fn addresses_are_written_as_display_writes_them() {
+        let mut ips: Vec<IpAddr> = (0..=255u8)
+            .flat_map(|o| {
+                [
+                    IpAddr::from([o, 0, 9, 255]),
+                    IpAddr::from([10, o, 100, 99]),
+                    IpAddr::from([1, 20, o, 3]),
+                    IpAddr::from([192, 168, 1, o]),
+                ]
+            })
+            .collect();
+        ips.extend(
+            [
+                "::1",
+                "::ffff:10.0.0.1",
+                "2001:db8::8a2e:370:7334",
+                "fe80::1",
+            ]
+            .map(|a| a.parse::<IpAddr>().unwrap()),
+        );
+        for ip in ips {
+            let mut out = Vec::new();
+            push_ip(&mut out, ip);
+            assert_eq!(String::from_utf8(out).unwrap(), ip.to_string());
+        }
     }
 
     #[test]
