@@ -69,7 +69,7 @@ pub struct Flag {
 
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// Where the configuration came from, for messages ("<no config file>" when no file was given).
+    /// Where the configuration came from, for messages (`<no config file>` when no file was given).
     pub source: String,
     pub server: ServerConfig,
     pub store: StoreConfig,

@@ -1,9 +1,9 @@
 //! The request path. Unprotected requests stream through. A protected one goes
 //! phase by phase — key → body → fingerprint and scope → reserve and verdict →
-//! forward and complete — and any phase may stop it with a [`Stop`], a value
+//! forward and complete — and any phase may stop it with a `Stop`, a value
 //! that says what enforcement answers; shadow mode turns every stop into a
-//! plain forward in one place ([`stopped`]). An upgrade request (a WebSocket)
-//! is never protected: it becomes a tunnel ([`tunnel`]).
+//! plain forward in one place (`stopped`). An upgrade request (a WebSocket)
+//! is never protected: it becomes a tunnel (`tunnel`).
 
 mod access;
 mod job;
