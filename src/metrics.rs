@@ -77,6 +77,23 @@ struct RouteLabel {
     route: RouteName,
 }
 
+/// One unit of a gauge while this lives: raised when made, lowered when
+/// dropped, also when the task holding it is dropped half-way.
+pub struct Counted(Gauge);
+
+impl Counted {
+    pub fn new(gauge: &Gauge) -> Counted {
+        gauge.inc();
+        Counted(gauge.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Every metric idemproxy exports; cheap to share (the handles are reference-counted).
 pub struct Metrics {
     registry: Registry,

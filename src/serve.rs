@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::conn::Busy;
-use crate::metrics::Metrics;
+use crate::metrics::{Counted, Metrics};
 
 /// How long an HTTP/1.1 connection waits for its next request with hyper's
 /// state and buffers before it is parked. Parking and waking again cost about
@@ -144,14 +144,14 @@ pub async fn serve<IO, S>(
         let mut prefix = join(left, parts.read_buf);
         service = parts.service;
         if prefix.is_empty() {
-            metrics.parked.inc();
+            let counted = Counted::new(&metrics.parked);
             PARKED_SINCE_TRIM.fetch_add(1, Ordering::Relaxed);
             let mut byte = [0u8; 1];
             let next = tokio::select! {
                 r = read_one(inner, &mut byte) => r,
                 () = &mut stopped => None,
             };
-            metrics.parked.dec();
+            drop(counted);
             // The client closed, `idle_timeout` ran out, or the proxy is stopping.
             let Some(back) = next else {
                 return;

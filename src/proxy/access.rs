@@ -15,21 +15,14 @@ use super::{Ctx, Handled, UNPROTECTED, X_REQUEST_ID};
 use crate::app::App;
 use crate::body::Body;
 use crate::grpc;
+use crate::metrics::Counted;
 use crate::routes::Route;
 
-/// Keeps `idemproxy_inflight` right even when hyper drops the handler (client gone).
-struct InflightGuard<'a>(&'a App);
-
-impl Drop for InflightGuard<'_> {
-    fn drop(&mut self) {
-        self.0.metrics.inflight.dec();
-    }
-}
-
 /// What every request has from its start to its log line.
-pub(super) struct Begun<'a> {
+pub(super) struct Begun {
     start: Instant,
-    _inflight: InflightGuard<'a>,
+    /// `idemproxy_inflight`, right even when hyper drops the handler (client gone).
+    _inflight: Counted,
     request_id: Uuid,
     client_request_id: Option<String>,
     grpc: bool,
@@ -38,13 +31,12 @@ pub(super) struct Begun<'a> {
     pub(super) uri: http::Uri,
 }
 
-impl<'a> Begun<'a> {
-    pub(super) fn new(app: &'a App, req: &Request<Incoming>) -> Self {
-        app.metrics.inflight.inc();
+impl Begun {
+    pub(super) fn new(app: &App, req: &Request<Incoming>) -> Self {
         let (request_id, client_request_id) = request_ids(req.headers());
         Begun {
             start: Instant::now(),
-            _inflight: InflightGuard(app),
+            _inflight: Counted::new(&app.metrics.inflight),
             request_id,
             client_request_id,
             grpc: grpc::is_grpc(req.headers()),

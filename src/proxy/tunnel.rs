@@ -5,7 +5,6 @@ use http::{Request, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
-use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 use uuid::Uuid;
@@ -13,7 +12,7 @@ use uuid::Uuid;
 use super::{send, Ctx, Handled};
 use crate::body::Body;
 use crate::conn::{Busy, BusyGuard};
-use crate::metrics::Outcome;
+use crate::metrics::{Counted, Outcome};
 
 /// An HTTP/1.1 request that asks to switch protocols: an `Upgrade` line and
 /// the `upgrade` token in `Connection` (without it, `Upgrade` is just a hop-by-hop header).
@@ -57,7 +56,7 @@ pub(super) async fn open(ctx: &Ctx<'_>, mut req: Request<Incoming>) -> Handled {
         client,
         upstream: hyper::upgrade::on(&mut resp),
         _busy: busy,
-        _open: Open::count(&ctx.app.metrics.tunnels),
+        _open: Counted::new(&ctx.app.metrics.tunnels),
         request_id: ctx.request_id,
         hard_stop: ctx.app.hard_stop.clone(),
     };
@@ -71,26 +70,11 @@ struct Tunnel {
     client: OnUpgrade,
     upstream: OnUpgrade,
     _busy: Option<BusyGuard>,
-    _open: Open,
+    /// Counted in `idemproxy_tunnels` from the 101 until the task ends.
+    _open: Counted,
     request_id: Uuid,
     /// Cancelled when `shutdown_grace` runs out: the tunnel is closed then.
     hard_stop: CancellationToken,
-}
-
-/// One tunnel counted in `idemproxy_tunnels` from its 101 until its task ends.
-struct Open(Gauge);
-
-impl Open {
-    fn count(gauge: &Gauge) -> Open {
-        gauge.inc();
-        Open(gauge.clone())
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
 }
 
 impl Tunnel {
