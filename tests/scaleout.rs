@@ -237,6 +237,105 @@ async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge(
     );
 }
 
+/// The failover `wait_replicas` could not cover when only reservations were
+/// waited for: the master stores the finished record and dies before its
+/// replica has it, and the promoted replica still holds `processing`. The
+/// completion is waited for too, and written again until enough replicas
+/// have it, so the retry after the failover is a replay, not a 409 until the
+/// lease runs out and then a second execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_replicas_writes_a_completion_again_when_the_replica_missed_it() {
+    let mut setup = SentinelSetup::start().await;
+    let upstream = TestUpstream::start().await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis_store(&setup.store_lines())
+        .store("wait_replicas = 1\nwait_timeout = \"100ms\"")
+        .route("payments", "/v1/payments", "lease = \"60s\"")
+        .build();
+    let proxy = Proxy::start(&text).await;
+    let url = proxy.url("/v1/payments");
+
+    // Reserved and replicated (the reserve's WAIT), then held at the upstream.
+    let first = Call::post(&url)
+        .key("f-1")
+        .header("x-test-hold", "1")
+        .spawn("x");
+    upstream.wait_hits(1).await;
+
+    // Cut the replica off before the answer comes: it cannot log back in to
+    // its master, but stays up and answers the sentinels.
+    let (mp, rp) = (setup.master.port, setup.replica.port);
+    redis_cmd(rp, &["CONFIG", "SET", "masteruser", "nobody"])
+        .await
+        .unwrap();
+    redis_cmd(rp, &["CONFIG", "SET", "masterauth", "wrong"])
+        .await
+        .unwrap();
+    redis_cmd(mp, &["CLIENT", "KILL", "TYPE", "replica"])
+        .await
+        .unwrap();
+    eventually("the master to lose its replica", DEADLINE, || async move {
+        let info = reply_text(redis_cmd(mp, &["INFO", "replication"]).await.ok()?);
+        info.contains("connected_slaves:0").then_some(())
+    })
+    .await;
+
+    upstream.release(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "the client has its answer");
+    proxy.wait_log("too few replicas acknowledged it").await;
+    // The record's second byte is its state.
+    let key = format!("idemproxy:{}", idemproxy::key::record_id([], "f-1"));
+    let state = reply_text(redis_cmd(rp, &["GETRANGE", &key, "1", "1"]).await.unwrap());
+    assert_eq!(
+        state, "P",
+        "the replica holds the reservation, not the finished record"
+    );
+
+    // The master dies with the only finished copy; the sentinels promote the replica.
+    setup.master.kill();
+    eventually(
+        "the replica to be promoted",
+        Duration::from_secs(30),
+        || {
+            let setup = &setup;
+            async move { (setup.master_port().await == Some(rp)).then_some(()) }
+        },
+    )
+    .await;
+
+    // The proxy writes the record again on the new master: the retry is a
+    // replay (without that, 409 until the 60 s lease ran out, then a second run).
+    let replay = eventually("the retry to be answered", DEADLINE, || {
+        let url = url.clone();
+        async move {
+            let r = Call::post(&url).key("f-1").body("x").await;
+            (r.status != 409 && r.status != 503).then_some(r)
+        }
+    })
+    .await;
+    assert!(replay.is_replay(), "status {}", replay.status);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.hits(), 1, "executed once");
+    // The new master has no replica: the proxy goes on writing the record
+    // until its lease would run out, without renewing (a renewal would find
+    // the finished record and take it for a lost lease).
+    let written_again = || {
+        proxy
+            .logs()
+            .iter()
+            .filter(|l| l.contains("too few replicas acknowledged it"))
+            .count()
+    };
+    let so_far = written_again();
+    eventually("two more writes of the record", DEADLINE, || {
+        let n = written_again();
+        async move { (n >= so_far + 2).then_some(()) }
+    })
+    .await;
+    assert!(!proxy.logs().iter().any(|l| l.contains("lease lost")));
+}
+
 // ---------------------------------------------------------------------------
 // TLS and an ACL user limited to idemproxy's prefix and commands
 

@@ -88,10 +88,22 @@ pub struct Job {
     pub grpc: bool,
     /// When the lease runs out unless renewed (from before the reserve was sent, to be safe).
     pub lease_until: std::sync::Mutex<tokio::time::Instant>,
-    /// The finished record the store has not taken yet.
-    pub unsaved: Option<Bytes>,
+    /// The finished record the store has not taken yet (or not replicated),
+    /// and how its last attempt went.
+    pub unsaved: Option<(Bytes, Attempt)>,
     /// The request body's room in the budget, until the upstream has it.
     pub request_room: Option<Room>,
+}
+
+/// How one completion attempt went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt {
+    /// Stored, or the key is someone else's now: nothing more to do.
+    Settled,
+    /// Stored on the master, too few replicas acknowledged it: write it again.
+    Unreplicated,
+    /// The store did not take it.
+    Failed,
 }
 
 /// Header or trailer fields as a record keeps them.
@@ -128,9 +140,9 @@ impl Job {
     /// retried until the lease would run out (a store failover shorter than the
     /// lease loses nothing, §8); then the key's fate is settled either way.
     pub async fn settle(mut self) {
-        if let Some(record) = self.unsaved.take() {
+        if let Some((record, last)) = self.unsaved.take() {
             tokio::select! {
-                () = self.complete_in_background(record) => {}
+                () = self.complete_in_background(record, last) => {}
                 // The end of the shutdown grace: the lease frees the key.
                 () = self.claim.app.hard_stop.cancelled() => {}
             }
@@ -320,13 +332,15 @@ impl Job {
                 return;
             }
         };
-        if !self.try_complete(record.clone()).await {
-            self.unsaved = Some(record);
+        match self.try_complete(record.clone()).await {
+            Attempt::Settled => {}
+            last => self.unsaved = Some((record, last)),
         }
     }
 
-    /// One completion attempt; true when the key's fate is settled (stored, or someone else's).
-    async fn try_complete(&self, record: Bytes) -> bool {
+    /// One completion attempt: settled (stored, or someone else's), to be
+    /// written again, or to be retried after a failure.
+    async fn try_complete(&self, record: Bytes) -> Attempt {
         let (claim, ttl) = (&self.claim, self.policy.ttl);
         let stored = claim
             .app
@@ -334,43 +348,64 @@ impl Job {
             .complete(&claim.store_key, claim.token, record, ttl);
         let (id, route) = (&self.request_id, &self.route_name);
         match stored.await {
-            Ok(Completion::Stored) => true,
+            Ok(Completion::Stored) => Attempt::Settled,
             Ok(Completion::StoredAfterExpiry) => {
                 warn!(request_id = %id, route = %route, "lease had expired before completion; nobody else held the key, record stored");
-                true
+                Attempt::Settled
             }
             Ok(Completion::Refused) => {
                 claim.app.metrics.lease_lost(route);
                 warn!(request_id = %id, route = %route, "completion refused: another request owns the key now");
-                true
+                Attempt::Settled
+            }
+            Ok(Completion::Unreplicated { wanted, acked }) => {
+                warn!(request_id = %id, route = %route, wanted, acked, "record stored, but too few replicas acknowledged it; writing it again while the lease lasts");
+                Attempt::Unreplicated
             }
             Err(e) => {
                 warn!(request_id = %id, error = %e, "storing the record failed; retrying while the lease lasts");
-                false
+                Attempt::Failed
             }
         }
     }
 
-    /// Retries a completion, renewing the lease where it can, until the lease would run out.
-    async fn complete_in_background(&self, record: Bytes) {
+    /// Retries a completion until it is settled or the lease would run out.
+    /// After a failure the lease is renewed where it can be; not after an
+    /// unreplicated write (the master holds the finished record, which a
+    /// renewal would take for a lost lease).
+    async fn complete_in_background(&self, record: Bytes, mut last: Attempt) {
         let mut pause = FIRST_PAUSE;
         loop {
             let until = *self.lease_until.lock().unwrap_or_else(|e| e.into_inner());
             if tokio::time::Instant::now() + pause >= until {
-                error!(
-                    request_id = %self.request_id,
-                    route = %self.route_name,
-                    "record could not be stored before the lease ran out; a retry with this key will execute again"
-                );
+                if last == Attempt::Unreplicated {
+                    warn!(
+                        request_id = %self.request_id,
+                        route = %self.route_name,
+                        "record stored, but not acknowledged by enough replicas before the lease ran out; a failover now could execute a retry again"
+                    );
+                } else {
+                    error!(
+                        request_id = %self.request_id,
+                        route = %self.route_name,
+                        "record could not be stored before the lease ran out; a retry with this key will execute again"
+                    );
+                }
                 return;
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(MAX_PAUSE);
-            if self.try_complete(record.clone()).await {
-                info!(request_id = %self.request_id, route = %self.route_name, "record stored after the store recovered");
-                return;
+            last = self.try_complete(record.clone()).await;
+            match last {
+                Attempt::Settled => {
+                    info!(request_id = %self.request_id, route = %self.route_name, "record stored after the store recovered");
+                    return;
+                }
+                Attempt::Failed => {
+                    self.renew().await;
+                }
+                Attempt::Unreplicated => {}
             }
-            self.renew().await;
         }
     }
 

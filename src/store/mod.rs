@@ -105,6 +105,13 @@ pub enum Completion {
     StoredAfterExpiry,
     /// Another owner holds the key; nothing was written.
     Refused,
+    /// Written on the master, but fewer than `wait_replicas` replicas
+    /// acknowledged it in time (or `WAIT` failed): a failover now could bring
+    /// back the `processing` reservation, so the owner writes it again.
+    Unreplicated {
+        wanted: u32,
+        acked: u32,
+    },
 }
 
 /// A record read whole, with its remaining lease or TTL.

@@ -417,6 +417,27 @@ impl RedisStore {
         acked
     }
 
+    /// A record over one piece, written in pieces (see [`pieces`]); once more
+    /// if the key changed under the first attempt.
+    async fn complete_in_pieces(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        token: Token,
+        value: &Bytes,
+        ttl: Duration,
+    ) -> Result<Completion, StoreError> {
+        for _ in 0..2 {
+            let written = pieces::complete(conn, key, token, value, ttl).await;
+            if let Some(done) = written.map_err(|e| self.backend(e))? {
+                return Ok(done);
+            }
+        }
+        Err(StoreError::Backend(
+            "the record changed while it was being written".into(),
+        ))
+    }
+
     async fn wait(&self, conn: &mut Conn, key: &str) -> redis::RedisResult<i64> {
         let mut wait = redis::cmd("WAIT");
         wait.arg(self.wait_replicas).arg(ms(self.wait_timeout));
@@ -535,30 +556,42 @@ impl Operations for RedisStore {
         ttl: Duration,
     ) -> Result<Completion, StoreError> {
         let mut conn = self.conn().await?;
-        if value.len() > pieces::PIECE {
-            // Once more if the key changed under the first attempt.
-            for _ in 0..2 {
-                let written = pieces::complete(&mut conn, key, token, &value, ttl).await;
-                if let Some(done) = written.map_err(|e| self.backend(e))? {
-                    return Ok(done);
+        let done = if value.len() > pieces::PIECE {
+            self.complete_in_pieces(&mut conn, key, token, &value, ttl)
+                .await?
+        } else {
+            let n: i64 = COMPLETE
+                .key(key)
+                .arg(&token.0[..])
+                .arg(value.as_ref())
+                .arg(ms(ttl))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(|e| self.backend(e))?;
+            match n {
+                1 => Completion::Stored,
+                2 => Completion::StoredAfterExpiry,
+                _ => Completion::Refused,
+            }
+        };
+        if done == Completion::Refused || self.wait_replicas == 0 {
+            return Ok(done);
+        }
+        // The finished record is replicated like the reservation was: without
+        // this, a failover right after the answer would bring `processing` back.
+        Ok(match self.wait(&mut conn, key).await {
+            Ok(acked) if acked >= i64::from(self.wait_replicas) => done,
+            Ok(acked) => Completion::Unreplicated {
+                wanted: self.wait_replicas,
+                acked: acked.max(0) as u32,
+            },
+            Err(e) => {
+                warn!(error = %e, "WAIT after a completion failed");
+                Completion::Unreplicated {
+                    wanted: self.wait_replicas,
+                    acked: 0,
                 }
             }
-            return Err(StoreError::Backend(
-                "the record changed while it was being written".into(),
-            ));
-        }
-        let n: i64 = COMPLETE
-            .key(key)
-            .arg(&token.0[..])
-            .arg(value.as_ref())
-            .arg(ms(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.backend(e))?;
-        Ok(match n {
-            1 => Completion::Stored,
-            2 => Completion::StoredAfterExpiry,
-            _ => Completion::Refused,
         })
     }
 
