@@ -9,6 +9,10 @@ wrk -t2 -c64 against:
     cost of a client exchange with no upstream;
   - examples/hyper_floor: a hyper server answering from memory, one tokio
     worker: the same for idemproxy's stack;
+  - examples/hyper_floor with each answer read by reserve.lua from Redis, once
+    through redis-rs as idemproxy uses it and once through a minimal
+    pipelined client: a replay's exchange and store round trip without the
+    rest of the protected path, and what a leaner Redis client would save;
   - idemproxy replaying stored keys (a client exchange plus one Redis round trip).
 Prints CPU µs per request (utime + stime from /proc) and the ratios to the
 nginx proxy, paired per repetition.
@@ -39,13 +43,17 @@ def main():
     stack = bench.Stack(workdir, pin=True)
     try:
         stack.start(os.path.join(bench.ROOT, "target", "release", "idemproxy"))
+        floor_bin = os.path.join(bench.ROOT, "target", "release", "examples", "hyper_floor")
         floor_port, solo_port = bench.free_port(), bench.free_port()
-        floor = stack.spawn([os.path.join(bench.ROOT, "target", "release", "examples", "hyper_floor"),
-                             f"127.0.0.1:{floor_port}"], proxy=True)
+        redis_port, raw_port = bench.free_port(), bench.free_port()
+        floor = stack.spawn([floor_bin, f"127.0.0.1:{floor_port}"], proxy=True)
+        via_redis = stack.spawn([floor_bin, f"127.0.0.1:{redis_port}", f"redis:{stack.redis_port}"], proxy=True)
+        via_raw = stack.spawn([floor_bin, f"127.0.0.1:{raw_port}", f"raw:{stack.redis_port}"], proxy=True)
         solo_conf = stack.nginx_conf("solo", 1, f"listen 127.0.0.1:{solo_port} backlog=4096; "
                                      f"default_type application/json; location / {{ return 200 '{bench.BODY}'; }}")
         solo = stack.spawn(["nginx", "-c", solo_conf], proxy=True)
-        bench.wait_port(floor_port)
+        for port in (floor_port, redis_port, raw_port):
+            bench.wait_port(port)
         bench.wait_port(solo_port)
         for i in range(1, 1001):
             bench.post(stack.url("idemproxy", "/v1/payments"), f"replay-{i}")
@@ -54,6 +62,8 @@ def main():
             "nginx proxy, pass-through": (stack.url("nginx"), None, bench.with_children(stack.nginx.pid)),
             "nginx answering itself": (f"http://127.0.0.1:{solo_port}/x", None, bench.with_children(solo.pid)),
             "hyper answering from memory": (f"http://127.0.0.1:{floor_port}/x", None, [floor.pid]),
+            "hyper + reserve.lua, redis-rs": (f"http://127.0.0.1:{redis_port}/x", None, [via_redis.pid]),
+            "hyper + reserve.lua, minimal": (f"http://127.0.0.1:{raw_port}/x", None, [via_raw.pid]),
             "idemproxy, replay": (stack.url("idemproxy", "/v1/payments"), replay, [stack.idem.pid]),
         }
         for url, script, _ in targets.values():
@@ -69,10 +79,10 @@ def main():
     finally:
         stack.stop()
     ref = runs["nginx proxy, pass-through"]
-    print(f"\n{'server (CPU 1, one worker)':32} {'req/s':>10} {'CPU µs/request':>16} {'vs nginx proxy (paired)':>24}")
+    print(f"\n{'server (CPU 1, one worker)':34} {'req/s':>10} {'CPU µs/request':>16} {'vs nginx proxy (paired)':>24}")
     for name, rs in runs.items():
         ratio = statistics.median(r["proxy_us"] / n["proxy_us"] for r, n in zip(rs, ref))
-        print(f"{name:32} {statistics.median(r['rps'] for r in rs) / 1000:9.1f}k "
+        print(f"{name:34} {statistics.median(r['rps'] for r in rs) / 1000:9.1f}k "
               f"{statistics.median(r['proxy_us'] for r in rs):16.2f} {ratio:23.2f}x")
 
 

@@ -1,28 +1,91 @@
 //! The floor of one client-facing HTTP/1.1 exchange on idemproxy's stack: a
 //! hyper server built as idemproxy builds its own (a header-read timer, no
-//! Nagle), answering every request with a fixed 50-byte JSON body from
-//! memory, on one tokio worker. A replay is this exchange plus a Redis round
-//! trip and the record's decoding, so what this costs per request bounds
-//! what a replay can cost from below. `docs/benchmarks.md` has the figures.
+//! Nagle), on one tokio worker, answering every request with a fixed body.
+//! A replay is this exchange plus a Redis round trip and the record's
+//! decoding, so what this costs per request bounds what a replay can cost
+//! from below. `docs/benchmarks.md` has the figures.
 //!
-//!     cargo run --release --example hyper_floor -- 127.0.0.1:18700
+//!     cargo run --release --example hyper_floor -- 127.0.0.1:18700 [MODE]
+//!
+//! MODE says where the body comes from:
+//! - `memory` (the default): a 50-byte JSON body from memory;
+//! - `redis:PORT`: each request runs `reserve.lua` (idemproxy's own script)
+//!   against a stored 300-byte value on the Redis at 127.0.0.1:PORT, through
+//!   redis-rs's `ConnectionManager` configured as idemproxy's, and answers
+//!   with the value: a replay's exchange and Redis round trip, without the
+//!   rest of the protected path;
+//! - `raw:PORT`: the same round trip through [`Raw`], about the least a
+//!   pipelined Redis client can do on one connection: queued commands
+//!   written together, replies parsed in place and handed to their waiters.
+//!   What redis-rs costs beyond it is what a leaner client could save.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::io;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{Request, Response};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, Notify};
 
 const BODY: &[u8] = br#"{"id":"pay_1","status":"succeeded","amount":4200}"#;
+const RESERVE: &str = include_str!("../src/store/reserve.lua");
+const KEY: &str = "idemproxy-floor:record";
+/// What `reserve.lua` is sent as the reservation it will not get to write.
+const PROCESSING: &[u8] = &[b'P'; 40];
 
-async fn answer(_: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
-    let mut resp = Response::new(Full::new(Bytes::from_static(BODY)));
+enum Source {
+    Memory,
+    Redis(redis::aio::ConnectionManager, redis::Script),
+    Raw(Arc<Raw>, String),
+}
+
+impl Source {
+    async fn body(&self) -> Bytes {
+        match self {
+            Source::Memory => Bytes::from_static(BODY),
+            Source::Redis(conn, script) => {
+                let mut conn = conn.clone();
+                let (value, _ttl): (Vec<u8>, i64) = script
+                    .key(KEY)
+                    .arg(PROCESSING)
+                    .arg(30_000)
+                    .arg(65_536)
+                    .invoke_async(&mut conn)
+                    .await
+                    .expect("reserve.lua through redis-rs");
+                Bytes::from(value)
+            }
+            Source::Raw(raw, sha) => {
+                let mut cmd = Vec::with_capacity(128);
+                pack(
+                    &mut cmd,
+                    &[
+                        b"EVALSHA",
+                        sha.as_bytes(),
+                        b"1",
+                        KEY.as_bytes(),
+                        PROCESSING,
+                        b"30000",
+                        b"65536",
+                    ],
+                );
+                let reply = raw.call(&cmd).await.expect("reserve.lua through Raw");
+                first_bulk(&reply).expect("a {value, ttl} reply")
+            }
+        }
+    }
+}
+
+async fn answer(source: Arc<Source>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let mut resp = Response::new(Full::new(source.body().await));
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
@@ -30,25 +93,205 @@ async fn answer(_: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallibl
     Ok(resp)
 }
 
-fn main() -> std::io::Result<()> {
-    let addr = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| "127.0.0.1:18700".into());
+/// One pipelined connection to Redis. A caller queues its command and its
+/// waiter under one lock (so replies come back in the waiters' order); the
+/// writer task writes the queue, the reader task parses replies and hands
+/// each to the oldest waiter. No `Cmd`, no `Value`, no channel to a driver.
+struct Raw {
+    stream: TcpStream,
+    state: Mutex<State>,
+    queued: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    waiting: VecDeque<oneshot::Sender<Bytes>>,
+    unwritten: Vec<u8>,
+}
+
+impl Raw {
+    async fn connect(port: u16) -> io::Result<Arc<Raw>> {
+        let stream = TcpStream::connect(("127.0.0.1", port)).await?;
+        stream.set_nodelay(true)?;
+        let raw = Arc::new(Raw {
+            stream,
+            state: Mutex::new(State::default()),
+            queued: Notify::new(),
+        });
+        tokio::spawn(raw.clone().read_replies());
+        tokio::spawn(raw.clone().write_queued());
+        Ok(raw)
+    }
+
+    async fn call(&self, cmd: &[u8]) -> Option<Bytes> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut state = self.state.lock().unwrap();
+            state.waiting.push_back(tx);
+            if state.unwritten.is_empty() {
+                self.queued.notify_one();
+            }
+            state.unwritten.extend_from_slice(cmd);
+        }
+        rx.await.ok()
+    }
+
+    /// Writes what the callers queued. It lets the other ready tasks run
+    /// first, so that one write carries the commands of many requests.
+    async fn write_queued(self: Arc<Self>) {
+        let mut out = Vec::new();
+        loop {
+            self.queued.notified().await;
+            tokio::task::yield_now().await;
+            std::mem::swap(&mut out, &mut self.state.lock().unwrap().unwritten);
+            let mut written = 0;
+            while written < out.len() {
+                if self.stream.writable().await.is_err() {
+                    return;
+                }
+                match self.stream.try_write(&out[written..]) {
+                    Ok(n) => written += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => return,
+                }
+            }
+            out.clear();
+        }
+    }
+
+    async fn read_replies(self: Arc<Self>) {
+        let mut buf = BytesMut::with_capacity(64 * 1024);
+        loop {
+            if self.stream.readable().await.is_err() {
+                return;
+            }
+            buf.reserve(16 * 1024);
+            match self.stream.try_read_buf(&mut buf) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(_) => return,
+            }
+            while let Some(len) = reply_len(&buf, 0) {
+                let reply = buf.split_to(len).freeze();
+                let waiter = self.state.lock().unwrap().waiting.pop_front();
+                if let Some(waiter) = waiter {
+                    let _ = waiter.send(reply);
+                }
+            }
+        }
+    }
+}
+
+/// A command in RESP: an array of bulk strings.
+fn pack(out: &mut Vec<u8>, args: &[&[u8]]) {
+    out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a);
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// The length of the complete RESP2 reply at `at`, if it has all arrived.
+fn reply_len(buf: &[u8], at: usize) -> Option<usize> {
+    let line_end = at + buf.get(at..)?.windows(2).position(|w| w == b"\r\n")?;
+    let line = std::str::from_utf8(&buf[at + 1..line_end]).ok()?;
+    let after = line_end + 2;
+    match buf[at] {
+        b'+' | b'-' | b':' => Some(after - at),
+        b'$' => {
+            let n: i64 = line.parse().ok()?;
+            if n < 0 {
+                return Some(after - at);
+            }
+            let end = after + n as usize + 2;
+            (buf.len() >= end).then_some(end - at)
+        }
+        b'*' => {
+            let n: i64 = line.parse().ok()?;
+            let mut pos = after;
+            for _ in 0..n.max(0) {
+                pos += reply_len(buf, pos)?;
+            }
+            Some(pos - at)
+        }
+        _ => None,
+    }
+}
+
+/// The first element of an array reply, when it is a bulk string.
+fn first_bulk(reply: &Bytes) -> Option<Bytes> {
+    let head = reply.iter().position(|&b| b == b'\n')? + 1;
+    let line_end = head + reply[head..].iter().position(|&b| b == b'\r')?;
+    let n: usize = std::str::from_utf8(&reply[head + 1..line_end])
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(reply.slice(line_end + 2..line_end + 2 + n))
+}
+
+async fn source(mode: &str) -> Source {
+    let port = |m: &str| -> u16 { m.parse().expect("MODE: memory, redis:PORT or raw:PORT") };
+    let script = redis::Script::new(RESERVE);
+    let record = vec![b'F'; 300];
+    match mode.split_once(':') {
+        None if mode == "memory" => Source::Memory,
+        Some(("redis", p)) => {
+            let client =
+                redis::Client::open(format!("redis://127.0.0.1:{}/0", port(p))).expect("redis URL");
+            let config = redis::aio::ConnectionManagerConfig::new()
+                .set_response_timeout(None)
+                .set_max_delay(Duration::from_secs(1));
+            let mut conn = redis::aio::ConnectionManager::new_with_config(client, config)
+                .await
+                .expect("connect to redis");
+            let () = redis::cmd("SET")
+                .arg(KEY)
+                .arg(&record)
+                .query_async(&mut conn)
+                .await
+                .expect("SET the record");
+            Source::Redis(conn, script)
+        }
+        Some(("raw", p)) => {
+            let raw = Raw::connect(port(p)).await.expect("connect to redis");
+            let mut cmd = Vec::new();
+            pack(&mut cmd, &[b"SCRIPT", b"LOAD", RESERVE.as_bytes()]);
+            raw.call(&cmd).await.expect("SCRIPT LOAD");
+            cmd.clear();
+            pack(&mut cmd, &[b"SET", KEY.as_bytes(), &record]);
+            raw.call(&cmd).await.expect("SET the record");
+            Source::Raw(raw, script.get_hash().to_string())
+        }
+        _ => panic!("MODE: memory, redis:PORT or raw:PORT"),
+    }
+}
+
+fn main() -> io::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let addr = args.next().unwrap_or_else(|| "127.0.0.1:18700".into());
+    let mode = args.next().unwrap_or_else(|| "memory".into());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
     runtime.block_on(async move {
+        let source = Arc::new(source(&mode).await);
         let listener = TcpListener::bind(&addr).await?;
-        eprintln!("hyper_floor listening on {addr}");
+        eprintln!("hyper_floor listening on {addr} ({mode})");
         loop {
             let (stream, _) = listener.accept().await?;
             let _ = stream.set_nodelay(true);
+            let source = source.clone();
             tokio::spawn(async move {
                 let _ = http1::Builder::new()
                     .timer(TokioTimer::new())
                     .header_read_timeout(Duration::from_secs(10))
-                    .serve_connection(TokioIo::new(stream), service_fn(answer))
+                    .serve_connection(
+                        TokioIo::new(stream),
+                        service_fn(move |_: Request<Incoming>| answer(source.clone())),
+                    )
                     .await;
             });
         }
