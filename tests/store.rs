@@ -403,6 +403,38 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
     assert_eq!(upstream.hits(), 2, "executed once");
 }
 
+/// Scripts are sent by their hash (`EVALSHA`). A store that has lost them (a
+/// restart, a failover, `SCRIPT FLUSH`) answers NOSCRIPT: the proxy loads
+/// the script and sends the command again, and the request never notices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_lost_its_scripts_gets_them_again() {
+    let (redis, upstream, proxy) = on_redis("", ROUTES).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("s-0").body("x").await.status, 201);
+    let noscript = || async {
+        let info: String = redis.cmd(&["INFO", "errorstats"]).await;
+        info.lines()
+            .find_map(|l| l.strip_prefix("errorstat_NOSCRIPT:count="))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // The proxy's own ping reloads lost scripts every 2 s: flush again until
+    // a request met the loss itself.
+    for i in 1..=5 {
+        let before = noscript().await;
+        let () = redis.cmd(&["SCRIPT", "FLUSH"]).await;
+        let key = format!("s-{i}");
+        let r = Call::post(&url).key(&key).body("x").await;
+        if noscript().await > before {
+            assert_eq!(r.status, 201, "a new key after NOSCRIPT");
+            assert!(Call::post(&url).key(&key).body("x").await.is_replay());
+            assert_eq!(upstream.hits(), i + 1);
+            return;
+        }
+    }
+    panic!("no request met NOSCRIPT in five tries");
+}
+
 /// Records larger than a reserve brings back are read from Redis two at a
 /// time: six replays of 1 MiB records at once all come back whole, and
 /// Redis never sees more than two of their reads under way together (a read

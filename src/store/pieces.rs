@@ -17,7 +17,7 @@ use bytes::{Bytes, BytesMut};
 use redis::aio::ConnectionLike;
 use redis::Script;
 
-use super::redis::ms;
+use super::redis::{evalsha, ms, run_script};
 use super::Completion;
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
@@ -101,9 +101,8 @@ pub async fn complete<C: ConnectionLike>(
             piece = first.freeze();
         }
         let last = end == value.len();
-        let n: i64 = SCRIPT
-            .key(key)
-            .arg(&token.0[..])
+        let mut cmd = evalsha(&SCRIPT, key, 5, token.0.len() + piece.len() + 60);
+        cmd.arg(&token.0[..])
             .arg(offset)
             .arg(piece.as_ref())
             .arg(ms(WRITE_LEASE))
@@ -111,9 +110,8 @@ pub async fn complete<C: ConnectionLike>(
                 ms(ttl).to_string()
             } else {
                 String::new()
-            })
-            .invoke_async(conn)
-            .await?;
+            });
+        let n: i64 = run_script(conn, &SCRIPT, &cmd).await?;
         match n {
             1 => {}
             2 => gone = true,

@@ -113,6 +113,35 @@ pub(super) fn ms(d: Duration) -> u64 {
     (d.as_millis() as u64).max(1)
 }
 
+/// `EVALSHA` of `script` on `key`, with room for `args` more arguments of
+/// `bytes` bytes in all (20 per number); the caller adds them. Built in place
+/// at its final size: redis-rs's `ScriptInvocation` copies each key and
+/// argument into a vector of its own, then all of them again into a command
+/// that grows as they come.
+pub(super) fn evalsha(script: &Script, key: &str, args: usize, bytes: usize) -> Cmd {
+    let hash = script.get_hash();
+    let mut cmd = Cmd::with_capacity(4 + args, 8 + hash.len() + key.len() + bytes);
+    cmd.arg("EVALSHA").arg(hash).arg(1).arg(key);
+    cmd
+}
+
+/// Sends `cmd` (from [`evalsha`]); when the server does not have the script
+/// (a restart, a failover, `SCRIPT FLUSH`), loads it and sends `cmd` again,
+/// as `ScriptInvocation::invoke_async` does.
+pub(super) async fn run_script<T: redis::FromRedisValue>(
+    conn: &mut impl ConnectionLike,
+    script: &Script,
+    cmd: &Cmd,
+) -> redis::RedisResult<T> {
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        answer => answer,
+    }
+}
+
 /// The password: `IDEMPROXY_REDIS_PASSWORD`, else `password_file`, else none (a URL may carry one).
 fn password(cfg: &StoreConfig) -> Result<Option<String>, StoreSetupError> {
     match (std::env::var(PASSWORD_ENV), &cfg.password_file) {
@@ -511,12 +540,9 @@ impl Operations for RedisStore {
         inline: u64,
     ) -> Result<Option<Held>, StoreError> {
         let mut conn = self.conn().await?;
-        let found: Value = RESERVE
-            .key(key)
-            .arg(value.as_ref())
-            .arg(ms(lease))
-            .arg(inline)
-            .invoke_async(&mut conn)
+        let mut cmd = evalsha(&RESERVE, key, 3, value.len() + 40);
+        cmd.arg(value.as_ref()).arg(ms(lease)).arg(inline);
+        let found: Value = run_script(&mut conn, &RESERVE, &cmd)
             .await
             .map_err(|e| self.backend(e))?;
         let held = match found {
@@ -560,12 +586,9 @@ impl Operations for RedisStore {
             self.complete_in_pieces(&mut conn, key, token, &value, ttl)
                 .await?
         } else {
-            let n: i64 = COMPLETE
-                .key(key)
-                .arg(&token.0[..])
-                .arg(value.as_ref())
-                .arg(ms(ttl))
-                .invoke_async(&mut conn)
+            let mut cmd = evalsha(&COMPLETE, key, 3, token.0.len() + value.len() + 20);
+            cmd.arg(&token.0[..]).arg(value.as_ref()).arg(ms(ttl));
+            let n: i64 = run_script(&mut conn, &COMPLETE, &cmd)
                 .await
                 .map_err(|e| self.backend(e))?;
             match n {
@@ -597,11 +620,9 @@ impl Operations for RedisStore {
 
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         let mut conn = self.conn().await?;
-        let n: i64 = RENEW
-            .key(key)
-            .arg(&token.0[..])
-            .arg(ms(lease))
-            .invoke_async(&mut conn)
+        let mut cmd = evalsha(&RENEW, key, 2, token.0.len() + 20);
+        cmd.arg(&token.0[..]).arg(ms(lease));
+        let n: i64 = run_script(&mut conn, &RENEW, &cmd)
             .await
             .map_err(|e| self.backend(e))?;
         Ok(n == 1)
@@ -609,10 +630,9 @@ impl Operations for RedisStore {
 
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
         let mut conn = self.conn().await?;
-        let n: i64 = RELEASE
-            .key(key)
-            .arg(&token.0[..])
-            .invoke_async(&mut conn)
+        let mut cmd = evalsha(&RELEASE, key, 1, token.0.len());
+        cmd.arg(&token.0[..]);
+        let n: i64 = run_script(&mut conn, &RELEASE, &cmd)
             .await
             .map_err(|e| self.backend(e))?;
         Ok(n == 1)
