@@ -23,7 +23,7 @@ use tracing::{error, info, warn};
 use crate::app::App;
 use crate::body::Body;
 use crate::config::{Config, ServerConfig};
-use crate::conn::{Busy, BusyGuard, ClientScheme, Guarded};
+use crate::conn::{Busy, BusyGuard, Caller, Guarded};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::serve::{Builders, PARK_AFTER};
@@ -193,7 +193,7 @@ async fn accept(
     // handler, an upstream connection and an answer each.
     let requests = Arc::new(Semaphore::new(config.server.max_connections));
     let http = Arc::new(connection_builder(&config.server));
-    let scheme = ClientScheme(if tls.is_some() { "https" } else { "http" });
+    let scheme = if tls.is_some() { "https" } else { "http" };
     app.accepting.store(true, Ordering::Release);
     tokio::pin!(shutdown);
     loop {
@@ -225,10 +225,13 @@ async fn accept(
         let (app_, requests, conn_busy) = (app.clone(), requests.clone(), busy.clone());
         let began = Arc::new(Notify::new());
         let begin = began.clone();
+        let caller = Caller { addr: peer, scheme };
         let service = service_fn(move |mut req: Request<Incoming>| {
-            // For an upgrade tunnel to keep its connection counted as busy while it lives.
-            req.extensions_mut().insert(busy.clone());
-            req.extensions_mut().insert(scheme);
+            // For an upgrade tunnel to keep its connection counted as busy
+            // while it lives (only there: an extension costs allocations).
+            if proxy::is_upgrade(&req) {
+                req.extensions_mut().insert(busy.clone());
+            }
             let (app, in_progress) = (app_.clone(), busy.enter());
             let request = requests.clone().try_acquire_owned().ok();
             begin.notify_one();
@@ -236,7 +239,7 @@ async fn accept(
                 let resp = match &request {
                     // On the heap (`Handling`): the handler's state is freed once
                     // it has answered, while the stream's task lives on to send the body.
-                    Some(_) => proxy::handle(app, req, peer).await,
+                    Some(_) => proxy::handle(app, req, caller).await,
                     None => over_capacity(&app, &req),
                 };
                 Ok::<_, Infallible>(resp.map(|body| Tracked {

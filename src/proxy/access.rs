@@ -2,7 +2,6 @@
 //! (ours, and the client's `X-Request-Id` when it is not a UUID), its place in
 //! `idemproxy_inflight`, the request metric and the log line.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http::{HeaderMap, Request, Response};
@@ -14,9 +13,11 @@ use uuid::Uuid;
 use super::{Ctx, Handled, UNPROTECTED, X_REQUEST_ID};
 use crate::app::App;
 use crate::body::Body;
+use crate::conn::Caller;
 use crate::grpc;
 use crate::metrics::Counted;
 use crate::routes::Route;
+use crate::store::RecordKey;
 
 /// What every request has from its start to its log line.
 pub(super) struct Begun {
@@ -45,10 +46,10 @@ impl Begun {
         }
     }
 
-    pub(super) fn ctx<'c>(&self, app: &'c Arc<App>, peer: SocketAddr) -> Ctx<'c> {
+    pub(super) fn ctx<'c>(&self, app: &'c Arc<App>, caller: Caller) -> Ctx<'c> {
         Ctx {
             app,
-            peer,
+            caller,
             request_id: self.request_id,
             grpc: self.grpc,
         }
@@ -73,7 +74,7 @@ impl Begun {
             outcome = handled.outcome.as_str(),
             status = handled.response.status().as_u16(),
             duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
-            record_id = handled.record_id.as_deref(),
+            record_id = handled.record_id.as_ref().map(RecordKey::id),
             client_request_id = self.client_request_id,
             "request"
         );

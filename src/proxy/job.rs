@@ -21,7 +21,7 @@ use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::{self, Problem};
 use crate::record::{now_ms, Finished, Record, Token};
 use crate::routes::RouteName;
-use crate::store::{self, Completion};
+use crate::store::{self, Completion, RecordKey};
 use crate::upstream::{Inbound, UpstreamError};
 
 /// Releases: attempts, and the first pause between them.
@@ -37,13 +37,13 @@ const MAX_PAUSE: Duration = Duration::from_secs(1);
 /// reserve was in flight, a panic) leaves no `processing` entry behind (§8).
 pub struct Claim {
     pub app: Arc<App>,
-    pub store_key: String,
+    pub store_key: RecordKey,
     pub token: Token,
     armed: bool,
 }
 
 impl Claim {
-    pub fn new(app: Arc<App>, store_key: String, token: Token) -> Claim {
+    pub fn new(app: Arc<App>, store_key: RecordKey, token: Token) -> Claim {
         Claim {
             app,
             store_key,
@@ -64,14 +64,10 @@ impl Drop for Claim {
         if !self.armed || tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let (app, key, token) = (
-            self.app.clone(),
-            std::mem::take(&mut self.store_key),
-            self.token,
-        );
+        let (app, key, token) = (self.app.clone(), self.store_key.clone(), self.token);
         self.app
             .tasks
-            .spawn(async move { release(&app, &key, token).await });
+            .spawn(async move { release(&app, key.as_str(), token).await });
     }
 }
 
@@ -275,7 +271,7 @@ impl Job {
         let asked = tokio::time::Instant::now();
         match app
             .store
-            .renew(&self.claim.store_key, self.claim.token, lease)
+            .renew(self.claim.store_key.as_str(), self.claim.token, lease)
             .await
         {
             Ok(true) => {
@@ -320,7 +316,12 @@ impl Job {
             trailers,
         });
         // Sealed here, once: a retried completion sends the same bytes.
-        let record = match self.claim.app.store.encode(&self.claim.store_key, &record) {
+        let record = match self
+            .claim
+            .app
+            .store
+            .encode(self.claim.store_key.as_str(), &record)
+        {
             Ok(record) => record,
             Err(e) => {
                 error!(
@@ -345,7 +346,7 @@ impl Job {
         let stored = claim
             .app
             .store
-            .complete(&claim.store_key, claim.token, record, ttl);
+            .complete(claim.store_key.as_str(), claim.token, record, ttl);
         let (id, route) = (&self.request_id, &self.route_name);
         match stored.await {
             Ok(Completion::Stored) => Attempt::Settled,
@@ -410,7 +411,12 @@ impl Job {
     }
 
     async fn release(&self) {
-        release(&self.claim.app, &self.claim.store_key, self.claim.token).await;
+        release(
+            &self.claim.app,
+            self.claim.store_key.as_str(),
+            self.claim.token,
+        )
+        .await;
     }
 }
 

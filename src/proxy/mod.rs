@@ -11,7 +11,6 @@ mod tunnel;
 mod verdict;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,17 +26,19 @@ use uuid::Uuid;
 
 use self::access::Begun;
 use self::job::{Claim, Job};
+pub use self::tunnel::is_upgrade;
 use self::verdict::{replay, Verdict};
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
+use crate::conn::Caller;
 use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName};
-use crate::store::{Inspected, Reservation, StoreError, INLINE_RECORD};
+use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
 use crate::upstream::{Inbound, UpstreamError};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -50,7 +51,7 @@ pub(crate) static UNPROTECTED: std::sync::LazyLock<RouteName> =
 struct Handled {
     response: Response<Body>,
     outcome: Outcome,
-    record_id: Option<String>,
+    record_id: Option<RecordKey>,
 }
 
 impl Handled {
@@ -66,7 +67,7 @@ impl Handled {
 /// The per-request context every phase needs.
 struct Ctx<'a> {
     app: &'a Arc<App>,
-    peer: SocketAddr,
+    caller: Caller,
     request_id: Uuid,
     /// A gRPC request: the proxy's own answers are gRPC errors (§9).
     grpc: bool,
@@ -85,28 +86,28 @@ pub type Handling = Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
 /// the protected path's state (the store's and the recorder's futures) is
 /// ~11 KiB, pass-through's a third of it, and one future for both would be
 /// as large as the larger for every request.
-pub fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Handling {
+pub fn handle(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Handling {
     let unprotected = app.routes().find(req.method(), req.uri().path()).is_none();
     if unprotected && !tunnel::is_upgrade(&req) {
-        Box::pin(pass_through(app, req, peer))
+        Box::pin(pass_through(app, req, caller))
     } else {
-        Box::pin(any_path(app, req, peer))
+        Box::pin(any_path(app, req, caller))
     }
 }
 
 /// A request no route protects (and not an upgrade): streamed both ways.
-async fn pass_through(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+async fn pass_through(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Response<Body> {
     let begun = Begun::new(&app, &req);
-    let ctx = begun.ctx(&app, peer);
+    let ctx = begun.ctx(&app, caller);
     let (parts, body) = req.into_parts();
     let handled = forward(&ctx, parts, Body::Stream(body.into()), Outcome::Passthrough).await;
     begun.finish(&app, &ctx, None, handled)
 }
 
 /// Any request: a tunnel, pass-through or the protected path.
-async fn any_path(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+async fn any_path(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Response<Body> {
     let begun = Begun::new(&app, &req);
-    let ctx = begun.ctx(&app, peer);
+    let ctx = begun.ctx(&app, caller);
     let routes = app.routes();
     let route = routes.find(&begun.method, begun.uri.path());
     let handled = match route {
@@ -128,7 +129,7 @@ async fn forward(
     body: Body,
     outcome: Outcome,
 ) -> Handled {
-    let prepared = ctx.app.upstream.prepare(parts, body, ctx.peer);
+    let prepared = ctx.app.upstream.prepare(parts, body, ctx.caller);
     match send(ctx, prepared).await {
         Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
         Err(problem) => problem,
@@ -203,7 +204,7 @@ struct Pending {
     parts: http::request::Parts,
     /// The body still to be sent: streaming, read whole, or a read prefix then the rest.
     body: Body,
-    record_id: Option<String>,
+    record_id: Option<RecordKey>,
 }
 
 /// The protected path: the phases, and what becomes of a request they stop.
@@ -243,7 +244,7 @@ async fn enforce(
     let key = key.or_from_body(&body, policy.max_key_length);
     let key = phase!(key.map_err(|no| no_key(policy, no)), req);
     let id = Identity::of(ctx.app, policy, &req.parts, &key, &body);
-    req.record_id = Some(id.record_id.clone());
+    req.record_id = Some(id.key.clone());
     let reserved = phase!(reserve(ctx, route, &id).await, req);
     let Pending {
         parts, record_id, ..
@@ -368,8 +369,7 @@ async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<(Bytes
 /// Phase 3: what identifies the operation (the fingerprint) and whose it is (the record id).
 struct Identity {
     fingerprint: [u8; 32],
-    record_id: String,
-    store_key: String,
+    key: RecordKey,
 }
 
 impl Identity {
@@ -389,12 +389,10 @@ impl Identity {
             body,
             policy.fingerprint_body,
         );
-        let record_id = key::request_record_id(&parts.headers, &policy.scope_headers, key);
-        let store_key = app.store.key_for(&record_id);
+        let digest = key::request_record_digest(&parts.headers, &policy.scope_headers, key);
         Identity {
             fingerprint,
-            record_id,
-            store_key,
+            key: app.store.record_key(&digest),
         }
     }
 }
@@ -420,7 +418,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         .budget
         .take(INLINE_RECORD)
         .ok_or(Stop::Refuse(Problem::ProxyBusy))?;
-    let mut claim = Claim::new(app.clone(), id.store_key.clone(), token);
+    let mut claim = Claim::new(app.clone(), id.key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
     let wait_until = Instant::now() + policy.wait_timeout;
@@ -430,7 +428,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         let sent_at = tokio::time::Instant::now();
         let found = app
             .store
-            .reserve(&id.store_key, processing.clone(), policy.lease);
+            .reserve(id.key.as_str(), processing.clone(), policy.lease);
         let judged = match found.await.map_err(store_down)? {
             Reservation::Reserved => Ok(Some((Verdict::Ours, None, None))),
             found => judge(ctx, id, token, found).await,
@@ -469,7 +467,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
                 let left = match ttl {
                     Some(ttl) => ttl,
-                    None => app.store.pttl(&id.store_key).await.map_err(store_down)?,
+                    None => app.store.pttl(id.key.as_str()).await.map_err(store_down)?,
                 };
                 // At most the lease: the first may have finished between the two round
                 // trips, and then PTTL is its record's TTL, not a lease.
@@ -497,7 +495,7 @@ fn processing(route: &Route, id: &Identity, token: Token, created_ms: u64) -> By
 /// keeps it); `None` when the record went away in between.
 async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -> Judged {
     let unreadable = |e: &dyn std::fmt::Display| {
-        error!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "the record under this key cannot be read; not forwarding");
+        error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "the record under this key cannot be read; not forwarding");
         Ok(Some((Verdict::Unreadable, None, None)))
     };
     let (record, ttl, room) = match found {
@@ -512,7 +510,7 @@ async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -
             let Some(room) = ctx.app.budget.take(len) else {
                 return Err(Stop::Refuse(Problem::ProxyBusy));
             };
-            match ctx.app.store.get(&id.store_key).await {
+            match ctx.app.store.get(id.key.as_str()).await {
                 Ok(None) => return Ok(None),
                 Ok(Some(Inspected { record, ttl })) => (record, Some(ttl), Some(room)),
                 Err(StoreError::Decode(e)) => return unreadable(&e),
@@ -536,7 +534,7 @@ type Judged = Result<Option<(Verdict, Option<Duration>, Option<Room>)>, Stop>;
 /// forwarded, whatever `on_store_error` says: the store is there, and
 /// forwarding would drop protection silently.
 fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
-    warn!(request_id = %ctx.request_id, record_id = %id.record_id, error = %e, "store unavailable while reserving");
+    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "store unavailable while reserving");
     Stop::StoreDown {
         may_pass: !matches!(
             e,
@@ -561,7 +559,7 @@ async fn forward_reserved(
             parts.headers.insert(X_REQUEST_ID, v);
         }
     }
-    let request = match app.upstream.prepare(parts, Body::full(body), ctx.peer) {
+    let request = match app.upstream.prepare(parts, Body::full(body), ctx.caller) {
         Ok(r) => r,
         Err(e) => {
             // Dropping the claim releases the key.

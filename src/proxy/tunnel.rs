@@ -16,7 +16,7 @@ use crate::metrics::{Counted, Outcome};
 
 /// An HTTP/1.1 request that asks to switch protocols: an `Upgrade` line and
 /// the `upgrade` token in `Connection` (without it, `Upgrade` is just a hop-by-hop header).
-pub(super) fn is_upgrade<B>(req: &Request<B>) -> bool {
+pub fn is_upgrade<B>(req: &Request<B>) -> bool {
     req.version() == Version::HTTP_11
         && req.headers().contains_key(header::UPGRADE)
         && connection_says_upgrade(req.headers())
@@ -44,7 +44,7 @@ pub(super) async fn open(ctx: &Ctx<'_>, mut req: Request<Incoming>) -> Handled {
     let prepared = ctx
         .app
         .upstream
-        .prepare_upgrade(parts, Body::Stream(body.into()), ctx.peer);
+        .prepare_upgrade(parts, Body::Stream(body.into()), ctx.caller);
     let mut resp = match send(ctx, prepared).await {
         Ok(resp) => resp,
         Err(problem) => return problem,

@@ -97,6 +97,25 @@ pub enum Reservation {
     Large { len: u64 },
 }
 
+/// A record's store key (`prefix:id`) and where its id begins; clones share it.
+#[derive(Clone, Debug)]
+pub struct RecordKey {
+    key: Arc<str>,
+    id_at: usize,
+}
+
+impl RecordKey {
+    /// The key in the store.
+    pub fn as_str(&self) -> &str {
+        &self.key
+    }
+
+    /// The record id (what follows the prefix), as logs and the admin API name it.
+    pub fn id(&self) -> &str {
+        &self.key[self.id_at..]
+    }
+}
+
 /// What `complete` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Completion {
@@ -290,6 +309,19 @@ impl Store {
     }
 
     /// The store key for a record id: `{prefix}:{id}`. The id is a hash, never the raw key.
+    /// The store key of the record whose id is `digest` in hex: one
+    /// allocation, shared by the request's phases, its claim and its log line.
+    pub fn record_key(&self, digest: &[u8; 32]) -> RecordKey {
+        let mut k = String::with_capacity(self.prefix.len() + 1 + 64);
+        k.push_str(&self.prefix);
+        k.push(':');
+        crate::key::push_hex(&mut k, digest);
+        RecordKey {
+            id_at: self.prefix.len() + 1,
+            key: Arc::from(k),
+        }
+    }
+
     pub fn key_for(&self, id: &str) -> String {
         let mut k = String::with_capacity(self.prefix.len() + 1 + id.len());
         k.push_str(&self.prefix);

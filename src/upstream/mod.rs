@@ -18,7 +18,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
 use crate::config::{self, UpstreamProtocol};
-use crate::conn::ClientScheme;
+use crate::conn::Caller;
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1, plus the
 /// legacy `Keep-Alive` and `Proxy-Connection`): never forwarded, never stored.
@@ -182,7 +182,7 @@ impl Upstream {
 
     /// Prepares a client request for the upstream: URI, version, hop-by-hop
     /// headers removed, `X-Forwarded-For` / `X-Forwarded-Proto` (the
-    /// request's [`ClientScheme`], `http` without one) added. The
+    /// [`Caller`]'s scheme) added. The
     /// client's authority is kept as `Host` to an HTTP/1.1 upstream (over
     /// HTTP/2 it came as `:authority`), and goes as `X-Forwarded-Host` to an
     /// HTTP/2 one, whose `:authority` names the upstream itself.
@@ -190,7 +190,7 @@ impl Upstream {
         &self,
         mut parts: http::request::Parts,
         body: Body,
-        peer: SocketAddr,
+        caller: Caller,
     ) -> Result<Request<Body>, UpstreamError> {
         let version = self.version_for(parts.version);
         let client_authority = parts.uri.authority().cloned();
@@ -221,7 +221,7 @@ impl Upstream {
                 }
             }
         }
-        let xff = forwarded_for(h, peer);
+        let xff = forwarded_for(h, caller.addr);
         h.insert(X_FORWARDED_FOR, xff);
         // hyper's HTTP/1.1 client sends a body of unknown length on GET, HEAD
         // and CONNECT as no body at all unless `Transfer-Encoding` says
@@ -240,11 +240,7 @@ impl Upstream {
         }
         // A TLS-terminating load balancer in front may have said "https" already: keep it.
         if !h.contains_key(X_FORWARDED_PROTO) {
-            let scheme = parts
-                .extensions
-                .get::<ClientScheme>()
-                .map_or("http", |s| s.0);
-            h.insert(X_FORWARDED_PROTO, HeaderValue::from_static(scheme));
+            h.insert(X_FORWARDED_PROTO, HeaderValue::from_static(caller.scheme));
         }
         Ok(Request::from_parts(parts, body))
     }
@@ -255,10 +251,10 @@ impl Upstream {
         &self,
         parts: http::request::Parts,
         body: Body,
-        peer: SocketAddr,
+        caller: Caller,
     ) -> Result<Request<Body>, UpstreamError> {
         let lines = upgrade_lines(&parts.headers);
-        let mut req = self.prepare(parts, body, peer)?;
+        let mut req = self.prepare(parts, body, caller)?;
         restore_upgrade(req.headers_mut(), lines);
         Ok(req)
     }
