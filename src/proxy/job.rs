@@ -371,11 +371,12 @@ impl Job {
     }
 
     /// Retries a completion until it is settled or the lease would run out.
-    /// After a failure the lease is renewed where it can be; not after an
-    /// unreplicated write (the master holds the finished record, which a
-    /// renewal would take for a lost lease).
+    /// After a failure the lease is renewed where it can be, unless a write
+    /// has reached a master already (an unreplicated one): that master holds
+    /// the finished record, which a renewal would take for a lost lease.
     async fn complete_in_background(&self, record: Bytes, mut last: Attempt) {
         let mut pause = FIRST_PAUSE;
+        let mut written = last == Attempt::Unreplicated;
         loop {
             let until = *self.lease_until.lock().unwrap_or_else(|e| e.into_inner());
             if tokio::time::Instant::now() + pause >= until {
@@ -402,10 +403,11 @@ impl Job {
                     info!(request_id = %self.request_id, route = %self.route_name, "record stored after the store recovered");
                     return;
                 }
-                Attempt::Failed => {
+                Attempt::Failed if !written => {
                     self.renew().await;
                 }
-                Attempt::Unreplicated => {}
+                Attempt::Failed => {}
+                Attempt::Unreplicated => written = true,
             }
         }
     }
