@@ -23,12 +23,20 @@ type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
 /// A text message that asks the server to close the connection itself.
 const CLOSE_ME: &str = "server, close please";
 
+/// A text message after which the server stops reading and keeps its socket
+/// open, whatever the other side does.
+const HOLD: &str = "server, hold the line";
+
+/// A text message after which the server drops its socket without a close frame.
+const VANISH: &str = "server, vanish";
+
 /// A path on which the server refuses the handshake with a 403.
 const FORBIDDEN: &str = "/forbidden";
 
 /// A WebSocket echo server: echoes text and binary messages, closes with code
-/// 4000 when asked to, refuses handshakes on [`FORBIDDEN`], and reports each
-/// close it sees on `events`.
+/// 4000 when asked to, holds or drops its socket when asked to ([`HOLD`],
+/// [`VANISH`]), refuses handshakes on [`FORBIDDEN`], and reports each close
+/// it sees on `events`.
 struct EchoServer {
     addr: SocketAddr,
     events: mpsc::UnboundedReceiver<String>,
@@ -79,6 +87,16 @@ async fn echo(stream: TcpStream, events: mpsc::UnboundedSender<String>) {
                     reason: "server says bye".into(),
                 }))
                 .await
+            }
+            Ok(Message::Text(t)) if t.as_str() == HOLD => {
+                let _ = events.send("holding".to_string());
+                // Never reads again and never closes: the socket stays open.
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+            Ok(Message::Text(t)) if t.as_str() == VANISH => {
+                let _ = events.send("vanishing".to_string());
+                return;
             }
             Ok(m @ (Message::Text(_) | Message::Binary(_))) => ws.send(m).await,
             Ok(Message::Close(frame)) => {
@@ -294,7 +312,7 @@ async fn a_tunnel_holds_its_connection_slot_until_it_closes() {
     first.close(None).await.expect("close");
     wait_closed(&mut first).await;
     assert_eq!(server.next_event().await, "close: ");
-    // The tunnel ends when both sides have closed their sockets.
+    // The tunnel ends when either side closes its socket.
     drop(first);
     let (mut second, _) = tokio::time::timeout(DEADLINE, second)
         .await
@@ -304,7 +322,7 @@ async fn a_tunnel_holds_its_connection_slot_until_it_closes() {
     echoes(&mut second, Message::text("my turn")).await;
 }
 
-/// `idemproxy_tunnels` counts a tunnel from its 101 until both sides have closed.
+/// `idemproxy_tunnels` counts a tunnel from its 101 until it closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_tunnels_are_counted_until_they_close() {
     let (mut server, proxy) = start("").await;
@@ -327,6 +345,51 @@ async fn open_tunnels_are_counted_until_they_close() {
     })
     .await;
     echoes(&mut second, Message::text("still open")).await;
+}
+
+/// A tunnel ends when either side closes (§9), not when both have: a side
+/// that stays open after the other has gone (a server that never reads
+/// again, a client that never reads the end) keeps no tunnel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_ends_when_either_side_closes() {
+    let (mut server, proxy) = start("").await;
+    let tunnels = || async { metric(&proxy, "idemproxy_tunnels").await };
+
+    // The client goes away; the server holds its socket open.
+    let mut ws = connect(&proxy, "/chat").await;
+    ws.send(Message::text(HOLD)).await.expect("send");
+    assert_eq!(server.next_event().await, "holding");
+    eventually("the tunnel counted", DEADLINE, || async {
+        (tunnels().await == 1.0).then_some(())
+    })
+    .await;
+    drop(ws);
+    eventually(
+        "the tunnel closed by the client's end",
+        DEADLINE,
+        || async { (tunnels().await == 0.0).then_some(()) },
+    )
+    .await;
+    assert!(proxy
+        .logs()
+        .iter()
+        .any(|l| l.contains("tunnel closed") && l.contains(r#""ended_by":"client""#)));
+
+    // The server goes away; the client stays connected and reads nothing.
+    let mut ws = connect(&proxy, "/chat").await;
+    ws.send(Message::text(VANISH)).await.expect("send");
+    assert_eq!(server.next_event().await, "vanishing");
+    eventually(
+        "the tunnel closed by the server's end",
+        DEADLINE,
+        || async { (tunnels().await == 0.0).then_some(()) },
+    )
+    .await;
+    assert!(proxy
+        .logs()
+        .iter()
+        .any(|l| l.contains("tunnel closed") && l.contains(r#""ended_by":"upstream""#)));
+    drop(ws);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

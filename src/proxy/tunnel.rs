@@ -5,6 +5,7 @@ use http::{Request, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 use uuid::Uuid;
@@ -89,8 +90,10 @@ impl Tunnel {
     }
 }
 
-/// Copies bytes both ways until both directions have ended (an end on one
-/// side is passed on to the other as a shutdown of its write half).
+/// Copies bytes both ways until either side ends (§9): its end is passed on
+/// to the other side as a shutdown of its write half, and then the tunnel
+/// closes. A side that stays open after the other has gone, a peer that
+/// ignores the end or never reads it, keeps no tunnel and no connection slot.
 async fn join(client: OnUpgrade, upstream: OnUpgrade, request_id: Uuid) {
     let (client, upstream) = match tokio::try_join!(client, upstream) {
         Ok(both) => both,
@@ -100,12 +103,27 @@ async fn join(client: OnUpgrade, upstream: OnUpgrade, request_id: Uuid) {
             return;
         }
     };
-    let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream));
-    match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-        Ok((to_upstream, to_client)) => {
-            info!(request_id = %request_id, to_upstream, to_client, "tunnel closed");
+    let (mut from_client, mut to_client) = tokio::io::split(TokioIo::new(client));
+    let (mut from_upstream, mut to_upstream) = tokio::io::split(TokioIo::new(upstream));
+    let up = async {
+        let copied = tokio::io::copy(&mut from_client, &mut to_upstream).await;
+        let _ = to_upstream.shutdown().await;
+        copied
+    };
+    let down = async {
+        let copied = tokio::io::copy(&mut from_upstream, &mut to_client).await;
+        let _ = to_client.shutdown().await;
+        copied
+    };
+    let (ended_by, copied) = tokio::select! {
+        copied = up => ("client", copied),
+        copied = down => ("upstream", copied),
+    };
+    match copied {
+        Ok(bytes) => info!(request_id = %request_id, ended_by, bytes, "tunnel closed"),
+        Err(e) => {
+            info!(request_id = %request_id, ended_by, error = %e, "tunnel closed by an error")
         }
-        Err(e) => info!(request_id = %request_id, error = %e, "tunnel closed by an error"),
     }
 }
 
