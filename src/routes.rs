@@ -86,7 +86,7 @@ impl PathPattern {
         };
         let last = self.segments.len();
         for (i, seg) in self.segments.iter().enumerate() {
-            let (head, tail) = match rest.find('/') {
+            let (head, tail) = match rest.bytes().position(|b| b == b'/') {
                 Some(pos) => (&rest[..pos], Some(&rest[pos + 1..])),
                 None => (rest, None),
             };
@@ -184,9 +184,19 @@ impl RouteTable {
     }
 
     pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
+        self.position(method, path).map(|i| &self.routes[i])
+    }
+
+    /// Where in the table the first route for `method` and `path` is.
+    pub fn position(&self, method: &Method, path: &str) -> Option<usize> {
         self.routes
             .iter()
-            .find(|r| r.methods.iter().any(|m| m == method) && r.path.matches(path))
+            .position(|r| r.methods.iter().any(|m| m == method) && r.path.matches(path))
+    }
+
+    /// The route at `position` (from [`RouteTable::position`] on this table).
+    pub fn at(&self, position: usize) -> &Route {
+        &self.routes[position]
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Route> {

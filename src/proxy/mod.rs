@@ -37,7 +37,7 @@ use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
 use crate::record::{now_ms, Finished, Processing, Record, Token};
-use crate::routes::{Route, RouteName};
+use crate::routes::{Route, RouteName, RouteTable};
 use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
 use crate::upstream::{Inbound, UpstreamError};
 
@@ -87,11 +87,13 @@ pub type Handling = Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
 /// ~11 KiB, pass-through's a third of it, and one future for both would be
 /// as large as the larger for every request.
 pub fn handle(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Handling {
-    let unprotected = app.routes().find(req.method(), req.uri().path()).is_none();
-    if unprotected && !tunnel::is_upgrade(&req) {
+    // Looked up once, in one table (a reload between two lookups could disagree).
+    let routes = app.routes();
+    let position = routes.position(req.method(), req.uri().path());
+    if position.is_none() && !tunnel::is_upgrade(&req) {
         Box::pin(pass_through(app, req, caller))
     } else {
-        Box::pin(any_path(app, req, caller))
+        Box::pin(any_path(app, req, caller, (routes, position)))
     }
 }
 
@@ -104,12 +106,17 @@ async fn pass_through(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> 
     begun.finish(&app, &ctx, None, handled)
 }
 
-/// Any request: a tunnel, pass-through or the protected path.
-async fn any_path(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Response<Body> {
+/// Any request: a tunnel, pass-through or the protected path, under the
+/// route `handle` found (its position in `routes`).
+async fn any_path(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    caller: Caller,
+    (routes, position): (Arc<RouteTable>, Option<usize>),
+) -> Response<Body> {
     let begun = Begun::new(&app, &req);
     let ctx = begun.ctx(&app, caller);
-    let routes = app.routes();
-    let route = routes.find(&begun.method, begun.uri.path());
+    let route = position.map(|i| routes.at(i));
     let handled = match route {
         // Never protected, on any path: a tunnel has no answer to store (§9).
         _ if tunnel::is_upgrade(&req) => tunnel::open(&ctx, req).await,
