@@ -364,32 +364,29 @@ async fn a_tunnel_ends_when_either_side_closes() {
     })
     .await;
     drop(ws);
-    eventually(
-        "the tunnel closed by the client's end",
-        DEADLINE,
-        || async { (tunnels().await == 0.0).then_some(()) },
-    )
-    .await;
-    assert!(proxy
-        .logs()
-        .iter()
-        .any(|l| l.contains("tunnel closed") && l.contains(r#""ended_by":"client""#)));
+    closed_by(&proxy, "client").await;
 
     // The server goes away; the client stays connected and reads nothing.
     let mut ws = connect(&proxy, "/chat").await;
     ws.send(Message::text(VANISH)).await.expect("send");
     assert_eq!(server.next_event().await, "vanishing");
+    closed_by(&proxy, "upstream").await;
+    drop(ws);
+}
+
+/// Waits until no tunnel is open, and checks that the log says `side` ended it.
+async fn closed_by(proxy: &Proxy, side: &str) {
     eventually(
-        "the tunnel closed by the server's end",
+        &format!("the tunnel closed by the {side}"),
         DEADLINE,
-        || async { (tunnels().await == 0.0).then_some(()) },
+        || async { (metric(proxy, "idemproxy_tunnels").await == 0.0).then_some(()) },
     )
     .await;
+    let ended = format!(r#""ended_by":"{side}""#);
     assert!(proxy
         .logs()
         .iter()
-        .any(|l| l.contains("tunnel closed") && l.contains(r#""ended_by":"upstream""#)));
-    drop(ws);
+        .any(|l| l.contains("tunnel closed") && l.contains(&ended)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
