@@ -308,9 +308,9 @@ impl Store {
         matches!(self.inner, Inner::Memory(_))
     }
 
-    /// The store key for a record id: `{prefix}:{id}`. The id is a hash, never the raw key.
-    /// The store key of the record whose id is `digest` in hex: one
-    /// allocation, shared by the request's phases, its claim and its log line.
+    /// The store key of the record whose id is `digest` in hex, made once per
+    /// request and shared (a reference count) by its phases, its claim and
+    /// its log line.
     pub fn record_key(&self, digest: &[u8; 32]) -> RecordKey {
         let mut k = String::with_capacity(self.prefix.len() + 1 + 64);
         k.push_str(&self.prefix);
@@ -322,6 +322,7 @@ impl Store {
         }
     }
 
+    /// The store key for a record id: `{prefix}:{id}`. The id is a hash, never the raw key.
     pub fn key_for(&self, id: &str) -> String {
         let mut k = String::with_capacity(self.prefix.len() + 1 + id.len());
         k.push_str(&self.prefix);
