@@ -498,13 +498,7 @@ async fn the_only_seed_master_dies_under_traffic() {
     // pause on every master, so that operations keep failing and the proxy
     // reconnects, through the nodes it learned.
     let masters = [its_replica, cluster.shards[1].0, cluster.shards[2].0];
-    let reconnects = || {
-        proxy
-            .logs()
-            .iter()
-            .filter(|l| l.contains("made a new cluster connection"))
-            .count()
-    };
+    let reconnects = || proxy.log_count("made a new cluster connection");
     let before = reconnects();
     for port in masters {
         redis_cmd(port, &["CLIENT", "PAUSE", "3000", "WRITE"])

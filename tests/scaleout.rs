@@ -320,19 +320,9 @@ async fn wait_replicas_writes_a_completion_again_when_the_replica_missed_it() {
     // The new master has no replica: the proxy goes on writing the record
     // until its lease would run out, without renewing (a renewal would find
     // the finished record and take it for a lost lease).
-    let written_again = || {
-        proxy
-            .logs()
-            .iter()
-            .filter(|l| l.contains("too few replicas acknowledged it"))
-            .count()
-    };
-    let so_far = written_again();
-    eventually("two more writes of the record", DEADLINE, || {
-        let n = written_again();
-        async move { (n >= so_far + 2).then_some(()) }
-    })
-    .await;
+    let rewrite = "too few replicas acknowledged it";
+    let so_far = proxy.log_count(rewrite);
+    proxy.wait_nth_log(rewrite, so_far + 2).await;
     assert!(!proxy.logs().iter().any(|l| l.contains("lease lost")));
 }
 

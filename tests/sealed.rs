@@ -84,20 +84,6 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// Waits until `n` log lines contain `text`; returns the last of them.
-async fn nth_log(proxy: &Proxy, text: &str, n: usize) -> serde_json::Value {
-    eventually(&format!("{n} log lines with {text:?}"), DEADLINE, || {
-        let found: Vec<String> = proxy
-            .logs()
-            .into_iter()
-            .filter(|l| l.contains(text))
-            .collect();
-        let line = (found.len() >= n).then(|| found[n - 1].clone());
-        async move { line.map(|l| serde_json::from_str(&l).unwrap()) }
-    })
-    .await
-}
-
 fn assert_no_key_in(proxy: &Proxy) {
     for line in proxy.logs() {
         for key in [K1, K2, K3] {
@@ -188,7 +174,7 @@ async fn rotation_keeps_old_records_until_their_key_is_removed(backend: Backend)
     // A new first key: it seals new records; the old one still opens its own.
     keys.write(&["# new first", K2, K1]);
     env.proxy.signal("HUP");
-    let line = nth_log(&env.proxy, "encryption keys reloaded", 1).await;
+    let line = env.proxy.wait_nth_log("encryption keys reloaded", 1).await;
     assert_eq!(line["sealing_key_id"], "k2");
     let replay = Call::post(&url).key("k-old").body("x").await;
     assert!(replay.is_replay());
@@ -201,7 +187,7 @@ async fn rotation_keeps_old_records_until_their_key_is_removed(backend: Backend)
     // The old key removed: its records cannot be read (500), never re-executed.
     keys.write(&[K2]);
     env.proxy.signal("HUP");
-    nth_log(&env.proxy, "encryption keys reloaded", 2).await;
+    env.proxy.wait_nth_log("encryption keys reloaded", 2).await;
     let r = Call::post(&url).key("k-old").body("x").await;
     assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["type"], "record-unreadable");
@@ -265,7 +251,10 @@ async fn a_failed_key_reload_keeps_the_keys_in_use(backend: Backend) {
     let short = format!("k2:{}", &secret(K2)[..20]);
     keys.write(&[K1, &short]);
     env.proxy.signal("HUP");
-    let failed = nth_log(&env.proxy, "encryption key reload failed", 1).await;
+    let failed = env
+        .proxy
+        .wait_nth_log("encryption key reload failed", 1)
+        .await;
     let error = failed["error"].as_str().unwrap();
     let at = format!("{}:2: store.encryption_key_file", keys.path.display());
     assert!(error.contains(&at), "{error}");
@@ -277,14 +266,17 @@ async fn a_failed_key_reload_keeps_the_keys_in_use(backend: Backend) {
     // A file that is gone: the same.
     std::fs::remove_file(&keys.path).unwrap();
     env.proxy.signal("HUP");
-    let failed = nth_log(&env.proxy, "encryption key reload failed", 2).await;
+    let failed = env
+        .proxy
+        .wait_nth_log("encryption key reload failed", 2)
+        .await;
     assert!(failed["error"].as_str().unwrap().contains("cannot read"));
     assert!(Call::post(&url).key("k-b").body("x").await.is_replay());
 
     // A later reload still applies.
     keys.write(&[K3, K1]);
     env.proxy.signal("HUP");
-    nth_log(&env.proxy, "encryption keys reloaded", 1).await;
+    env.proxy.wait_nth_log("encryption keys reloaded", 1).await;
     assert_eq!(Call::post(&url).key("k-c").body("x").await.status, 201);
     assert_eq!(admin_view(&env.proxy, "k-c").await["key_id"], "k3");
     assert!(Call::post(&url).key("k-a").body("x").await.is_replay());

@@ -164,6 +164,32 @@ impl Proxy {
         .await
     }
 
+    /// How many log lines so far contain `text`.
+    pub fn log_count(&self, text: &str) -> usize {
+        self.logs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains(text))
+            .count()
+    }
+
+    /// Waits until `n` log lines contain `text`; returns the `n`th, parsed.
+    pub async fn wait_nth_log(&self, text: &str, n: usize) -> serde_json::Value {
+        eventually(&format!("{n} log lines with {text:?}"), DEADLINE, || {
+            let nth = self
+                .logs
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains(text))
+                .nth(n - 1)
+                .cloned();
+            async move { nth.map(|l| serde_json::from_str(&l).expect("JSON log line")) }
+        })
+        .await
+    }
+
     /// Replaces the configuration file (for SIGHUP reload tests).
     pub fn rewrite_config(&self, text: &str) {
         std::fs::write(self._config.path(), text).expect("rewrite config");
