@@ -45,14 +45,15 @@ def main():
         stack.start(os.path.join(bench.ROOT, "target", "release", "idemproxy"))
         floor_bin = os.path.join(bench.ROOT, "target", "release", "examples", "hyper_floor")
         floor_port, solo_port = bench.free_port(), bench.free_port()
-        redis_port, raw_port = bench.free_port(), bench.free_port()
+        redis_port, raw_port, wire_port = bench.free_port(), bench.free_port(), bench.free_port()
         floor = stack.spawn([floor_bin, f"127.0.0.1:{floor_port}"], proxy=True)
         via_redis = stack.spawn([floor_bin, f"127.0.0.1:{redis_port}", f"redis:{stack.redis_port}"], proxy=True)
         via_raw = stack.spawn([floor_bin, f"127.0.0.1:{raw_port}", f"raw:{stack.redis_port}"], proxy=True)
+        via_wire = stack.spawn([floor_bin, f"127.0.0.1:{wire_port}", f"wire:{stack.redis_port}"], proxy=True)
         solo_conf = stack.nginx_conf("solo", 1, f"listen 127.0.0.1:{solo_port} backlog=4096; "
                                      f"default_type application/json; location / {{ return 200 '{bench.BODY}'; }}")
         solo = stack.spawn(["nginx", "-c", solo_conf], proxy=True)
-        for port in (floor_port, redis_port, raw_port):
+        for port in (floor_port, redis_port, raw_port, wire_port):
             bench.wait_port(port)
         bench.wait_port(solo_port)
         for i in range(1, 1001):
@@ -64,6 +65,7 @@ def main():
             "hyper answering from memory": (f"http://127.0.0.1:{floor_port}/x", None, [floor.pid]),
             "hyper + reserve.lua, redis-rs": (f"http://127.0.0.1:{redis_port}/x", None, [via_redis.pid]),
             "hyper + reserve.lua, minimal": (f"http://127.0.0.1:{raw_port}/x", None, [via_raw.pid]),
+            "hyper + reserve.lua, minimal as ConnectionLike": (f"http://127.0.0.1:{wire_port}/x", None, [via_wire.pid]),
             "idemproxy, replay": (stack.url("idemproxy", "/v1/payments"), replay, [stack.idem.pid]),
         }
         for url, script, _ in targets.values():

@@ -18,6 +18,9 @@
 //!   pipelined Redis client can do on one connection: queued commands
 //!   written together, replies parsed in place and handed to their waiters.
 //!   What redis-rs costs beyond it is what a leaner client could save.
+//! - `wire:PORT`: the same round trip through idemproxy's own connection
+//!   (`idemproxy::store::wire::Wire`, behind redis-rs's `ConnectionLike`,
+//!   as the store uses it on plain TCP): a `Cmd` in, a `Value` out.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -32,6 +35,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use idemproxy::store::wire::Wire;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
@@ -45,6 +49,7 @@ enum Source {
     Memory,
     Redis(redis::aio::ConnectionManager, redis::Script),
     Raw(Arc<Raw>, String),
+    Wire(Wire, String),
 }
 
 impl Source {
@@ -79,6 +84,17 @@ impl Source {
                 );
                 let reply = raw.call(&cmd).await.expect("reserve.lua through Raw");
                 first_bulk(&reply).expect("a {value, ttl} reply")
+            }
+            Source::Wire(wire, sha) => {
+                let mut cmd = redis::Cmd::with_capacity(7, 160);
+                // As the store builds it (`evalsha` in src/store/redis.rs).
+                cmd.arg("EVALSHA").arg(sha.as_str()).arg(1).arg(KEY);
+                cmd.arg(PROCESSING).arg(30_000).arg(65_536);
+                let (value, _ttl): (Vec<u8>, i64) = cmd
+                    .query_async(&mut wire.clone())
+                    .await
+                    .expect("reserve.lua through Wire");
+                Bytes::from(value)
             }
         }
     }
@@ -264,7 +280,26 @@ async fn source(mode: &str) -> Source {
             raw.call(&cmd).await.expect("SET the record");
             Source::Raw(raw, script.get_hash().to_string())
         }
-        _ => panic!("MODE: memory, redis:PORT or raw:PORT"),
+        Some(("wire", p)) => {
+            let info = redis::IntoConnectionInfo::into_connection_info(format!(
+                "redis://127.0.0.1:{}/0",
+                port(p)
+            ))
+            .expect("redis URL");
+            let mut wire = Wire::connect(&info)
+                .await
+                .expect("connect to redis")
+                .expect("a plain TCP address");
+            let () = redis::cmd("SET")
+                .arg(KEY)
+                .arg(&record)
+                .query_async(&mut wire)
+                .await
+                .expect("SET the record");
+            script.load_async(&mut wire).await.expect("SCRIPT LOAD");
+            Source::Wire(wire, script.get_hash().to_string())
+        }
+        _ => panic!("MODE: memory, redis:PORT, raw:PORT or wire:PORT"),
     }
 }
 

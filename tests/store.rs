@@ -578,3 +578,149 @@ async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
     assert_eq!(n, 0);
     assert_eq!(upstream.hits(), 1, "executed once");
 }
+
+// ---------------------------------------------------------------------------
+// idemproxy's own Redis connection (`store::wire`, used on plain TCP): one
+// socket pipelines every caller's commands, and replies go back in order.
+
+/// A store on `redis` with more `[store]` lines.
+fn store_on(redis: &RedisServer, lines: &str) -> idemproxy::store::Store {
+    let text = ConfigBuilder::new("http://127.0.0.1:1")
+        .redis(redis)
+        .store(lines)
+        .build();
+    let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
+    idemproxy::store::Store::new(
+        &cfg.store,
+        std::sync::Arc::new(idemproxy::metrics::Metrics::new()),
+    )
+    .unwrap()
+}
+
+fn processing(token: idemproxy::record::Token) -> bytes::Bytes {
+    idemproxy::record::Record::Processing(idemproxy::record::Processing {
+        token,
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+    })
+    .encode()
+}
+
+/// The store's connections from Redis's side (`CLIENT LIST`, less the
+/// connection that asks).
+async fn store_connections(redis: &RedisServer) -> usize {
+    let list: String = redis.cmd(&["CLIENT", "LIST", "TYPE", "normal"]).await;
+    list.lines().filter(|l| !l.contains("cmd=client")).count()
+}
+
+/// A caller that stops waiting leaves its reply to arrive later. That reply
+/// must be dropped, not handed to the next caller on the same socket: here
+/// the first call (on a taken key) is given up while Redis is paused, a
+/// second (on a free key) queued behind it, and the second must get its own
+/// answer, "reserved", not the first one's "taken".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_comes_too_late_goes_to_nobody_else() {
+    use idemproxy::record::Token;
+    use idemproxy::store::Reservation;
+    use std::time::Duration;
+
+    let redis = RedisServer::start().await;
+    let store = store_on(&redis, "op_timeout = \"5s\"");
+    let lease = Duration::from_secs(30);
+    let (taken, free) = (store.key_for("taken"), store.key_for("free"));
+    let first = Token::new();
+    let r = store
+        .reserve(&taken, processing(first), lease)
+        .await
+        .unwrap();
+    assert!(matches!(r, Reservation::Reserved), "{r:?}");
+    assert_eq!(store_connections(&redis).await, 1, "one connection");
+
+    let () = redis.cmd(&["CLIENT", "PAUSE", "700", "ALL"]).await;
+    // Given up by its caller (not by the store's timeout, which would count
+    // a failure): its command is on the wire already.
+    let given_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        store.reserve(&taken, processing(Token::new()), lease),
+    )
+    .await;
+    assert!(given_up.is_err(), "Redis is paused: {given_up:?}");
+    let second = Token::new();
+    let r = store
+        .reserve(&free, processing(second), lease)
+        .await
+        .unwrap();
+    assert!(
+        matches!(r, Reservation::Reserved),
+        "the second caller gets its own answer, not the given-up one's: {r:?}"
+    );
+    // Both commands ran, in order, on the one connection.
+    let owner = |key: String| {
+        let store = &store;
+        async move {
+            match store.reserve(&key, processing(Token::new()), lease).await {
+                Ok(Reservation::Existing { record, .. }) => record.token(),
+                other => panic!("{key} is held: {other:?}"),
+            }
+        }
+    };
+    assert_eq!(owner(taken).await, first);
+    assert_eq!(owner(free).await, second);
+    assert_eq!(store_connections(&redis).await, 1, "still one connection");
+}
+
+/// A connection Redis closed is made anew by the next operation: at most the
+/// one operation that raced the close fails (the store's rule of two failures
+/// in a row before reconnecting is for connections that hang, not for ones
+/// that are plainly gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_redis_closed_is_made_anew_by_the_next_operation() {
+    let redis = RedisServer::start().await;
+    let store = store_on(&redis, "op_timeout = \"2s\"");
+    for round in 0..3 {
+        store.ping().await.unwrap();
+        let killed: i64 = redis
+            .cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"])
+            .await;
+        assert!(killed >= 1, "round {round}: the store's connection");
+        let failed = std::cell::Cell::new(0);
+        eventually("an operation to succeed again", DEADLINE, || {
+            let (store, failed) = (&store, &failed);
+            async move {
+                match store.get(&store.key_for("k")).await {
+                    Ok(_) => Some(()),
+                    Err(e) => {
+                        failed.set(failed.get() + 1);
+                        assert!(failed.get() <= 1, "round {round}: failed twice: {e}");
+                        None
+                    }
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// A connection the store gives up (operations kept timing out: a hung
+/// store) is closed, not left open beside its replacement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_store_gave_up_is_closed() {
+    let redis = RedisServer::start().await;
+    let store = store_on(&redis, "op_timeout = \"100ms\"");
+    store.ping().await.unwrap();
+    let () = redis.cmd(&["CLIENT", "PAUSE", "800", "ALL"]).await;
+    for _ in 0..2 {
+        let e = store.get(&store.key_for("k")).await.unwrap_err();
+        assert!(matches!(e, idemproxy::store::StoreError::Timeout(_)), "{e}");
+    }
+    // The next operation connects anew (and waits out the pause).
+    eventually("the store to answer again", DEADLINE, || async {
+        store.get(&store.key_for("k")).await.ok()
+    })
+    .await;
+    eventually("the given-up connection to be closed", DEADLINE, || async {
+        (store_connections(&redis).await == 1).then_some(())
+    })
+    .await;
+}

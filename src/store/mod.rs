@@ -14,6 +14,7 @@ mod cluster;
 mod memory;
 mod pieces;
 mod redis;
+pub mod wire;
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -16,6 +16,7 @@ use tracing::{info, warn};
 
 use super::cluster::ClusterNodes;
 use super::pieces;
+use super::wire::Wire;
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
@@ -42,7 +43,11 @@ const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
 /// One connection type for the three modes, so the store code is the same.
 #[derive(Clone)]
 enum Conn {
-    /// Standalone or Sentinel: a multiplexed connection that reconnects on I/O errors.
+    /// Standalone or Sentinel over plain TCP: idemproxy's own pipelined
+    /// connection. Once broken it is made anew for the next operation.
+    Wire(Wire),
+    /// Standalone or Sentinel over TLS or a Unix socket: a multiplexed
+    /// connection that reconnects on I/O errors.
     Single(ConnectionManager),
     /// Cluster: follows MOVED/ASK and the slot map by itself.
     Cluster(ClusterConnection),
@@ -51,6 +56,7 @@ enum Conn {
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
+            Conn::Wire(c) => c.req_packed_command(cmd),
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
         }
@@ -63,6 +69,7 @@ impl ConnectionLike for Conn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
+            Conn::Wire(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
@@ -70,6 +77,7 @@ impl ConnectionLike for Conn {
 
     fn get_db(&self) -> i64 {
         match self {
+            Conn::Wire(c) => c.get_db(),
             Conn::Single(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
         }
@@ -317,20 +325,20 @@ impl RedisStore {
         }
     }
 
-    /// The shared connection (a cheap handle), connecting first when there is none.
+    /// The shared connection (a cheap handle), connecting first when there is
+    /// none or when ours broke.
     async fn conn(&self) -> Result<Conn, StoreError> {
-        if let Some(c) = self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            return Ok(c.clone());
+        if let Some(c) = self.usable() {
+            return Ok(c);
         }
         let _one_at_a_time = self.connecting.lock().await;
-        if let Some(c) = self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            return Ok(c.clone());
+        if let Some(c) = self.usable() {
+            return Ok(c);
         }
         let fresh = match &self.source {
-            Source::Standalone { client, config } => Conn::Single(
-                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
-                    .map_err(|e| self.backend(e))?,
-            ),
+            Source::Standalone { client, config } => {
+                self.single(client.clone(), config.clone()).await?
+            }
             Source::Sentinel { sentinel, config } => {
                 let client = sentinel
                     .lock()
@@ -339,10 +347,7 @@ impl RedisStore {
                     .await
                     .map_err(|e| self.backend(e))?;
                 info!(master = ?client.get_connection_info().addr(), "sentinel named the master");
-                Conn::Single(
-                    ConnectionManager::new_lazy_with_config(client, config.clone())
-                        .map_err(|e| self.backend(e))?,
-                )
+                self.single(client, config.clone()).await?
             }
             Source::Cluster(nodes) => {
                 Conn::Cluster(nodes.connect().await.map_err(|e| self.backend(e))?)
@@ -350,6 +355,35 @@ impl RedisStore {
         };
         *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
         Ok(fresh)
+    }
+
+    /// The current connection, unless there is none or it is one of ours that broke.
+    fn usable(&self) -> Option<Conn> {
+        match self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(Conn::Wire(w)) if w.is_broken() => None,
+            other => other.cloned(),
+        }
+    }
+
+    /// A standalone server or Sentinel's master: our own connection over
+    /// plain TCP (connected now, within `op_timeout`), redis-rs's otherwise
+    /// (connected by its first command).
+    async fn single(
+        &self,
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+    ) -> Result<Conn, StoreError> {
+        let wire =
+            tokio::time::timeout(self.op_timeout, Wire::connect(client.get_connection_info()))
+                .await
+                .map_err(|_| StoreError::Timeout(self.op_timeout))?;
+        match wire.map_err(|e| self.backend(e))? {
+            Some(w) => Ok(Conn::Wire(w)),
+            None => Ok(Conn::Single(
+                ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(|e| self.backend(e))?,
+            )),
+        }
     }
 
     /// Told after every operation whether the store failed; gives up a connection that keeps failing.
@@ -471,6 +505,7 @@ impl RedisStore {
         let mut wait = redis::cmd("WAIT");
         wait.arg(self.wait_replicas).arg(ms(self.wait_timeout));
         match conn {
+            Conn::Wire(c) => wait.query_async(c).await,
             Conn::Single(c) => wait.query_async(c).await,
             Conn::Cluster(c) => {
                 // WAIT names no key: send it to the master of the key's slot.

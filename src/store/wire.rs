@@ -1,0 +1,526 @@
+//! A pipelined Redis connection of idemproxy's own, for plain TCP (standalone
+//! and Sentinel masters): the hot path's round trips without redis-rs's
+//! driver task and channel.
+//!
+//! redis-rs's multiplexed connection sends every command through a channel to
+//! a driver task that owns the socket and answers through a oneshot; measured
+//! (`bench/floor.py`), that costs a replay 2–5 µs more per round trip than a
+//! connection where the caller queues its bytes itself. Here a caller packs
+//! its command straight into the output buffer and queues its waiter under one
+//! lock (so replies come back in the waiters' order); one task writes what is
+//! queued, another parses replies in place and hands each to the oldest
+//! waiter. It speaks RESP2 and implements redis-rs's `ConnectionLike`, so the
+//! store's code (commands, scripts, pipelines) is the same on every connection.
+//!
+//! What it does not do, redis-rs's `ConnectionManager` still does: TLS, Unix
+//! sockets and RESP3 connect through it (see `RedisStore`). A broken
+//! connection stays broken: every call on it fails at once, and the store
+//! makes a new one (asking the sentinels again) for the next operation.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::{Buf, BytesMut};
+use redis::aio::ConnectionLike;
+use redis::{
+    Cmd, ConnectionAddr, ConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, RedisResult, Value,
+};
+use tokio::net::TcpStream;
+use tokio::sync::{oneshot, Notify};
+use tokio::task::AbortHandle;
+
+/// A bulk reply longer than this is taken for a broken stream, not waited
+/// for: no reply the store asks for is over a piece of a record (256 KiB).
+const MAX_BULK: usize = 16 << 20;
+/// A status, error or length line longer than this is a broken stream too.
+const MAX_LINE: usize = 64 << 10;
+/// Bytes queued for a store that does not read them: beyond this, calls fail
+/// at once (the store is down) instead of queueing more.
+const MAX_UNWRITTEN: usize = 64 << 20;
+/// Arrays nested deeper than this are taken for a broken stream: no reply the
+/// store asks for nests more than two levels, and the parser recurses.
+const MAX_DEPTH: usize = 8;
+/// Buffers grown by a large record are given back once idle above this size.
+const KEEP: usize = 64 << 10;
+/// Bytes read at a time.
+const READ: usize = 16 << 10;
+
+/// One pipelined connection; clones share it. It closes when the last clone goes.
+#[derive(Clone)]
+pub struct Wire {
+    handle: Arc<Handle>,
+    db: i64,
+}
+
+/// Owned by the clones: dropping the last one stops the two tasks, which
+/// closes the socket (a connection the store gave up must not linger).
+struct Handle {
+    shared: Arc<Shared>,
+    tasks: [AbortHandle; 2],
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        self.shared
+            .fail(io::ErrorKind::ConnectionAborted, "connection closed");
+    }
+}
+
+struct Shared {
+    stream: TcpStream,
+    state: Mutex<State>,
+    /// Set once, when the connection failed; read without the lock.
+    broken: AtomicBool,
+    /// Wakes the writer when the first bytes are queued.
+    queued: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    waiting: VecDeque<Waiter>,
+    unwritten: Vec<u8>,
+    /// Why the connection failed: every call fails with it from then on.
+    failure: Option<(io::ErrorKind, &'static str)>,
+}
+
+/// A caller waiting for `left` more replies; `got` holds those that came.
+struct Waiter {
+    left: usize,
+    got: Vec<Value>,
+    tx: oneshot::Sender<Vec<Value>>,
+}
+
+impl Shared {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks the connection failed and drops every waiter (each gets an error).
+    fn fail(&self, kind: io::ErrorKind, why: &'static str) {
+        self.broken.store(true, Ordering::Release);
+        let waiting = {
+            let mut state = self.state();
+            state.failure.get_or_insert((kind, why));
+            state.unwritten = Vec::new();
+            std::mem::take(&mut state.waiting)
+        };
+        drop(waiting);
+    }
+
+    /// Hands one reply to the oldest waiter. `false`: nobody asked for it.
+    fn deliver(&self, value: Value) -> bool {
+        let mut state = self.state();
+        let Some(waiter) = state.waiting.front_mut() else {
+            return false;
+        };
+        waiter.got.push(value);
+        waiter.left -= 1;
+        if waiter.left == 0 {
+            if let Some(done) = state.waiting.pop_front() {
+                drop(state);
+                // A caller that stopped waiting (its timeout) lets the reply go.
+                let _ = done.tx.send(done.got);
+            }
+        }
+        true
+    }
+}
+
+impl Wire {
+    /// Connects to `info` when it is a plain TCP address spoken in RESP2,
+    /// authenticates and selects its database. `Ok(None)`: an address this
+    /// connection does not handle (TLS, a Unix socket, RESP3).
+    pub async fn connect(info: &ConnectionInfo) -> RedisResult<Option<Wire>> {
+        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+            return Ok(None);
+        };
+        let settings = info.redis_settings();
+        if settings.protocol() != ProtocolVersion::RESP2 {
+            return Ok(None);
+        }
+        let stream = TcpStream::connect((host.as_str(), *port)).await?;
+        stream.set_nodelay(true)?;
+        let mut wire = Wire::start(stream, settings.db());
+        if let Some(password) = settings.password() {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(user) = settings.username() {
+                auth.arg(user);
+            }
+            auth.arg(password).query_async::<()>(&mut wire).await?;
+        }
+        if settings.db() != 0 {
+            redis::cmd("SELECT")
+                .arg(settings.db())
+                .query_async::<()>(&mut wire)
+                .await?;
+        }
+        Ok(Some(wire))
+    }
+
+    fn start(stream: TcpStream, db: i64) -> Wire {
+        let shared = Arc::new(Shared {
+            stream,
+            state: Mutex::new(State::default()),
+            broken: AtomicBool::new(false),
+            queued: Notify::new(),
+        });
+        let reader = tokio::spawn(read_replies(shared.clone())).abort_handle();
+        let writer = tokio::spawn(write_queued(shared.clone())).abort_handle();
+        Wire {
+            handle: Arc::new(Handle {
+                shared,
+                tasks: [reader, writer],
+            }),
+            db,
+        }
+    }
+
+    /// The connection failed (or was closed): calls on it fail at once.
+    pub fn is_broken(&self) -> bool {
+        self.handle.shared.broken.load(Ordering::Acquire)
+    }
+
+    /// Queues what `write` packs and waits for `replies` replies to it.
+    async fn call(
+        &self,
+        write: impl FnOnce(&mut Vec<u8>),
+        replies: usize,
+    ) -> RedisResult<Vec<Value>> {
+        let shared = &self.handle.shared;
+        if replies == 0 {
+            return Ok(Vec::new());
+        }
+        let rx = {
+            let mut state = shared.state();
+            if let Some((kind, why)) = state.failure {
+                return Err(io::Error::new(kind, why).into());
+            }
+            if state.unwritten.len() > MAX_UNWRITTEN {
+                return Err(io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    "the store is not reading what was sent (64 MiB queued)",
+                )
+                .into());
+            }
+            let (tx, rx) = oneshot::channel();
+            state.waiting.push_back(Waiter {
+                left: replies,
+                got: Vec::with_capacity(replies),
+                tx,
+            });
+            if state.unwritten.is_empty() {
+                shared.queued.notify_one();
+            }
+            write(&mut state.unwritten);
+            rx
+        };
+        rx.await.map_err(|_| {
+            let (kind, why) = shared
+                .state()
+                .failure
+                .unwrap_or((io::ErrorKind::ConnectionAborted, "connection closed"));
+            io::Error::new(kind, why).into()
+        })
+    }
+}
+
+impl ConnectionLike for Wire {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let mut got = self.call(|out| cmd.write_packed_command(out), 1).await?;
+            got.pop().ok_or_else(|| lost().into())
+        })
+    }
+
+    /// The pipeline's `offset + count` replies; the first `offset` are
+    /// skipped (a transaction's `QUEUED`s), unless one is an error.
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let packed = pipeline.get_packed_pipeline();
+            let mut got = self
+                .call(|out| out.extend_from_slice(&packed), offset + count)
+                .await?;
+            if let Some(e) = got[..offset]
+                .iter()
+                .find(|v| matches!(v, Value::ServerError(_)))
+            {
+                return Err(e
+                    .clone()
+                    .extract_error()
+                    .err()
+                    .unwrap_or_else(|| lost().into()));
+            }
+            Ok(got.split_off(offset))
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.db
+    }
+}
+
+fn lost() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, "a reply went missing")
+}
+
+/// Writes what the callers queued. It lets the other ready tasks run first,
+/// so that one write carries the commands of many requests.
+async fn write_queued(shared: Arc<Shared>) {
+    let mut out = Vec::new();
+    loop {
+        shared.queued.notified().await;
+        // Measured (bench/ab.py): without this yield a new key costs 1.25x
+        // the CPU (a write per command); with two, no better than one.
+        tokio::task::yield_now().await;
+        std::mem::swap(&mut out, &mut shared.state().unwritten);
+        let mut written = 0;
+        while written < out.len() {
+            if let Err(e) = shared.stream.writable().await {
+                return shared.fail(e.kind(), "writing to the store failed");
+            }
+            match shared.stream.try_write(&out[written..]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return shared.fail(e.kind(), "writing to the store failed"),
+            }
+        }
+        out.clear();
+        if out.capacity() > KEEP {
+            out = Vec::new();
+        }
+    }
+}
+
+/// Reads replies and hands each to its waiter, until the stream ends or
+/// breaks the protocol.
+async fn read_replies(shared: Arc<Shared>) {
+    let mut buf = BytesMut::with_capacity(READ);
+    loop {
+        if let Err(e) = shared.stream.readable().await {
+            return shared.fail(e.kind(), "reading from the store failed");
+        }
+        buf.reserve(READ);
+        match shared.stream.try_read_buf(&mut buf) {
+            Ok(0) => {
+                return shared.fail(
+                    io::ErrorKind::ConnectionReset,
+                    "the store closed the connection",
+                )
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return shared.fail(e.kind(), "reading from the store failed"),
+        }
+        loop {
+            let value = match parse(&buf) {
+                Ok(Some((value, len))) => {
+                    buf.advance(len);
+                    value
+                }
+                Ok(None) => break,
+                Err(why) => return shared.fail(io::ErrorKind::InvalidData, why),
+            };
+            if !shared.deliver(value) {
+                return shared.fail(
+                    io::ErrorKind::InvalidData,
+                    "the store sent a reply nobody asked for",
+                );
+            }
+        }
+        if buf.is_empty() && buf.capacity() > KEEP {
+            buf = BytesMut::with_capacity(READ);
+        }
+    }
+}
+
+/// One RESP2 reply at the start of `buf`: its length once it has all arrived
+/// (`None` until then), or why the stream is broken. Checks everything
+/// [`value`] relies on, and allocates nothing: a reply arriving in many reads
+/// is scanned again at each, but built once.
+fn reply_len(buf: &[u8], depth: usize) -> Result<Option<usize>, &'static str> {
+    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        return if buf.len() > MAX_LINE {
+            Err("the store sent a line over 64 KiB")
+        } else {
+            Ok(None)
+        };
+    };
+    let after = end + 2;
+    match buf[0] {
+        b'+' | b'-' => Ok(Some(after)),
+        b':' => number(&buf[1..end]).map(|_| Some(after)),
+        b'$' => match number(&buf[1..end])? {
+            n if n < 0 => Ok(Some(after)),
+            n if n as u64 > MAX_BULK as u64 => Err("the store sent a bulk reply over 16 MiB"),
+            n => {
+                let end = after + n as usize;
+                match buf.get(end..end + 2) {
+                    None => Ok(None),
+                    Some(b"\r\n") => Ok(Some(end + 2)),
+                    Some(_) => Err("the store sent a bulk reply of the wrong length"),
+                }
+            }
+        },
+        b'*' => {
+            let n = number(&buf[1..end])?;
+            if n > 0 && depth >= MAX_DEPTH {
+                return Err("the store sent arrays nested too deep");
+            }
+            let mut at = after;
+            for _ in 0..n.max(0) {
+                match reply_len(&buf[at..], depth + 1)? {
+                    Some(len) => at += len,
+                    None => return Ok(None),
+                }
+            }
+            Ok(Some(at))
+        }
+        _ => Err("the store sent a reply of an unknown type"),
+    }
+}
+
+fn number(digits: &[u8]) -> Result<i64, &'static str> {
+    std::str::from_utf8(digits)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or("the store sent a malformed number")
+}
+
+/// The reply at the start of `buf`, which [`reply_len`] found whole, and its
+/// length. Values as redis-rs's parser makes them (`+OK` is `Okay`, a null
+/// bulk or array is `Nil`); an error goes through redis-rs's own parser,
+/// which knows the kinds (`NOSCRIPT`, `READONLY`...).
+fn value(buf: &[u8]) -> Result<(Value, usize), &'static str> {
+    let end = buf
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .ok_or("a reply cut short")?;
+    let (line, after) = (&buf[1..end], end + 2);
+    let value = match buf[0] {
+        b'+' if line == b"OK" => Value::Okay,
+        b'+' => Value::SimpleString(String::from_utf8_lossy(line).into_owned()),
+        b'-' => redis::parse_redis_value(&buf[..after])
+            .map_err(|_| "the store sent a malformed error")?,
+        b':' => Value::Int(number(line)?),
+        b'$' | b'*' if number(line)? < 0 => Value::Nil,
+        b'$' => {
+            let n = number(line)? as usize;
+            let data = buf.get(after..after + n).ok_or("a reply cut short")?;
+            return Ok((Value::BulkString(data.to_vec()), after + n + 2));
+        }
+        b'*' => {
+            let n = number(line)? as usize;
+            let mut items = Vec::with_capacity(n);
+            let mut at = after;
+            for _ in 0..n {
+                let (item, len) = value(&buf[at..])?;
+                items.push(item);
+                at += len;
+            }
+            return Ok((Value::Array(items), at));
+        }
+        _ => return Err("the store sent a reply of an unknown type"),
+    };
+    Ok((value, after))
+}
+
+/// The next whole reply in `buf` and its length, `None` until it has arrived.
+fn parse(buf: &[u8]) -> Result<Option<(Value, usize)>, &'static str> {
+    match reply_len(buf, 0)? {
+        None => Ok(None),
+        Some(_) => value(buf).map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole(bytes: &[u8]) -> Value {
+        let (value, len) = parse(bytes).unwrap().unwrap();
+        assert_eq!(len, bytes.len(), "the whole reply is consumed");
+        value
+    }
+
+    /// Every reply the store asks for parses as redis-rs's own parser parses it.
+    #[test]
+    fn replies_parse_as_redis_rs_parses_them() {
+        let replies: &[&[u8]] = &[
+            b"+OK\r\n",
+            b"+PONG\r\n",
+            b":42\r\n",
+            b":-2\r\n",
+            b"$-1\r\n",
+            b"$0\r\n\r\n",
+            b"$5\r\nhe\r\no\r\n",
+            b"*-1\r\n",
+            b"*0\r\n",
+            b"*2\r\n$3\r\nabc\r\n:1500\r\n",
+            b"*2\r\n*1\r\n:1\r\n$-1\r\n",
+            b"-NOSCRIPT No matching script. Please use EVAL.\r\n",
+            b"-READONLY You can't write against a read only replica.\r\n",
+            b"-ERR wrong number of arguments\r\n",
+        ];
+        for reply in replies {
+            assert_eq!(
+                whole(reply),
+                redis::parse_redis_value(reply).unwrap(),
+                "{}",
+                String::from_utf8_lossy(reply)
+            );
+        }
+        let Value::ServerError(e) = whole(b"-NOSCRIPT No matching script.\r\n") else {
+            panic!("an error reply is a ServerError");
+        };
+        assert_eq!(
+            e.kind(),
+            Some(redis::ServerErrorKind::NoScript),
+            "the script is reloaded on NOSCRIPT"
+        );
+    }
+
+    /// Every proper prefix of a reply is incomplete, never an error or a value.
+    #[test]
+    fn a_reply_cut_anywhere_waits_for_the_rest() {
+        let reply = b"*3\r\n$3\r\nabc\r\n*2\r\n:1\r\n$-1\r\n+OK\r\n";
+        for cut in 0..reply.len() {
+            assert_eq!(parse(&reply[..cut]), Ok(None), "cut at {cut}");
+        }
+        assert!(matches!(parse(reply), Ok(Some((_, n))) if n == reply.len()));
+    }
+
+    #[test]
+    fn a_malformed_stream_is_an_error_not_a_wait() {
+        let bad: &[&[u8]] = &[
+            b"?what\r\n",
+            b":12x\r\n",
+            b"$abc\r\n",
+            b"$3\r\nabcde\r\n",
+            b"$99999999999\r\n",
+            b"*1\r\n:x\r\n",
+            b"$-99999999999999999999999\r\n",
+        ];
+        for reply in bad {
+            assert!(parse(reply).is_err(), "{}", String::from_utf8_lossy(reply));
+        }
+        let deep = b"*1\r\n".repeat(MAX_DEPTH + 1);
+        assert!(parse(&deep).is_err(), "nesting is bounded");
+        // A huge count with nothing behind it is waited for (nothing is built
+        // until the whole reply is there).
+        assert_eq!(parse(b"*2000000000\r\n"), Ok(None));
+        // A line that never ends is not waited for without bound.
+        assert_eq!(parse(&[b'+'; 1000]), Ok(None));
+        assert!(parse(&vec![b'+'; MAX_LINE + 1]).is_err());
+        assert!(parse(format!("${}\r\n", MAX_BULK + 1).as_bytes()).is_err());
+    }
+}
