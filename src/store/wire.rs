@@ -273,15 +273,34 @@ fn lost() -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, "a reply went missing")
 }
 
+/// Goes to the back of the worker's run queue once: the tasks ready now run
+/// first (and queue their commands), without waiting for the I/O driver as
+/// `tokio::task::yield_now` does. A task that wakes itself while it runs is
+/// rescheduled as a yield, behind the others (tokio's harness), never in
+/// the slot that runs next. Measured with `bench/ab.py` against writing
+/// at once (a write per command: new keys 1.25x the CPU) and against
+/// `yield_now` (this: new keys 0.96x, replays 0.97x the CPU, 2 % more of
+/// both per second).
+async fn behind_ready_tasks() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await
+}
+
 /// Writes what the callers queued. It lets the other ready tasks run first,
 /// so that one write carries the commands of many requests.
 async fn write_queued(shared: Arc<Shared>) {
     let mut out = Vec::new();
     loop {
         shared.queued.notified().await;
-        // Measured (bench/ab.py): without this yield a new key costs 1.25x
-        // the CPU (a write per command); with two, no better than one.
-        tokio::task::yield_now().await;
+        behind_ready_tasks().await;
         std::mem::swap(&mut out, &mut shared.state().unwritten);
         let mut written = 0;
         while written < out.len() {
