@@ -346,7 +346,12 @@ async fn read_replies(shared: Arc<Shared>) {
                     buf.advance(len);
                     value
                 }
-                Ok(None) => break,
+                Ok(None) => {
+                    // A large bulk (a record's piece) gets its room at once,
+                    // not by doubling through the reads that bring it.
+                    buf.reserve(bulk_len(&buf).saturating_sub(buf.len()));
+                    break;
+                }
                 Err(why) => return shared.fail(io::ErrorKind::InvalidData, why),
             };
             if !shared.deliver(value) {
@@ -405,6 +410,22 @@ fn reply_len(buf: &[u8], depth: usize) -> Result<Option<usize>, &'static str> {
             Ok(Some(at))
         }
         _ => Err("the store sent a reply of an unknown type"),
+    }
+}
+
+/// The whole length of the bulk reply `buf` starts with, once its length
+/// line is in (0 otherwise). Only for a `buf` that [`reply_len`] accepted:
+/// the length is at most [`MAX_BULK`].
+fn bulk_len(buf: &[u8]) -> usize {
+    if buf.first() != Some(&b'$') {
+        return 0;
+    }
+    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        return 0;
+    };
+    match number(&buf[1..end]) {
+        Ok(n) if (0..=MAX_BULK as i64).contains(&n) => end + 2 + n as usize + 2,
+        _ => 0,
     }
 }
 
@@ -516,6 +537,13 @@ mod tests {
             assert_eq!(parse(&reply[..cut]), Ok(None), "cut at {cut}");
         }
         assert!(matches!(parse(reply), Ok(Some((_, n))) if n == reply.len()));
+        assert_eq!(
+            bulk_len(b"$300000\r\nab"),
+            300_011,
+            "room for a piece at once"
+        );
+        assert_eq!(bulk_len(b"$3000"), 0);
+        assert_eq!(bulk_len(b"*1\r\n$3\r\n"), 0);
     }
 
     #[test]
