@@ -9,10 +9,12 @@ wrk -t2 -c64 against:
     cost of a client exchange with no upstream;
   - examples/hyper_floor: a hyper server answering from memory, one tokio
     worker: the same for idemproxy's stack;
-  - examples/hyper_floor with each answer read by reserve.lua from Redis, once
-    through redis-rs as idemproxy uses it and once through a minimal
-    pipelined client: a replay's exchange and store round trip without the
-    rest of the protected path, and what a leaner Redis client would save;
+  - examples/hyper_floor with each answer read by reserve.lua from Redis:
+    through redis-rs's ConnectionManager (as idemproxy used it until
+    2026-12-01, and still does over TLS), through a minimal pipelined client,
+    and through idemproxy's own connection (store::wire, a Cmd in and a Value
+    out): a replay's exchange and store round trip without the rest of the
+    protected path;
   - idemproxy replaying stored keys (a client exchange plus one Redis round trip).
 Prints CPU µs per request (utime + stime from /proc) and the ratios to the
 nginx proxy, paired per repetition.
@@ -65,7 +67,7 @@ def main():
             "hyper answering from memory": (f"http://127.0.0.1:{floor_port}/x", None, [floor.pid]),
             "hyper + reserve.lua, redis-rs": (f"http://127.0.0.1:{redis_port}/x", None, [via_redis.pid]),
             "hyper + reserve.lua, minimal": (f"http://127.0.0.1:{raw_port}/x", None, [via_raw.pid]),
-            "hyper + reserve.lua, minimal as ConnectionLike": (f"http://127.0.0.1:{wire_port}/x", None, [via_wire.pid]),
+            "hyper + reserve.lua, store::wire": (f"http://127.0.0.1:{wire_port}/x", None, [via_wire.pid]),
             "idemproxy, replay": (stack.url("idemproxy", "/v1/payments"), replay, [stack.idem.pid]),
         }
         for url, script, _ in targets.values():

@@ -1,4 +1,5 @@
-//! The Redis store: standalone, Sentinel or Cluster behind one connection type.
+//! The Redis store: standalone, Sentinel or Cluster behind one connection type
+//! (our own [`Wire`] over plain TCP, redis-rs's connections otherwise).
 //! Every operation is a small Lua script beside this file (reserve, complete,
 //! renew, release) or a plain read, and touches one key.
 
