@@ -460,6 +460,14 @@ async fn redis_restart_gives_503_then_recovers_without_a_proxy_restart() {
         "scripts were loaded again"
     );
     assert!(env.proxy.logs().iter().all(|l| !l.contains("panicked")));
+    let broke = env
+        .proxy
+        .wait_log("the store connection broke; connecting again")
+        .await;
+    assert!(
+        broke["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "the broken connection is logged with its reason: {broke}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -336,6 +336,12 @@ impl RedisStore {
         if let Some(c) = self.usable() {
             return Ok(c);
         }
+        if let Some(Conn::Wire(w)) = self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            warn!(
+                error = w.failure(),
+                "the store connection broke; connecting again"
+            );
+        }
         let fresh = match &self.source {
             Source::Standalone { client, config } => {
                 self.single(client.clone(), config.clone()).await?

@@ -185,6 +185,15 @@ impl Wire {
         self.handle.shared.broken.load(Ordering::Acquire)
     }
 
+    /// Why the connection failed, once it has.
+    pub fn failure(&self) -> &'static str {
+        self.handle
+            .shared
+            .state()
+            .failure
+            .map_or("", |(_, why)| why)
+    }
+
     /// Queues what `write` packs and waits for `replies` replies to it.
     async fn call(
         &self,
