@@ -336,7 +336,16 @@ impl RedisStore {
         if let Some(c) = self.usable() {
             return Ok(c);
         }
-        if let Some(Conn::Wire(w)) = self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        // Taken out, so that it is logged once, not by every operation while
+        // Redis stays away.
+        let broken = {
+            let mut slot = self.conn.write().unwrap_or_else(|e| e.into_inner());
+            match slot.as_ref() {
+                Some(Conn::Wire(w)) if w.is_broken() => slot.take(),
+                _ => None,
+            }
+        };
+        if let Some(Conn::Wire(w)) = broken {
             warn!(
                 error = w.failure(),
                 "the store connection broke; connecting again"
