@@ -247,6 +247,16 @@ fn first_bulk(reply: &Bytes) -> Option<Bytes> {
     Some(reply.slice(line_end + 2..line_end + 2 + n))
 }
 
+/// Stores the record every request reads.
+async fn store_record(conn: &mut impl redis::aio::ConnectionLike, record: &[u8]) {
+    let () = redis::cmd("SET")
+        .arg(KEY)
+        .arg(record)
+        .query_async(conn)
+        .await
+        .expect("SET the record");
+}
+
 async fn source(mode: &str) -> Source {
     let port = |m: &str| -> u16 { m.parse().expect("MODE: memory, redis:PORT or raw:PORT") };
     let script = redis::Script::new(RESERVE);
@@ -262,12 +272,7 @@ async fn source(mode: &str) -> Source {
             let mut conn = redis::aio::ConnectionManager::new_with_config(client, config)
                 .await
                 .expect("connect to redis");
-            let () = redis::cmd("SET")
-                .arg(KEY)
-                .arg(&record)
-                .query_async(&mut conn)
-                .await
-                .expect("SET the record");
+            store_record(&mut conn, &record).await;
             Source::Redis(conn, script)
         }
         Some(("raw", p)) => {
@@ -290,12 +295,7 @@ async fn source(mode: &str) -> Source {
                 .await
                 .expect("connect to redis")
                 .expect("a plain TCP address");
-            let () = redis::cmd("SET")
-                .arg(KEY)
-                .arg(&record)
-                .query_async(&mut wire)
-                .await
-                .expect("SET the record");
+            store_record(&mut wire, &record).await;
             script.load_async(&mut wire).await.expect("SCRIPT LOAD");
             Source::Wire(wire, script.get_hash().to_string())
         }

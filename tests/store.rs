@@ -218,9 +218,12 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
 /// The store's own contract, on both backends, through the library API:
 /// every operation is safe to send twice (the client re-sends after reconnects).
 async fn store_for(backend: Backend, redis: Option<&RedisServer>) -> idemproxy::store::Store {
-    let text = ConfigBuilder::new("http://127.0.0.1:1")
-        .backend(backend, redis)
-        .build();
+    store_from(ConfigBuilder::new("http://127.0.0.1:1").backend(backend, redis))
+}
+
+/// The store a configuration describes, through the library API.
+fn store_from(config: ConfigBuilder) -> idemproxy::store::Store {
+    let text = config.build();
     let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
     idemproxy::store::Store::new(
         &cfg.store,
@@ -230,7 +233,7 @@ async fn store_for(backend: Backend, redis: Option<&RedisServer>) -> idemproxy::
 }
 
 async fn operations_are_safe_to_send_twice(backend: Backend) {
-    use idemproxy::record::{Finished, Processing, Record, Token};
+    use idemproxy::record::{Finished, Record, Token};
     use idemproxy::store::{Completion, Reservation};
     use std::time::Duration;
 
@@ -242,15 +245,6 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
     let key = store.key_for("abc");
     let lease = Duration::from_secs(5);
     let mine = Token::new();
-    let processing = |token| {
-        Record::Processing(Processing {
-            token,
-            fingerprint: [1; 32],
-            created_ms: 1,
-            route: "r".into(),
-        })
-        .encode()
-    };
     // Reserve, twice: the second finds our own reservation (the request path
     // knows it by its token and goes on as the owner).
     let r = store.reserve(&key, processing(mine), lease).await.unwrap();
@@ -585,16 +579,11 @@ async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
 
 /// A store on `redis` with more `[store]` lines.
 fn store_on(redis: &RedisServer, lines: &str) -> idemproxy::store::Store {
-    let text = ConfigBuilder::new("http://127.0.0.1:1")
-        .redis(redis)
-        .store(lines)
-        .build();
-    let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
-    idemproxy::store::Store::new(
-        &cfg.store,
-        std::sync::Arc::new(idemproxy::metrics::Metrics::new()),
+    store_from(
+        ConfigBuilder::new("http://127.0.0.1:1")
+            .redis(redis)
+            .store(lines),
     )
-    .unwrap()
 }
 
 fn processing(token: idemproxy::record::Token) -> bytes::Bytes {
