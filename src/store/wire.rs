@@ -317,6 +317,7 @@ async fn write_queued(shared: Arc<Shared>) {
                 return shared.fail(e.kind(), "writing to the store failed");
             }
             match shared.stream.try_write(&out[written..]) {
+                Ok(0) => return shared.fail(io::ErrorKind::WriteZero, "the store took no bytes"),
                 Ok(n) => written += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return shared.fail(e.kind(), "writing to the store failed"),
