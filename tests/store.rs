@@ -713,3 +713,44 @@ async fn a_connection_the_store_gave_up_is_closed() {
     })
     .await;
 }
+
+/// A connect that fails (here a wrong password) is not tried again by every
+/// operation: until the next attempt is due (50 ms, doubling to 1 s),
+/// operations fail at once with the last error. Redis counts the connections
+/// it was offered; once the password is right, the store connects by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_is_not_tried_again_by_every_operation() {
+    let redis = RedisServer::start().await;
+    let store = store_from(
+        ConfigBuilder::new("http://127.0.0.1:1")
+            .redis_url(&format!("redis://idem:secret@127.0.0.1:{}/0", redis.port))
+            .store("op_timeout = \"2s\""),
+    );
+    let connections = || async {
+        let info: String = redis.cmd(&["INFO", "stats"]).await;
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .expect("total_connections_received")
+    };
+    let before = connections().await;
+    for i in 0..30 {
+        let e = store.get(&store.key_for("k")).await.unwrap_err();
+        if i > 0 {
+            assert!(e.to_string().contains("the next connect in"), "{e}");
+        }
+    }
+    // One connection for the store's first attempt, at most one more if the
+    // loop outlived the first 50 ms, and the counting connections' own.
+    let offered = connections().await - before;
+    assert!(offered <= 3, "{offered} connections for 30 operations");
+    let () = redis
+        .cmd(&["ACL", "SETUSER", "idem", "on", ">secret", "~*", "+@all"])
+        .await;
+    eventually(
+        "the store to connect once its password is right",
+        DEADLINE,
+        || async { store.get(&store.key_for("k")).await.ok() },
+    )
+    .await;
+}

@@ -112,6 +112,31 @@ pub struct RedisStore {
     wait_timeout: Duration,
     /// The durability check ran (it runs once, after the first answer).
     checked: AtomicBool,
+    /// Standalone and Sentinel: when a connect failed, the next waits.
+    backoff: Mutex<Backoff>,
+}
+
+/// After a connect that failed (refused, a wrong password, no master named),
+/// operations fail at once with its error until the next attempt is due: a
+/// store that is down is not asked again (nor the sentinels) by every
+/// request. 50 ms after the first failure, doubling to 1 s; reset by a success.
+struct Backoff {
+    until: Option<Instant>,
+    delay: Duration,
+    why: String,
+}
+
+const FIRST_RETRY: Duration = Duration::from_millis(50);
+const LAST_RETRY: Duration = Duration::from_secs(1);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            until: None,
+            delay: FIRST_RETRY,
+            why: String::new(),
+        }
+    }
 }
 
 fn setup(e: impl std::fmt::Display) -> StoreSetupError {
@@ -303,6 +328,7 @@ impl RedisStore {
             wait_replicas: cfg.wait_replicas,
             wait_timeout: cfg.wait_timeout,
             checked: AtomicBool::new(false),
+            backoff: Mutex::new(Backoff::default()),
         })
     }
 
@@ -352,8 +378,24 @@ impl RedisStore {
             );
         }
         let fresh = match &self.source {
+            Source::Cluster(nodes) => {
+                Conn::Cluster(nodes.connect().await.map_err(|e| self.backend(e))?)
+            }
+            single => {
+                self.backing_off()?;
+                let fresh = self.connect_single(single).await;
+                self.note_connect(&fresh);
+                fresh?
+            }
+        };
+        *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
+        Ok(fresh)
+    }
+
+    async fn connect_single(&self, source: &Source) -> Result<Conn, StoreError> {
+        match source {
             Source::Standalone { client, config } => {
-                self.single(client.clone(), config.clone()).await?
+                self.single(client.clone(), config.clone()).await
             }
             Source::Sentinel { sentinel, config } => {
                 let client = sentinel
@@ -363,14 +405,38 @@ impl RedisStore {
                     .await
                     .map_err(|e| self.backend(e))?;
                 info!(master = ?client.get_connection_info().addr(), "sentinel named the master");
-                self.single(client, config.clone()).await?
+                self.single(client, config.clone()).await
             }
-            Source::Cluster(nodes) => {
-                Conn::Cluster(nodes.connect().await.map_err(|e| self.backend(e))?)
+            Source::Cluster(_) => Err(StoreError::Backend("a cluster has no single node".into())),
+        }
+    }
+
+    /// The last connect's error while the next attempt is not yet due.
+    fn backing_off(&self) -> Result<(), StoreError> {
+        let backoff = self.backoff.lock().unwrap_or_else(|e| e.into_inner());
+        match backoff.until {
+            Some(until) if Instant::now() < until => Err(StoreError::Unavailable(format!(
+                "{} (the next connect in {} ms)",
+                backoff.why,
+                until.saturating_duration_since(Instant::now()).as_millis()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn note_connect(&self, result: &Result<Conn, StoreError>) {
+        let mut backoff = self.backoff.lock().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok(_) => *backoff = Backoff::default(),
+            Err(e) => {
+                backoff.until = Some(Instant::now() + backoff.delay);
+                backoff.delay = (backoff.delay * 2).min(LAST_RETRY);
+                backoff.why = match e {
+                    StoreError::Unavailable(why) | StoreError::Backend(why) => why.clone(),
+                    other => other.to_string(),
+                };
             }
-        };
-        *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
-        Ok(fresh)
+        }
     }
 
     /// The current connection, unless there is none or it is one of ours that broke.
