@@ -13,8 +13,9 @@ so it weighs more here than on the machine.
         an idemproxy (RUST_LOG=warn, one worker, its own Redis and a small
         Python upstream): replays of one stored key, new keys, or
         pass-through GETs
-    bench/callgrind.py floor examples/hyper_floor [memory|redis:PORT|raw:PORT]
-        the floor server of bench/floor.py (PORT is replaced by its Redis)
+    bench/callgrind.py floor examples/hyper_floor [memory|redis:PORT|raw:PORT|wire:PORT|proxy:UPSTREAM]
+        the floor server of bench/floor.py (PORT is replaced by its Redis's
+        port, UPSTREAM by the Python upstream's)
 
 Prints the instructions per request and the dump's path, for
 callgrind_annotate (e.g. --inclusive=yes).
@@ -53,8 +54,8 @@ def main():
     port = free()
     out = os.path.join(d, "callgrind.out")
     vg = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    up = ThreadingHTTPServer(("127.0.0.1", 0), Up); threading.Thread(target=up.serve_forever, daemon=True).start()
     if kind == "idem":
-        up = ThreadingHTTPServer(("127.0.0.1", 0), Up); threading.Thread(target=up.serve_forever, daemon=True).start()
         cfg = os.path.join(d, "c.toml")
         open(cfg, "w").write(f'''[server]
 listen = "127.0.0.1:{port}"
@@ -70,7 +71,7 @@ path = "/v1/payments"
 ''')
         proc = subprocess.Popen(vg + [binp, "--config", cfg], env=dict(os.environ, RUST_LOG="warn"), stderr=open(os.path.join(d, "err"), "w"))
     else:
-        proc = subprocess.Popen(vg + [binp, f"127.0.0.1:{port}", arg.replace("PORT", str(rp))], stderr=open(os.path.join(d, "err"), "w"))
+        proc = subprocess.Popen(vg + [binp, f"127.0.0.1:{port}", arg.replace("PORT", str(rp)).replace("UPSTREAM", str(up.server_address[1]))], stderr=open(os.path.join(d, "err"), "w"))
     wait(port, 120)
     c = http.client.HTTPConnection("127.0.0.1", port)
     i = [0]

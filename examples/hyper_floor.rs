@@ -21,21 +21,27 @@
 //! - `wire:PORT`: the same round trip through idemproxy's own connection
 //!   (`idemproxy::store::wire::Wire`, behind redis-rs's `ConnectionLike`,
 //!   as the store uses it on plain TCP): a `Cmd` in, a `Value` out.
+//! - `proxy:PORT`: each request is forwarded as it came, headers and all,
+//!   to the upstream at 127.0.0.1:PORT through idemproxy's own upstream
+//!   pool (`idemproxy::upstream::Pool`: HTTP/1.1 connections driven by the
+//!   request's task), and the answer is streamed back as it came: hyper's
+//!   cost of a proxied exchange, with none of idemproxy's per-request work
+//!   (routes, forwarding headers, hop-by-hop stripping, metrics, logs).
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{Request, Response};
-use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use idemproxy::body::Body;
 use idemproxy::store::wire::Wire;
+use idemproxy::upstream::{Inbound, Pool};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
@@ -50,12 +56,14 @@ enum Source {
     Redis(redis::aio::ConnectionManager, redis::Script),
     Raw(Arc<Raw>, String),
     Wire(Wire, String),
+    Proxy(Arc<Pool>),
 }
 
 impl Source {
     async fn body(&self) -> Bytes {
         match self {
             Source::Memory => Bytes::from_static(BODY),
+            Source::Proxy(_) => unreachable!("a proxy answers in `forward`"),
             Source::Redis(conn, script) => {
                 let mut conn = conn.clone();
                 let (value, _ttl): (Vec<u8>, i64) = script
@@ -100,8 +108,13 @@ impl Source {
     }
 }
 
-async fn answer(source: Arc<Source>) -> Result<Response<Full<Bytes>>, Infallible> {
-    let mut resp = Response::new(Full::new(source.body().await));
+async fn answer(source: Arc<Source>, req: Request<Incoming>) -> Result<Response<Body>, String> {
+    if let Source::Proxy(pool) = &*source {
+        let req = req.map(|b| Body::Stream(Inbound::from(b)));
+        let resp = pool.send(req).await.map_err(|e| e.to_string())?;
+        return Ok(resp.map(Body::Stream));
+    }
+    let mut resp = Response::new(Body::full(source.body().await));
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
@@ -258,7 +271,7 @@ async fn store_record(conn: &mut impl redis::aio::ConnectionLike, record: &[u8])
 }
 
 async fn source(mode: &str) -> Source {
-    let port = |m: &str| -> u16 { m.parse().expect("MODE: memory, redis:PORT or raw:PORT") };
+    let port = |m: &str| -> u16 { m.parse().expect("MODE: memory or KIND:PORT") };
     let script = redis::Script::new(RESERVE);
     let record = vec![b'F'; 300];
     match mode.split_once(':') {
@@ -299,7 +312,13 @@ async fn source(mode: &str) -> Source {
             script.load_async(&mut wire).await.expect("SCRIPT LOAD");
             Source::Wire(wire, script.get_hash().to_string())
         }
-        _ => panic!("MODE: memory, redis:PORT, raw:PORT or wire:PORT"),
+        Some(("proxy", p)) => {
+            let authority: http::uri::Authority =
+                format!("127.0.0.1:{}", port(p)).parse().expect("authority");
+            let pool = Pool::new(&authority, Duration::from_secs(5), Duration::from_secs(60));
+            Source::Proxy(pool)
+        }
+        _ => panic!("MODE: memory, redis:PORT, raw:PORT, wire:PORT or proxy:PORT"),
     }
 }
 
@@ -325,7 +344,7 @@ fn main() -> io::Result<()> {
                     .header_read_timeout(Duration::from_secs(10))
                     .serve_connection(
                         TokioIo::new(stream),
-                        service_fn(move |_: Request<Incoming>| answer(source.clone())),
+                        service_fn(move |req| answer(source.clone(), req)),
                     )
                     .await;
             });

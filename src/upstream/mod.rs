@@ -2,7 +2,7 @@
 
 mod pool;
 
-pub use pool::Inbound;
+pub use pool::{Inbound, Pool};
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
