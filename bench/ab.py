@@ -8,6 +8,8 @@ new key, replay of a stored key), wrk -t2 -c64 runs against A then B, or B
 then A on odd repetitions. Prints each build's median CPU µs per request
 (utime + stime from /proc) and the median of the paired ratios B/A, which is
 what to read: single figures move with the machine, the ratios much less.
+Both builds share one Redis (only one is loaded at a time), so its CPU per
+request is each build's too: printed beside the proxy's.
 
     bench/ab.py --a OLD_BINARY --b NEW_BINARY [--reps 7] [--duration 3]
 """
@@ -66,7 +68,7 @@ def main():
                                            bench.NEWKEY_LUA % f"ab{name}{time.time_ns()}")
                     else:
                         script = replay[name]
-                    r = bench.wrk(url(), args.duration, script=script, meter={"proxy": pids})
+                    r = bench.wrk(url(), args.duration, script=script, meter={"proxy": pids, "redis": [stack.redis.pid]})
                     if r["non2xx"]:
                         print(f"warning: {name} {scenario}: non-2xx answers {r['statuses']}", file=sys.stderr)
                     runs[(scenario, name)].append(r)
@@ -76,13 +78,16 @@ def main():
     finally:
         stack.stop()
     print(f"\nA = {args.a}\nB = {args.b}\n")
-    print(f"{'scenario':14} {'A µs/req':>9} {'B µs/req':>9} {'B/A CPU':>8} {'B/A req/s':>10}  (medians of {args.reps}, paired)")
+    print(f"{'scenario':14} {'A µs/req':>9} {'B µs/req':>9} {'B/A CPU':>8} {'B/A req/s':>10}"
+          f" {'Redis A µs':>11} {'Redis B µs':>11} {'B/A':>6}  (medians of {args.reps}, paired)")
     for s in SCENARIOS:
         a, b = runs[(s, "A")], runs[(s, "B")]
         cpu = statistics.median(y["proxy_us"] / x["proxy_us"] for x, y in zip(a, b))
         rps = statistics.median(y["rps"] / x["rps"] for x, y in zip(a, b))
         print(f"{s:14} {statistics.median(r['proxy_us'] for r in a):9.2f} "
-              f"{statistics.median(r['proxy_us'] for r in b):9.2f} {cpu:8.3f} {rps:10.3f}")
+              f"{statistics.median(r['proxy_us'] for r in b):9.2f} {cpu:8.3f} {rps:10.3f}"
+              f" {statistics.median(r['redis_us'] for r in a):11.2f} {statistics.median(r['redis_us'] for r in b):11.2f}"
+              f" {statistics.median(y['redis_us'] / max(x['redis_us'], 1e-9) for x, y in zip(a, b)):6.3f}")
 
 
 if __name__ == "__main__":

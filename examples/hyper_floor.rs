@@ -9,7 +9,8 @@
 //!
 //! MODE says where the body comes from:
 //! - `memory` (the default): a 50-byte JSON body from memory;
-//! - `redis:PORT`: each request runs `reserve.lua` (idemproxy's own script)
+//! - `redis:PORT`: each request runs `reserve.lua` (the store's reserve script until
+//!   it became two plain commands; kept in [`RESERVE`])
 //!   against a stored 300-byte value on the Redis at 127.0.0.1:PORT, through
 //!   redis-rs's `ConnectionManager` configured as idemproxy's, and answers
 //!   with the value: a replay's exchange and Redis round trip, without the
@@ -46,7 +47,27 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
 const BODY: &[u8] = br#"{"id":"pay_1","status":"succeeded","amount":4200}"#;
-const RESERVE: &str = include_str!("../src/store/reserve.lua");
+/// The store's reserve as one script, as it was sent until the store sent it
+/// as two plain commands (`SET NX PX`, `GETRANGE`): kept here so that the
+/// floor's figures stay comparable from run to run. The client side of the
+/// round trip (one command, one short reply) costs about the same.
+const RESERVE: &str = r#"-- Reserve a key, or say what holds it, in one round trip.
+-- KEYS[1] record key; ARGV[1] the encoded `processing` record; ARGV[2] lease
+-- in ms; ARGV[3] the largest value returned inline, in bytes.
+-- Returns nil when reserved; otherwise {value, pttl} for a value of at most
+-- ARGV[3] bytes, or {length, pttl} for a larger one (the caller fetches it
+-- once it has room for it: a reply never brings more than it asked for).
+-- Safe to send twice: the second finds the caller's own reservation.
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return false
+end
+local ttl = redis.call('PTTL', KEYS[1])
+local len = redis.call('STRLEN', KEYS[1])
+if len <= tonumber(ARGV[3]) then
+  return {redis.call('GET', KEYS[1]), ttl}
+end
+return {len, ttl}
+"#;
 const KEY: &str = "idemproxy-floor:record";
 /// What `reserve.lua` is sent as the reservation it will not get to write.
 const PROCESSING: &[u8] = &[b'P'; 40];

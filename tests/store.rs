@@ -50,6 +50,10 @@ impl Monitor {
     }
 }
 
+/// How a reserve's read of what holds the key ends in `MONITOR`: its first
+/// 64 KiB and one byte more (`INLINE_RECORD`), which says "larger".
+const RESERVE_READ: &str = "\"0\" \"65536\"";
+
 /// A proxy on a Redis of its own, with `routes` and the `[server]` lines `server`.
 async fn on_redis(server: &str, routes: &str) -> (RedisServer, TestUpstream, Proxy) {
     let redis = RedisServer::start().await;
@@ -92,24 +96,30 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
     let names: Vec<String> = cmds.iter().map(|c| command(c)).collect();
     assert_eq!(
         names,
-        ["evalsha", "evalsha"],
-        "a new key: reserve and complete (two scripts), nothing else: {cmds:#?}"
+        ["set", "getrange", "evalsha"],
+        "a new key: the reserve (SET NX PX and its read, sent together) and \
+         the completion script, nothing else: {cmds:#?}"
     );
+    assert!(cmds[0].contains("\"NX\" \"PX\""), "{cmds:#?}");
     let after_new = evalsha_calls(redis).await;
-    assert_eq!(after_new - before, 2, "two script calls: reserve, complete");
+    assert_eq!(after_new - before, 1, "one script call: the completion");
 
     let again = Call::post(&url).key("k-rt").body("x").await;
     assert!(again.is_replay());
     let cmds = monitor.record_commands("marker-replay").await;
     let names: Vec<String> = cmds.iter().map(|c| command(c)).collect();
-    assert_eq!(names, ["evalsha"], "a replay is one round trip: {cmds:#?}");
-    assert_eq!(evalsha_calls(redis).await, after_new + 1);
+    assert_eq!(
+        names,
+        ["set", "getrange"],
+        "a replay is the reserve alone: {cmds:#?}"
+    );
+    assert_eq!(evalsha_calls(redis).await, after_new, "and no script");
 
-    // A mismatch is one round trip too.
+    // A mismatch is the reserve alone too.
     Call::post(&url).key("k-rt").body("other").await;
-    assert_eq!(monitor.record_commands("marker-mismatch").await.len(), 1);
+    assert_eq!(monitor.record_commands("marker-mismatch").await.len(), 2);
 
-    // A conflict is one round trip too: the reserve answers with the remaining lease.
+    // A conflict reads the remaining lease too, for its Retry-After.
     let held = Call::post(&url)
         .key("k-rt2")
         .header("x-test-hold", "1")
@@ -124,7 +134,7 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
         .iter()
         .map(|c| command(c))
         .collect();
-    assert_eq!(names, ["evalsha"]);
+    assert_eq!(names, ["set", "getrange", "pttl"]);
     env.upstream.release(1);
     held.await.unwrap();
 }
@@ -352,9 +362,14 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
     assert_eq!(busy.status, 503);
     assert_eq!(busy.json()["type"], "proxy-busy");
     let cmds = monitor.record_commands("marker-busy").await;
+    // The reserve reads at most its inline size plus one byte (within the
+    // room it took first), which says "larger"; nothing else is read.
+    let reads: Vec<&String> = cmds
+        .iter()
+        .filter(|c| c.to_ascii_lowercase().contains("\"getrange\""))
+        .collect();
     assert!(
-        cmds.iter()
-            .all(|c| !c.to_ascii_lowercase().contains("\"getrange\"")),
+        reads.len() == 1 && reads[0].ends_with(RESERVE_READ),
         "the 600 KiB record was not fetched without room for it: {cmds:#?}"
     );
     upstream.release(1);
@@ -384,7 +399,13 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
             .any(|c| c.to_ascii_lowercase().contains("\"get\"")),
         "no whole-record GET: {cmds:#?}"
     );
-    let covered: Vec<(u64, u64)> = pieces.iter().copied().filter(|(a, _)| *a != 2).collect();
+    // The reserve's own bounded read first, then the pieces.
+    assert_eq!(pieces.first(), Some(&(0, 65_536)), "{cmds:#?}");
+    let covered: Vec<(u64, u64)> = pieces[1..]
+        .iter()
+        .copied()
+        .filter(|(a, _)| *a != 2)
+        .collect();
     assert_eq!(
         covered,
         [(0, 262_143), (262_144, 524_287), (524_288, 786_431)],
@@ -432,7 +453,7 @@ async fn a_store_that_lost_its_scripts_gets_them_again() {
 /// Records larger than a reserve brings back are read from Redis two at a
 /// time: six replays of 1 MiB records at once all come back whole, and
 /// Redis never sees more than two of their reads under way together (a read
-/// runs from its first `STRLEN` to the owner-token re-read at the end).
+/// runs from its first piece to the owner-token re-read at the end).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_records_are_read_two_at_a_time() {
     let (redis, upstream, proxy) = on_redis("", ROUTES).await;
@@ -461,7 +482,11 @@ async fn large_records_are_read_two_at_a_time() {
             continue;
         };
         let name = args.get(1).map(|n| n.to_ascii_lowercase());
-        if name.as_deref() == Some("strlen") && open.insert(key.to_string()) {
+        // A read's first piece (the reserve's own bounded read also starts at 0).
+        let first_piece = name.as_deref() == Some("getrange")
+            && args.get(args.len() - 2) == Some(&"0")
+            && !c.ends_with(RESERVE_READ);
+        if first_piece && open.insert(key.to_string()) {
             reads += 1;
             most = most.max(open.len());
         }
@@ -497,7 +522,7 @@ async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
         .iter()
         .filter(|c| c.to_ascii_lowercase().contains("\"evalsha\""))
         .count();
-    assert_eq!(scripts, 4, "a reserve and three pieces: {}", cmds.len());
+    assert_eq!(scripts, 3, "three pieces: {}", cmds.len());
     assert!(
         cmds.iter().all(|c| c.len() < 4 * 300 * 1024),
         "no command carries the whole record"

@@ -1,7 +1,9 @@
 //! The Redis store: standalone, Sentinel or Cluster behind one connection type
 //! (our own [`Wire`] over plain TCP, redis-rs's connections otherwise).
-//! Every operation is a small Lua script beside this file (reserve, complete,
-//! renew, release) or a plain read, and touches one key.
+//! A reserve is two plain commands in one write (`SET NX PX`, `GETRANGE`);
+//! the owner-checked writes are small Lua scripts beside this file
+//! (complete, renew, release, a large record's pieces); the rest are plain
+//! reads. Every operation touches one key.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
@@ -17,12 +19,11 @@ use tracing::{info, warn};
 
 use super::cluster::ClusterNodes;
 use super::pieces;
-use super::wire::Wire;
+use super::wire::{pack, Wire};
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
 
-static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("reserve.lua")));
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -226,24 +227,48 @@ pub(super) fn connection_info(
     Ok(info.set_redis_settings(settings))
 }
 
-/// `reserve.lua`'s answer for a taken key: `{value, pttl}` or `{length, pttl}`.
-fn held(pair: Vec<Value>) -> Result<Held, StoreError> {
-    let bad = || StoreError::Backend("unexpected reserve answer".into());
-    let mut pair = pair.into_iter();
-    let (Some(found), Some(Value::Int(pttl)), None) = (pair.next(), pair.next(), pair.next())
-    else {
-        return Err(bad());
+/// How often a reserve is sent when the key it found taken is gone by the
+/// time it is read, before what is there is taken as the answer.
+const RESERVE_TRIES: u32 = 3;
+
+/// Sends a reserve in one write: `SET key value NX PX lease`, then
+/// `GETRANGE key 0 inline` (at most `inline + 1` bytes: one more than
+/// `inline` says "larger"); the two answers. On our own connection the
+/// commands are packed straight into its output, without `Cmd`s.
+async fn send_reserve(
+    conn: &mut Conn,
+    key: &str,
+    value: &[u8],
+    lease: Duration,
+    inline: u64,
+) -> redis::RedisResult<(Value, Value)> {
+    let mut answers = match conn {
+        Conn::Wire(wire) => {
+            let (mut ms_digits, mut inline_digits) = ([0; 20], [0; 20]);
+            let lease = super::wire::digits(ms(lease), &mut ms_digits);
+            let inline = super::wire::digits(inline, &mut inline_digits);
+            let key = key.as_bytes();
+            let write = |out: &mut Vec<u8>| {
+                pack(out, &[b"SET", key, value, b"NX", b"PX", lease]);
+                pack(out, &[b"GETRANGE", key, b"0", inline]);
+            };
+            wire.commands(write, 2).await?
+        }
+        other => {
+            let mut pipe = Pipeline::with_capacity(2);
+            pipe.cmd("SET")
+                .arg(key)
+                .arg(value)
+                .arg("NX")
+                .arg("PX")
+                .arg(ms(lease));
+            pipe.cmd("GETRANGE").arg(key).arg(0).arg(inline);
+            pipe.query_async(other).await?
+        }
     };
-    let ttl = Some(Duration::from_millis(pttl.max(0) as u64));
-    match found {
-        Value::BulkString(v) => Ok(Held::Value {
-            value: Bytes::from(v),
-            ttl,
-        }),
-        Value::Int(len) => Ok(Held::Large {
-            len: len.max(0) as u64,
-        }),
-        _ => Err(bad()),
+    match (answers.pop(), answers.pop(), answers.is_empty()) {
+        (Some(head), Some(set), true) => Ok((set, head)),
+        _ => Err((redis::ErrorKind::Client, "a reserve without two answers").into()),
     }
 }
 
@@ -646,9 +671,16 @@ impl RedisStore {
 }
 
 impl Operations for RedisStore {
-    /// `reserve.lua`: `SET NX PX` with the lease, or what holds the key with
-    /// its remaining time — the value only when it is at most `inline` bytes
-    /// (a large record's bytes are fetched once the caller has room for them).
+    /// `SET NX PX` with the lease and, in the same write, `GETRANGE` of
+    /// the key's first `inline + 1` bytes: a new key is ours; a taken one
+    /// comes back with what holds it, whole when it is at most `inline`
+    /// bytes, otherwise only its length (a large record's bytes are fetched
+    /// once the caller has room for them). Two plain commands cost Redis a
+    /// third less than a script for a new key and two thirds less for a
+    /// taken one (`docs/benchmarks.md`). They are not atomic, and need not
+    /// be: the read names whatever holds the key after the `SET` failed, and
+    /// a key gone in between is reserved again. The remaining lease is not
+    /// read here (only a 409 needs it: [`Operations::pttl`]).
     async fn reserve(
         &self,
         key: &str,
@@ -657,18 +689,42 @@ impl Operations for RedisStore {
         inline: u64,
     ) -> Result<Option<Held>, StoreError> {
         let mut conn = self.conn().await?;
-        let mut cmd = evalsha(&RESERVE, key, 3, value.len() + 40);
-        cmd.arg(value.as_ref()).arg(ms(lease)).arg(inline);
-        let found: Value = run_script(&mut conn, &RESERVE, &cmd)
-            .await
-            .map_err(|e| self.backend(e))?;
-        let held = match found {
-            Value::Nil => None,
-            Value::Array(pair) => Some(held(pair)?),
-            other => {
-                return Err(StoreError::Backend(format!(
-                    "unexpected reserve answer {other:?}"
-                )))
+        let mut tries = 0;
+        let held = loop {
+            tries += 1;
+            let (set, head) = send_reserve(&mut conn, key, &value, lease, inline)
+                .await
+                .map_err(|e| self.backend(e))?;
+            let unexpected =
+                |what, v: &Value| StoreError::Backend(format!("unexpected {what} answer {v:?}"));
+            match set {
+                Value::Okay => break None,
+                Value::Nil => {}
+                other => return Err(unexpected("SET NX", &other)),
+            }
+            let head = match head {
+                Value::BulkString(head) => head,
+                other => return Err(unexpected("GETRANGE", &other)),
+            };
+            // Gone between the two commands (expired, released, deleted):
+            // reserve again. An empty value that stays is not ours to
+            // overwrite: after a few tries it is judged as what it is.
+            if head.is_empty() && tries < RESERVE_TRIES {
+                continue;
+            }
+            if head.len() as u64 <= inline {
+                break Some(Held::Value {
+                    value: Bytes::from(head),
+                    ttl: None,
+                });
+            }
+            let len: u64 = redis::cmd("STRLEN")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| self.backend(e))?;
+            if len > 0 || tries >= RESERVE_TRIES {
+                break Some(Held::Large { len });
             }
         };
         if held.is_none() && self.wait_replicas > 0 {
@@ -781,7 +837,7 @@ impl Operations for RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let scripts = [&*RESERVE, &*COMPLETE, &*RENEW, &*RELEASE, &*pieces::SCRIPT];
+        let scripts = [&*COMPLETE, &*RENEW, &*RELEASE, &*pieces::SCRIPT];
         let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")

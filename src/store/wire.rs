@@ -238,6 +238,62 @@ impl Wire {
     }
 }
 
+impl Wire {
+    /// Sends the `count` commands `write` packs ([`pack`]) in one write:
+    /// their replies in order; a server error among them is the `Err`.
+    /// For the hot path: no `Cmd` or `Pipeline` to build.
+    pub async fn commands(
+        &self,
+        write: impl FnOnce(&mut Vec<u8>),
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
+        let got = self.call(write, count).await?;
+        if let Some(e) = got.iter().find(|v| matches!(v, Value::ServerError(_))) {
+            return Err(e
+                .clone()
+                .extract_error()
+                .err()
+                .unwrap_or_else(|| lost().into()));
+        }
+        Ok(got)
+    }
+}
+
+/// Packs one command, its arguments as given, in RESP (an array of bulk
+/// strings), as `Cmd::write_packed_command` does.
+pub fn pack(out: &mut Vec<u8>, args: &[&[u8]]) {
+    let room: usize = args.iter().map(|a| a.len() + 16).sum();
+    out.reserve(room + 16);
+    out.push(b'*');
+    decimal(out, args.len() as u64);
+    for arg in args {
+        out.push(b'$');
+        decimal(out, arg.len() as u64);
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// `n` in decimal, then CRLF.
+fn decimal(out: &mut Vec<u8>, n: u64) {
+    let mut buf = [0u8; 20];
+    out.extend_from_slice(digits(n, &mut buf));
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `n`'s decimal digits, written into `buf`: an argument for [`pack`].
+pub fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
 impl ConnectionLike for Wire {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
@@ -255,10 +311,20 @@ impl ConnectionLike for Wire {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let packed = pipeline.get_packed_pipeline();
-            let mut got = self
-                .call(|out| out.extend_from_slice(&packed), offset + count)
-                .await?;
+            let mut got = if pipeline.is_transaction() {
+                let packed = pipeline.get_packed_pipeline();
+                self.call(|out| out.extend_from_slice(&packed), offset + count)
+                    .await?
+            } else {
+                // Each command packed straight into the output (a reserve's
+                // two): no vector of the whole pipeline first.
+                let write = |out: &mut Vec<u8>| {
+                    for cmd in pipeline.cmd_iter() {
+                        cmd.write_packed_command(out);
+                    }
+                };
+                self.call(write, offset + count).await?
+            };
             if let Some(e) = got[..offset]
                 .iter()
                 .find(|v| matches!(v, Value::ServerError(_)))
@@ -500,6 +566,43 @@ mod tests {
         let (value, len) = parse(bytes).unwrap().unwrap();
         assert_eq!(len, bytes.len(), "the whole reply is consumed");
         value
+    }
+
+    /// A command packed by hand is the bytes redis-rs packs for it.
+    #[test]
+    fn commands_pack_as_redis_rs_packs_them() {
+        let value = vec![0u8, 255, b'\r', b'\n', 7];
+        for (lease, inline) in [
+            (0u64, 1u64),
+            (9, 10),
+            (30_000, 65_536),
+            (u64::MAX, 123_456_789),
+        ] {
+            let mut ours = Vec::new();
+            let (mut a, mut b) = ([0; 20], [0; 20]);
+            pack(
+                &mut ours,
+                &[b"SET", b"k", &value, b"NX", b"PX", digits(lease, &mut a)],
+            );
+            pack(
+                &mut ours,
+                &[b"GETRANGE", b"k", b"0", digits(inline, &mut b)],
+            );
+            let mut theirs = Vec::new();
+            redis::cmd("SET")
+                .arg("k")
+                .arg(&value)
+                .arg("NX")
+                .arg("PX")
+                .arg(lease)
+                .write_packed_command(&mut theirs);
+            redis::cmd("GETRANGE")
+                .arg("k")
+                .arg(0)
+                .arg(inline)
+                .write_packed_command(&mut theirs);
+            assert_eq!(ours, theirs, "lease {lease}, inline {inline}");
+        }
     }
 
     /// Every reply the store asks for parses as redis-rs's own parser parses it.
