@@ -51,8 +51,8 @@ impl Monitor {
 }
 
 /// How a reserve's read of what holds the key ends in `MONITOR`: its first
-/// 64 KiB and one byte more (`INLINE_RECORD`), which says "larger".
-const RESERVE_READ: &str = "\"0\" \"65536\"";
+/// 64 KiB (`INLINE_RECORD`), the room the reserve took for its answer.
+const RESERVE_READ: &str = "\"0\" \"65535\"";
 
 /// A proxy on a Redis of its own, with `routes` and the `[server]` lines `server`.
 async fn on_redis(server: &str, routes: &str) -> (RedisServer, TestUpstream, Proxy) {
@@ -362,8 +362,8 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
     assert_eq!(busy.status, 503);
     assert_eq!(busy.json()["type"], "proxy-busy");
     let cmds = monitor.record_commands("marker-busy").await;
-    // The reserve reads at most its inline size plus one byte (within the
-    // room it took first), which says "larger"; nothing else is read.
+    // The reserve reads at most its inline size (the room it took first)
+    // and the length; nothing else is read.
     let reads: Vec<&String> = cmds
         .iter()
         .filter(|c| c.to_ascii_lowercase().contains("\"getrange\""))
@@ -400,7 +400,7 @@ async fn a_large_record_is_fetched_only_with_room_for_it() {
         "no whole-record GET: {cmds:#?}"
     );
     // The reserve's own bounded read first, then the pieces.
-    assert_eq!(pieces.first(), Some(&(0, 65_536)), "{cmds:#?}");
+    assert_eq!(pieces.first(), Some(&(0, 65_535)), "{cmds:#?}");
     let covered: Vec<(u64, u64)> = pieces[1..]
         .iter()
         .copied()
@@ -633,6 +633,37 @@ async fn store_connections(redis: &RedisServer) -> usize {
 /// the first call (on a taken key) is given up while Redis is paused, a
 /// second (on a free key) queued behind it, and the second must get its own
 /// answer, "reserved", not the first one's "taken".
+/// A reserve brings back at most `INLINE_RECORD` bytes of what holds the
+/// key, the room its caller took for the answer: a value of exactly that
+/// size comes whole (its length says it is all), one byte more comes only
+/// as its length, to be fetched once there is room for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_brings_back_at_most_its_inline_size() {
+    use idemproxy::record::Token;
+    use idemproxy::store::{Reservation, INLINE_RECORD};
+
+    let redis = RedisServer::start().await;
+    let store = store_on(&redis, "");
+    let lease = std::time::Duration::from_secs(30);
+    let inline = INLINE_RECORD as usize;
+    for (name, size) in [("under", inline - 1), ("at", inline), ("over", inline + 1)] {
+        let key = store.key_for(name);
+        let () = redis.cmd(&["SET", key.as_str(), &"x".repeat(size)]).await;
+        let found = store
+            .reserve(&key, processing(Token::new()), lease)
+            .await
+            .unwrap();
+        match (size > inline, found) {
+            // Came whole, and is no record of ours.
+            (false, Reservation::Unreadable(_)) => {}
+            (true, Reservation::Large { len }) => assert_eq!(len, size as u64),
+            (_, other) => panic!("{name} ({size} bytes): {other:?}"),
+        }
+        let left: String = redis.cmd(&["GET", key.as_str()]).await;
+        assert_eq!(left.len(), size, "{name}: left as it was");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_that_comes_too_late_goes_to_nobody_else() {
     use idemproxy::record::Token;

@@ -232,8 +232,8 @@ pub(super) fn connection_info(
 const RESERVE_TRIES: u32 = 3;
 
 /// Sends a reserve in one write: `SET key value NX PX lease`, then
-/// `GETRANGE key 0 inline` (at most `inline + 1` bytes: one more than
-/// `inline` says "larger"); the two answers. On our own connection the
+/// `GETRANGE key 0 inline-1` (at most `inline` bytes: no more than the room
+/// the caller holds for the answer); the two answers. On our own connection the
 /// commands are packed straight into its output, without `Cmd`s.
 async fn send_reserve(
     conn: &mut Conn,
@@ -242,15 +242,17 @@ async fn send_reserve(
     lease: Duration,
     inline: u64,
 ) -> redis::RedisResult<(Value, Value)> {
+    // `GETRANGE key 0 -1` would be the whole value: never below one byte.
+    let last = inline.max(1) - 1;
     let mut answers = match conn {
         Conn::Wire(wire) => {
             let (mut ms_digits, mut inline_digits) = ([0; 20], [0; 20]);
             let lease = super::wire::digits(ms(lease), &mut ms_digits);
-            let inline = super::wire::digits(inline, &mut inline_digits);
+            let last = super::wire::digits(last, &mut inline_digits);
             let key = key.as_bytes();
             let write = |out: &mut Vec<u8>| {
                 pack(out, &[b"SET", key, value, b"NX", b"PX", lease]);
-                pack(out, &[b"GETRANGE", key, b"0", inline]);
+                pack(out, &[b"GETRANGE", key, b"0", last]);
             };
             wire.commands(write, 2).await?
         }
@@ -262,7 +264,7 @@ async fn send_reserve(
                 .arg("NX")
                 .arg("PX")
                 .arg(ms(lease));
-            pipe.cmd("GETRANGE").arg(key).arg(0).arg(inline);
+            pipe.cmd("GETRANGE").arg(key).arg(0).arg(last);
             pipe.query_async(other).await?
         }
     };
@@ -672,9 +674,9 @@ impl RedisStore {
 
 impl Operations for RedisStore {
     /// `SET NX PX` with the lease and, in the same write, `GETRANGE` of
-    /// the key's first `inline + 1` bytes: a new key is ours; a taken one
-    /// comes back with what holds it, whole when it is at most `inline`
-    /// bytes, otherwise only its length (a large record's bytes are fetched
+    /// the key's first `inline` bytes: a new key is ours; a taken one comes
+    /// back with what holds it, whole when it is at most `inline` bytes
+    /// (`STRLEN` tells when exactly `inline` came), otherwise only its length (a large record's bytes are fetched
     /// once the caller has room for them). Two plain commands cost Redis a
     /// third less than a script for a new key and two thirds less for a
     /// taken one (`docs/benchmarks.md`). They are not atomic, and need not
@@ -712,17 +714,23 @@ impl Operations for RedisStore {
             if head.is_empty() && tries < RESERVE_TRIES {
                 continue;
             }
-            if head.len() as u64 <= inline {
+            // Fewer than `inline` bytes are the whole value; `inline` bytes
+            // are the whole value or its beginning, as its length says.
+            let len = if (head.len() as u64) < inline {
+                head.len() as u64
+            } else {
+                redis::cmd("STRLEN")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| self.backend(e))?
+            };
+            if len == head.len() as u64 {
                 break Some(Held::Value {
                     value: Bytes::from(head),
                     ttl: None,
                 });
             }
-            let len: u64 = redis::cmd("STRLEN")
-                .arg(key)
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| self.backend(e))?;
             if len > 0 || tries >= RESERVE_TRIES {
                 break Some(Held::Large { len });
             }
