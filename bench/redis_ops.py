@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Redis's CPU per store operation, with nothing else in the way.
+
+A redis-server of its own pinned to CPU 1 (nothing else runs there); one
+client on the other CPU sends each operation the way the proxy's connection
+does: batches of 32 in one write, the replies read before the next batch.
+For every variant, in turn and for --reps rounds, N operations are sent and
+Redis's CPU time (utime + stime from /proc) is divided by N. Prints the
+median µs per operation and every round's figure.
+
+Variants: a reserve as the script it was (`reserve.lua`, kept below) and as
+the two plain commands it is now (`SET NX PX` and `GETRANGE`), each for a
+new key and for a key held by a 300-byte record (a replay's or a 409's
+reserve); with `PTTL` as a third command (what a 409 would save); `SET NX
+PX` alone; and `complete.lua`, the other script of a new key.
+
+    bench/redis_ops.py [--reps 3] [--n 100000]
+"""
+
+import argparse
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+# The store's reserve as one script, until it became two plain commands.
+RESERVE_LUA = b"""if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return false
+end
+local ttl = redis.call('PTTL', KEYS[1])
+local len = redis.call('STRLEN', KEYS[1])
+if len <= tonumber(ARGV[3]) then
+  return {redis.call('GET', KEYS[1]), ttl}
+end
+return {len, ttl}
+"""
+BATCH = 32
+
+
+def pack(*args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def reply_end(buf, at):
+    """Where the RESP2 reply at `at` ends, or None while it is incomplete."""
+    nl = buf.find(b"\r\n", at)
+    if nl < 0:
+        return None
+    kind, line, after = buf[at:at + 1], buf[at + 1:nl], nl + 2
+    if kind in (b"+", b"-", b":"):
+        return after
+    if kind == b"$":
+        n = int(line)
+        end = after + n + 2
+        return after if n < 0 else (end if len(buf) >= end else None)
+    if kind == b"*":
+        pos = after
+        for _ in range(max(int(line), 0)):
+            pos = reply_end(buf, pos)
+            if pos is None:
+                return None
+        return pos
+    raise ValueError(f"not RESP: {buf[at:at + 20]!r}")
+
+
+class Client:
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def send(self, commands):
+        """Sends the packed commands in one write and reads their replies."""
+        self.sock.sendall(b"".join(commands))
+        left = len(commands)
+        while left:
+            end = reply_end(self.buf, 0)
+            if end is None:
+                self.buf += self.sock.recv(1 << 20)
+                continue
+            if self.buf.startswith(b"-"):
+                raise RuntimeError(self.buf[:end].decode())
+            self.buf = self.buf[end:]
+            left -= 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--n", type=int, default=100_000)
+    args = ap.parse_args()
+    port = bench.free_port()
+    redis = subprocess.Popen(["taskset", "-c", "1", "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        bench.wait_port(port)
+        run(Client(port), redis.pid, args)
+    finally:
+        redis.terminate()
+        redis.wait()
+
+
+def run(client, pid, args):
+    with open(os.path.join(bench.ROOT, "src", "store", "complete.lua"), "rb") as f:
+        complete_lua = f.read()
+    client.send([pack("SCRIPT", "LOAD", RESERVE_LUA), pack("SCRIPT", "LOAD", complete_lua)])
+    reserve_sha, complete_sha = (hashlib.sha1(s).hexdigest() for s in (RESERVE_LUA, complete_lua))
+    token = b"T" * 16
+    processing = b"\x01P" + token + b"p" * 80
+    finished = b"\x01F" + token + b"f" * 280
+    variants = {
+        "reserve.lua, new key": lambda k: [pack("EVALSHA", reserve_sha, 1, k, processing, 30000, 65536)],
+        "SET NX PX + GETRANGE, new key": lambda k: [pack("SET", k, processing, "NX", "PX", 30000),
+                                                    pack("GETRANGE", k, 0, 65535)],
+        "  + PTTL, new key": lambda k: [pack("SET", k, processing, "NX", "PX", 30000),
+                                        pack("GETRANGE", k, 0, 65535), pack("PTTL", k)],
+        "SET NX PX alone, new key": lambda k: [pack("SET", k, processing, "NX", "PX", 30000)],
+        "reserve.lua, held key": lambda k: [pack("EVALSHA", reserve_sha, 1, "held", processing, 30000, 65536)],
+        "SET NX PX + GETRANGE, held key": lambda k: [pack("SET", "held", processing, "NX", "PX", 30000),
+                                                     pack("GETRANGE", "held", 0, 65535)],
+        "  + PTTL, held key": lambda k: [pack("SET", "held", processing, "NX", "PX", 30000),
+                                         pack("GETRANGE", "held", 0, 65535), pack("PTTL", "held")],
+        "complete.lua (after a reserve)": lambda k: [pack("EVALSHA", complete_sha, 1, k, token, finished, 86400000)],
+    }
+    figures = {name: [] for name in variants}
+    for rep in range(args.reps):
+        for name, commands in variants.items():
+            client.send([pack("FLUSHALL"), pack("SET", "held", finished)])
+            keys = [f"k{i}" for i in range(args.n)]
+            if name.startswith("complete"):
+                for i in range(0, args.n, BATCH):
+                    client.send([pack("SET", k, processing, "PX", 30000) for k in keys[i:i + BATCH]])
+            before = bench.cpu_seconds([pid])
+            for i in range(0, args.n, BATCH):
+                client.send([c for k in keys[i:i + BATCH] for c in commands(k)])
+            figures[name].append((bench.cpu_seconds([pid]) - before) / args.n * 1e6)
+        print(f"round {rep + 1}/{args.reps} done", file=sys.stderr)
+    print(f"\n{'operation (Redis on CPU 1, batches of 32)':42} {'µs/op':>7}  rounds")
+    for name, values in figures.items():
+        median = sorted(values)[len(values) // 2]
+        print(f"{name:42} {median:7.2f}  " + " ".join(f"{v:.2f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
