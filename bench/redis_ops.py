@@ -8,7 +8,7 @@ For every variant, in turn and for --reps rounds, N operations are sent and
 Redis's CPU time (utime + stime from /proc) is divided by N. Prints the
 median µs per operation and every round's figure.
 
-Variants: a reserve as the script it was (`reserve.lua`, kept below) and as
+Variants: a reserve as the script it was (`bench/reserve.lua`) and as
 the two plain commands it is now (`SET NX PX` and `GETRANGE`), each for a
 new key and for a key held by a 300-byte record (a replay's or a 409's
 reserve); with `PTTL` as a third command (what a 409 would save); `SET NX
@@ -28,16 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 
 # The store's reserve as one script, until it became two plain commands.
-RESERVE_LUA = b"""if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return false
-end
-local ttl = redis.call('PTTL', KEYS[1])
-local len = redis.call('STRLEN', KEYS[1])
-if len <= tonumber(ARGV[3]) then
-  return {redis.call('GET', KEYS[1]), ttl}
-end
-return {len, ttl}
-"""
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "reserve.lua"), "rb") as f:
+    RESERVE_LUA = f.read()
 BATCH = 32
 
 

@@ -48,26 +48,10 @@ use tokio::sync::{oneshot, Notify};
 
 const BODY: &[u8] = br#"{"id":"pay_1","status":"succeeded","amount":4200}"#;
 /// The store's reserve as one script, as it was sent until the store sent it
-/// as two plain commands (`SET NX PX`, `GETRANGE`): kept here so that the
-/// floor's figures stay comparable from run to run. The client side of the
-/// round trip (one command, one short reply) costs about the same.
-const RESERVE: &str = r#"-- Reserve a key, or say what holds it, in one round trip.
--- KEYS[1] record key; ARGV[1] the encoded `processing` record; ARGV[2] lease
--- in ms; ARGV[3] the largest value returned inline, in bytes.
--- Returns nil when reserved; otherwise {value, pttl} for a value of at most
--- ARGV[3] bytes, or {length, pttl} for a larger one (the caller fetches it
--- once it has room for it: a reply never brings more than it asked for).
--- Safe to send twice: the second finds the caller's own reservation.
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return false
-end
-local ttl = redis.call('PTTL', KEYS[1])
-local len = redis.call('STRLEN', KEYS[1])
-if len <= tonumber(ARGV[3]) then
-  return {redis.call('GET', KEYS[1]), ttl}
-end
-return {len, ttl}
-"#;
+/// as two plain commands (`SET NX PX`, `GETRANGE`): kept in `bench/` so that
+/// the floor's figures stay comparable from run to run. The client side of
+/// the round trip (one command, one short reply) costs about the same.
+const RESERVE: &str = include_str!("../bench/reserve.lua");
 const KEY: &str = "idemproxy-floor:record";
 /// What `reserve.lua` is sent as the reservation it will not get to write.
 const PROCESSING: &[u8] = &[b'P'; 40];
