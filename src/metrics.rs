@@ -38,6 +38,10 @@ pub enum Outcome {
     Upgraded,
 }
 
+/// How many outcomes there are (an outcome added after `Upgraded` is
+/// counted through the family's lookup until this names it).
+const OUTCOMES: usize = Outcome::Upgraded as usize + 1;
+
 impl Outcome {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -110,6 +114,9 @@ pub struct Metrics {
     /// taking the family's lock each time.
     store_seen: [OnceLock<Histogram>; HOT_OPS.len()],
     store_errors: Family<OpLabel, Counter>,
+    /// `requests`' series of unprotected requests (route `""`), by outcome,
+    /// taken from the family on first use.
+    unprotected: [OnceLock<Counter>; OUTCOMES],
     lease_lost: Family<RouteLabel, Counter>,
     pub inflight: Gauge,
     pub parked: Gauge,
@@ -204,6 +211,7 @@ impl Metrics {
             store_duration,
             store_seen: Default::default(),
             store_errors,
+            unprotected: Default::default(),
             lease_lost,
             inflight,
             parked,
@@ -213,12 +221,22 @@ impl Metrics {
     }
 
     pub fn request(&self, route: &RouteName, outcome: Outcome) {
-        self.requests
-            .get_or_create(&RouteOutcome {
-                route: route.clone(),
-                outcome: outcome.as_str(),
-            })
-            .inc();
+        let label = || RouteOutcome {
+            route: route.clone(),
+            outcome: outcome.as_str(),
+        };
+        match self.unprotected.get(outcome as usize) {
+            // Unprotected requests (most of them): their series found
+            // without hashing the label and taking the family's lock.
+            Some(series) if route.is_empty() => {
+                series
+                    .get_or_init(|| self.requests.get_or_create(&label()).clone())
+                    .inc();
+            }
+            _ => {
+                self.requests.get_or_create(&label()).inc();
+            }
+        }
     }
 
     pub fn shadow(&self, route: &RouteName, outcome: Outcome) {
