@@ -14,12 +14,15 @@
 //! between live allocations, so after parkings the free pages are given back
 //! ([`give_back_freed_memory`], at most once a second).
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
+use atomic_waker::AtomicWaker;
 use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
@@ -73,6 +76,7 @@ pub async fn serve<IO, S>(
     // Made once per connection, not per wake-up: each would register a waiter or a timer.
     let stopped = stop.cancelled();
     tokio::pin!(stopped);
+    let mut stopped = Woken::new(stopped);
     let first = first_request(began, until);
     tokio::pin!(first);
     let sniffed = tokio::select! {
@@ -159,6 +163,61 @@ pub async fn serve<IO, S>(
             (inner, prefix) = (back, Bytes::copy_from_slice(&byte));
         }
         io = Client::new(prefix, inner, &busy);
+    }
+}
+
+/// A future polled only on its first poll and once it has woken the task:
+/// `select!` polls every branch on every wake-up of the connection's task,
+/// and the stop token's own future takes two locks shared by every
+/// connection each time it is polled (the token's state and its waiters').
+/// In between, a poll registers the task's waker and reads a flag.
+struct Woken<F> {
+    inner: F,
+    flag: Arc<Flag>,
+    polled: bool,
+}
+
+/// Set when the inner future wakes its waker, which then wakes the task.
+#[derive(Default)]
+struct Flag {
+    fired: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for Flag {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.fired.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl<F> Woken<F> {
+    fn new(inner: F) -> Self {
+        Woken {
+            inner,
+            flag: Arc::default(),
+            polled: false,
+        }
+    }
+}
+
+impl<F: Future + Unpin> Future for Woken<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = &mut *self;
+        // First the task's waker, then the flag: a wake in between finds it.
+        this.flag.task.register(cx.waker());
+        if this.polled && !this.flag.fired.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        this.polled = true;
+        let waker = Waker::from(this.flag.clone());
+        Pin::new(&mut this.inner).poll(&mut Context::from_waker(&waker))
     }
 }
 
