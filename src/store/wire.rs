@@ -236,9 +236,7 @@ impl Wire {
             io::Error::new(kind, why).into()
         })
     }
-}
 
-impl Wire {
     /// Sends the `count` commands `write` packs ([`pack`]) in one write:
     /// their replies in order; a server error among them is the `Err`.
     /// For the hot path: no `Cmd` or `Pipeline` to build.
@@ -248,14 +246,10 @@ impl Wire {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         let got = self.call(write, count).await?;
-        if let Some(e) = got.iter().find(|v| matches!(v, Value::ServerError(_))) {
-            return Err(e
-                .clone()
-                .extract_error()
-                .err()
-                .unwrap_or_else(|| lost().into()));
+        match first_error(&got) {
+            Some(e) => Err(e),
+            None => Ok(got),
         }
-        Ok(got)
     }
 }
 
@@ -316,8 +310,8 @@ impl ConnectionLike for Wire {
                 self.call(|out| out.extend_from_slice(&packed), offset + count)
                     .await?
             } else {
-                // Each command packed straight into the output (a reserve's
-                // two): no vector of the whole pipeline first.
+                // Each command packed straight into the output: no vector
+                // of the whole pipeline first.
                 let write = |out: &mut Vec<u8>| {
                     for cmd in pipeline.cmd_iter() {
                         cmd.write_packed_command(out);
@@ -325,15 +319,8 @@ impl ConnectionLike for Wire {
                 };
                 self.call(write, offset + count).await?
             };
-            if let Some(e) = got[..offset]
-                .iter()
-                .find(|v| matches!(v, Value::ServerError(_)))
-            {
-                return Err(e
-                    .clone()
-                    .extract_error()
-                    .err()
-                    .unwrap_or_else(|| lost().into()));
+            if let Some(e) = first_error(&got[..offset]) {
+                return Err(e);
             }
             Ok(got.split_off(offset))
         })
@@ -342,6 +329,19 @@ impl ConnectionLike for Wire {
     fn get_db(&self) -> i64 {
         self.db
     }
+}
+
+/// The first server error among `replies`, as an error.
+fn first_error(replies: &[Value]) -> Option<redis::RedisError> {
+    let e = replies
+        .iter()
+        .find(|v| matches!(v, Value::ServerError(_)))?;
+    Some(
+        e.clone()
+            .extract_error()
+            .err()
+            .unwrap_or_else(|| lost().into()),
+    )
 }
 
 fn lost() -> io::Error {
