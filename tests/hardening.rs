@@ -108,21 +108,18 @@ async fn a_record_the_proxy_cannot_read_is_500_never_forwarded_or_bypassed() {
     // between its `SET NX` and the read. It is sent again (three tries in
     // all), then judged as what it is, and left as it is.
     let _: () = redis.cmd(&["SET", &store_key("k-empty"), ""]).await;
-    let sets = || async {
-        let info: String = redis.cmd(&["INFO", "commandstats"]).await;
-        info.lines()
-            .find_map(|l| l.strip_prefix("cmdstat_set:calls="))
-            .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let before = sets().await;
+    let before = redis.calls("set").await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-empty")
         .body("x")
         .await;
     assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["type"], "record-unreadable");
-    assert_eq!(sets().await - before, 3, "the reserve is sent three times");
+    assert_eq!(
+        redis.calls("set").await - before,
+        3,
+        "the reserve is sent three times"
+    );
     let left: String = redis.cmd(&["GET", &store_key("k-empty")]).await;
     assert_eq!(left, "", "an empty value is not overwritten");
     assert_eq!(

@@ -67,21 +67,13 @@ async fn on_redis(server: &str, routes: &str) -> (RedisServer, TestUpstream, Pro
     (redis, upstream, proxy)
 }
 
-async fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let info: String = redis.cmd(&["INFO", "commandstats"]).await;
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_key_costs_two_round_trips_and_a_replay_one() {
     let env = Env::start(Backend::Redis).await;
     let redis = env.redis.as_ref().unwrap();
     let mut monitor = Monitor::start(redis).await;
     let url = env.url("/v1/payments");
-    let before = evalsha_calls(redis).await;
+    let before = redis.calls("evalsha").await;
     let command = |line: &str| {
         line.split("] \"")
             .nth(1)
@@ -101,7 +93,7 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
          the completion script, nothing else: {cmds:#?}"
     );
     assert!(cmds[0].contains("\"NX\" \"PX\""), "{cmds:#?}");
-    let after_new = evalsha_calls(redis).await;
+    let after_new = redis.calls("evalsha").await;
     assert_eq!(after_new - before, 1, "one script call: the completion");
 
     let again = Call::post(&url).key("k-rt").body("x").await;
@@ -113,7 +105,7 @@ async fn new_key_costs_two_round_trips_and_a_replay_one() {
         ["set", "getrange"],
         "a replay is the reserve alone: {cmds:#?}"
     );
-    assert_eq!(evalsha_calls(redis).await, after_new, "and no script");
+    assert_eq!(redis.calls("evalsha").await, after_new, "and no script");
 
     // A mismatch is the reserve alone too.
     Call::post(&url).key("k-rt").body("other").await;

@@ -676,8 +676,9 @@ impl Operations for RedisStore {
     /// `SET NX PX` with the lease and, in the same write, `GETRANGE` of
     /// the key's first `inline` bytes: a new key is ours; a taken one comes
     /// back with what holds it, whole when it is at most `inline` bytes
-    /// (`STRLEN` tells when exactly `inline` came), otherwise only its length (a large record's bytes are fetched
-    /// once the caller has room for them). Two plain commands cost Redis a
+    /// (`STRLEN` tells when exactly `inline` came), otherwise only its
+    /// length (a large record's bytes are fetched once the caller has room
+    /// for them). Two plain commands cost Redis a
     /// third less than a script for a new key and two thirds less for a
     /// taken one (`docs/benchmarks.md`). They are not atomic, and need not
     /// be: the read names whatever holds the key after the `SET` failed, and

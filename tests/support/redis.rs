@@ -111,6 +111,16 @@ impl RedisServer {
         self.cmd(&["KEYS", "*"]).await
     }
 
+    /// How many times `command` (lower case) has run (`INFO commandstats`).
+    pub async fn calls(&self, command: &str) -> u64 {
+        let info: String = self.cmd(&["INFO", "commandstats"]).await;
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Stops the server (SIGKILL: nothing is saved).
     pub fn stop(&mut self) {
         kill_child(&mut self.child);
