@@ -2,6 +2,7 @@
 //! a client that goes away does not cancel the upstream exchange, and the
 //! outcome is still stored (or the key released).
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -116,7 +117,12 @@ impl Job {
     /// Forwards, records the outcome (or releases the key), and returns the
     /// client's answer. A record the store did not take is kept for [`Job::settle`].
     pub async fn run(&mut self, request: Request<Body>) -> (Response<Body>, Outcome) {
-        let exchanged = self.holding_lease(self.exchange(request)).await;
+        // Pinned here and lent: moved into `holding_lease`, the exchange's
+        // state (~2.7 KiB) would be held twice and copied between the two.
+        let exchanged = {
+            let exchange = std::pin::pin!(self.exchange(request));
+            self.holding_lease(exchange).await
+        };
         self.request_room = None;
         match exchanged {
             Ok((parts, Capped::Whole(body, trailers), room)) => {
@@ -250,8 +256,7 @@ impl Job {
     }
 
     /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.
-    async fn holding_lease<F: std::future::Future>(&self, fut: F) -> F::Output {
-        tokio::pin!(fut);
+    async fn holding_lease<F: std::future::Future>(&self, mut fut: Pin<&mut F>) -> F::Output {
         let period = (self.policy.lease / 3).max(Duration::from_millis(10));
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

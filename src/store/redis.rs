@@ -382,9 +382,17 @@ impl RedisStore {
     /// The shared connection (a cheap handle), connecting first when there is
     /// none or when ours broke.
     async fn conn(&self) -> Result<Conn, StoreError> {
-        if let Some(c) = self.usable() {
-            return Ok(c);
+        match self.usable() {
+            Some(c) => Ok(c),
+            // Boxed: connecting's state (~3 KiB) would otherwise be part of
+            // every operation's future, and copied with it on every call.
+            None => Box::pin(self.connect()).await,
         }
+    }
+
+    /// A new connection, one connect at a time (unless another connect
+    /// finished meanwhile), after the back-off of a failed one.
+    async fn connect(&self) -> Result<Conn, StoreError> {
         let _one_at_a_time = self.connecting.lock().await;
         if let Some(c) = self.usable() {
             return Ok(c);
@@ -740,7 +748,9 @@ impl Operations for RedisStore {
             let token = Token::of_record(&value).ok_or_else(|| {
                 StoreError::Backend("a reservation without an owner token".into())
             })?;
-            self.wait_for_replicas(&mut conn, key, token).await?;
+            // Boxed, as every path most operations do not take: the hot
+            // path's future stays small, and so does each copy of it.
+            Box::pin(self.wait_for_replicas(&mut conn, key, token)).await?;
         }
         Ok(held)
     }
@@ -765,8 +775,7 @@ impl Operations for RedisStore {
     ) -> Result<Completion, StoreError> {
         let mut conn = self.conn().await?;
         let done = if value.len() > pieces::PIECE {
-            self.complete_in_pieces(&mut conn, key, token, &value, ttl)
-                .await?
+            Box::pin(self.complete_in_pieces(&mut conn, key, token, &value, ttl)).await?
         } else {
             let mut cmd = evalsha(&COMPLETE, key, 3, token.0.len() + value.len() + 20);
             cmd.arg(&token.0[..]).arg(value.as_ref()).arg(ms(ttl));
@@ -784,7 +793,7 @@ impl Operations for RedisStore {
         }
         // The finished record is replicated like the reservation was: without
         // this, a failover right after the answer would bring `processing` back.
-        Ok(match self.wait(&mut conn, key).await {
+        Ok(match Box::pin(self.wait(&mut conn, key)).await {
             Ok(acked) if acked >= i64::from(self.wait_replicas) => done,
             Ok(acked) => Completion::Unreplicated {
                 wanted: self.wait_replicas,
