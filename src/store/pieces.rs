@@ -17,7 +17,8 @@ use bytes::{Bytes, BytesMut};
 use redis::aio::ConnectionLike;
 use redis::Script;
 
-use super::redis::{evalsha, ms, run_script};
+use super::redis::{ms, run_script, Conn};
+use super::wire::digits;
 use super::Completion;
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
@@ -84,8 +85,8 @@ pub async fn get<C: ConnectionLike>(
 
 /// Stores a large finished record in place of the reservation `token` owns.
 /// `None` when the key went or changed mid-way (the caller starts again).
-pub async fn complete<C: ConnectionLike>(
-    conn: &mut C,
+pub async fn complete(
+    conn: &mut Conn,
     key: &str,
     token: Token,
     value: &Bytes,
@@ -101,17 +102,20 @@ pub async fn complete<C: ConnectionLike>(
             piece = first.freeze();
         }
         let last = end == value.len();
-        let mut cmd = evalsha(&SCRIPT, key, 5, token.0.len() + piece.len() + 60);
-        cmd.arg(&token.0[..])
-            .arg(offset)
-            .arg(piece.as_ref())
-            .arg(ms(WRITE_LEASE))
-            .arg(if last {
-                ms(ttl).to_string()
+        let (mut at, mut lease, mut keep) = ([0; 20], [0; 20], [0; 20]);
+        let args: [&[u8]; 5] = [
+            &token.0,
+            digits(offset as u64, &mut at),
+            &piece,
+            digits(ms(WRITE_LEASE), &mut lease),
+            // The TTL goes with the last piece only.
+            if last {
+                digits(ms(ttl), &mut keep)
             } else {
-                String::new()
-            });
-        let n: i64 = run_script(conn, &SCRIPT, &cmd).await?;
+                b""
+            },
+        ];
+        let n: i64 = run_script(conn, &SCRIPT, key, &args).await?;
         match n {
             1 => {}
             2 => gone = true,

@@ -44,7 +44,7 @@ const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
 
 /// One connection type for the three modes, so the store code is the same.
 #[derive(Clone)]
-enum Conn {
+pub(super) enum Conn {
     /// Standalone or Sentinel over plain TCP: idemproxy's own pipelined
     /// connection. Once broken it is made anew for the next operation.
     Wire(Wire),
@@ -148,33 +148,62 @@ pub(super) fn ms(d: Duration) -> u64 {
     (d.as_millis() as u64).max(1)
 }
 
-/// `EVALSHA` of `script` on `key`, with room for `args` more arguments of
-/// `bytes` bytes in all (20 per number); the caller adds them. Built in place
-/// at its final size: redis-rs's `ScriptInvocation` copies each key and
-/// argument into a vector of its own, then all of them again into a command
-/// that grows as they come.
-pub(super) fn evalsha(script: &Script, key: &str, args: usize, bytes: usize) -> Cmd {
-    let hash = script.get_hash();
-    let mut cmd = Cmd::with_capacity(4 + args, 8 + hash.len() + key.len() + bytes);
-    cmd.arg("EVALSHA").arg(hash).arg(1).arg(key);
-    cmd
-}
-
-/// Sends `cmd` (from [`evalsha`]); when the server does not have the script
-/// (a restart, a failover, `SCRIPT FLUSH`), loads it and sends `cmd` again,
-/// as `ScriptInvocation::invoke_async` does.
+/// Runs `script` on `key` with `args` (`EVALSHA`); when the server does not
+/// have the script (a restart, a failover, `SCRIPT FLUSH`), loads it and
+/// sends the command again, as `ScriptInvocation::invoke_async` does.
 pub(super) async fn run_script<T: redis::FromRedisValue>(
-    conn: &mut impl ConnectionLike,
+    conn: &mut Conn,
     script: &Script,
-    cmd: &Cmd,
+    key: &str,
+    args: &[&[u8]],
 ) -> redis::RedisResult<T> {
-    match cmd.query_async(conn).await {
+    match send_script(conn, script, key, args).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             script.load_async(conn).await?;
-            cmd.query_async(conn).await
+            send_script(conn, script, key, args).await
         }
         answer => answer,
     }
+}
+
+/// The most arguments a script of ours takes (a piece's five).
+const SCRIPT_ARGS: usize = 5;
+
+/// `EVALSHA script 1 key args…`, sent once. On our own connection it is packed
+/// straight into the output, the arguments (a record among them) copied once;
+/// on redis-rs's, built as a `Cmd` at its final size.
+async fn send_script<T: redis::FromRedisValue>(
+    conn: &mut Conn,
+    script: &Script,
+    key: &str,
+    args: &[&[u8]],
+) -> redis::RedisResult<T> {
+    assert!(
+        args.len() <= SCRIPT_ARGS,
+        "a script with more arguments than SCRIPT_ARGS"
+    );
+    let hash = script.get_hash().as_bytes();
+    let value = match conn {
+        Conn::Wire(wire) => {
+            let mut all: [&[u8]; 4 + SCRIPT_ARGS] = [&[]; 4 + SCRIPT_ARGS];
+            all[..4].copy_from_slice(&[b"EVALSHA", hash, b"1", key.as_bytes()]);
+            all[4..4 + args.len()].copy_from_slice(args);
+            let write = |out: &mut Vec<u8>| pack(out, &all[..4 + args.len()]);
+            let mut got = wire.commands(write, 1).await?;
+            got.pop()
+                .ok_or((redis::ErrorKind::Client, "a script without its answer"))?
+        }
+        other => {
+            let bytes = hash.len() + key.len() + args.iter().map(|a| a.len()).sum::<usize>();
+            let mut cmd = Cmd::with_capacity(4 + args.len(), 8 + bytes);
+            cmd.arg("EVALSHA").arg(hash).arg(1).arg(key);
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            cmd.query_async(other).await?
+        }
+    };
+    Ok(redis::from_redis_value(value)?)
 }
 
 /// The password: `IDEMPROXY_REDIS_PASSWORD`, else `password_file`, else none (a URL may carry one).
@@ -777,9 +806,10 @@ impl Operations for RedisStore {
         let done = if value.len() > pieces::PIECE {
             Box::pin(self.complete_in_pieces(&mut conn, key, token, &value, ttl)).await?
         } else {
-            let mut cmd = evalsha(&COMPLETE, key, 3, token.0.len() + value.len() + 20);
-            cmd.arg(&token.0[..]).arg(value.as_ref()).arg(ms(ttl));
-            let n: i64 = run_script(&mut conn, &COMPLETE, &cmd)
+            let mut ttl_digits = [0; 20];
+            let ttl = super::wire::digits(ms(ttl), &mut ttl_digits);
+            let args: [&[u8]; 3] = [&token.0, &value, ttl];
+            let n: i64 = run_script(&mut conn, &COMPLETE, key, &args)
                 .await
                 .map_err(|e| self.backend(e))?;
             match n {
@@ -811,9 +841,9 @@ impl Operations for RedisStore {
 
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         let mut conn = self.conn().await?;
-        let mut cmd = evalsha(&RENEW, key, 2, token.0.len() + 20);
-        cmd.arg(&token.0[..]).arg(ms(lease));
-        let n: i64 = run_script(&mut conn, &RENEW, &cmd)
+        let mut lease_digits = [0; 20];
+        let lease = super::wire::digits(ms(lease), &mut lease_digits);
+        let n: i64 = run_script(&mut conn, &RENEW, key, &[&token.0, lease])
             .await
             .map_err(|e| self.backend(e))?;
         Ok(n == 1)
@@ -821,9 +851,7 @@ impl Operations for RedisStore {
 
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
         let mut conn = self.conn().await?;
-        let mut cmd = evalsha(&RELEASE, key, 1, token.0.len());
-        cmd.arg(&token.0[..]);
-        let n: i64 = run_script(&mut conn, &RELEASE, &cmd)
+        let n: i64 = run_script(&mut conn, &RELEASE, key, &[&token.0])
             .await
             .map_err(|e| self.backend(e))?;
         Ok(n == 1)
