@@ -36,7 +36,7 @@ use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
-use crate::record::{now_ms, Finished, Processing, Record, Token};
+use crate::record::{now_ms, DecodeError, Finished, Processing, Record, Token};
 use crate::routes::{Route, RouteName, RouteTable};
 use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
 use crate::upstream::{Inbound, UpstreamError};
@@ -82,10 +82,12 @@ impl Ctx<'_> {
 /// A request's future, on the heap at the size of the path it takes.
 pub type Handling = Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
 
-/// Handles one request from a client. Pass-through gets a future of its own:
-/// the protected path's state (the store's and the recorder's futures) is
-/// ~11 KiB, pass-through's a third of it, and one future for both would be
-/// as large as the larger for every request.
+/// Handles one request from a client. Pass-through gets a future of its own,
+/// its exchange in it (4.1 KiB); the protected path's (3.5 KiB) forwards in a
+/// task of its own (see [`forward_reserved`]). One future for both would be
+/// as large as the larger for every request, and each future is copied whole
+/// where it is made: paths taken rarely (a tunnel, a large record's read,
+/// reconnecting to the store) are boxed where they start.
 pub fn handle(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Handling {
     // Looked up once, in one table (a reload between two lookups could disagree).
     let routes = app.routes();
@@ -117,15 +119,25 @@ async fn any_path(
     let begun = Begun::new(&app, &req);
     let ctx = begun.ctx(&app, caller);
     let route = position.map(|i| routes.at(i));
+    // The protected path's phases are awaited here, not in a function of
+    // their own: each layer of future is one more copy of its state.
     let handled = match route {
-        // Never protected, on any path: a tunnel has no answer to store (§9).
-        // Boxed: its state (~3.5 KiB) is not made part of every request's.
-        _ if tunnel::is_upgrade(&req) => Box::pin(tunnel::open(&ctx, req)).await,
-        None => {
+        Some(route) if !tunnel::is_upgrade(&req) => {
             let (parts, body) = req.into_parts();
-            forward(&ctx, parts, Body::Stream(body.into()), Outcome::Passthrough).await
+            let pending = Pending {
+                parts,
+                body: Body::Stream(body.into()),
+                record_id: None,
+            };
+            match enforce(&ctx, route, pending).await {
+                Ok(handled) => handled,
+                Err((stop, pending)) => stopped(&ctx, route, stop, pending).await,
+            }
         }
-        Some(route) => protected(&ctx, route, req).await,
+        // Never protected, on any path: a tunnel has no answer to store
+        // (§9). (`handle` sends here only upgrades and routed requests.)
+        // Boxed: its state (~3.5 KiB) is not made part of every request's.
+        _ => Box::pin(tunnel::open(&ctx, req)).await,
     };
     begun.finish(&app, &ctx, route, handled)
 }
@@ -213,20 +225,6 @@ struct Pending {
     /// The body still to be sent: streaming, read whole, or a read prefix then the rest.
     body: Body,
     record_id: Option<RecordKey>,
-}
-
-/// The protected path: the phases, and what becomes of a request they stop.
-async fn protected(ctx: &Ctx<'_>, route: &Route, req: Request<Incoming>) -> Handled {
-    let (parts, body) = req.into_parts();
-    let pending = Pending {
-        parts,
-        body: Body::Stream(body.into()),
-        record_id: None,
-    };
-    match enforce(ctx, route, pending).await {
-        Ok(handled) => handled,
-        Err((stop, pending)) => stopped(ctx, route, stop, pending).await,
-    }
 }
 
 /// `Ok(v)` goes on; `Err(stop)` leaves the phases with the request as read so far.
@@ -513,27 +511,43 @@ async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -
         Reservation::Reserved => return Ok(Some((Verdict::Ours, None, None))),
         Reservation::Existing { record, ttl } => (record, ttl, None),
         Reservation::Unreadable(e) => return unreadable(&e),
-        Reservation::Large { len } => {
-            // The turn first: a request waiting for one holds no room for
-            // the record (only the reserve's `INLINE_RECORD`). The wait is
-            // outside `op_timeout`; each turn is bounded by it.
-            let _turn = ctx.app.large_reads.acquire().await;
-            let Some(room) = ctx.app.budget.take(len) else {
-                return Err(Stop::Refuse(Problem::ProxyBusy));
-            };
-            match ctx.app.store.get(id.key.as_str()).await {
-                Ok(None) => return Ok(None),
-                Ok(Some(Inspected { record, ttl })) => (record, Some(ttl), Some(room)),
-                Err(StoreError::Decode(e)) => return unreadable(&e),
-                Err(e) => return Err(store_down(ctx, id, e)),
-            }
-        }
+        // Boxed: the large read's state is not carried by every replay's.
+        Reservation::Large { len } => match Box::pin(fetch_large(ctx, id, len)).await? {
+            Fetched::Gone => return Ok(None),
+            Fetched::Unreadable(e) => return unreadable(&e),
+            Fetched::Record(record, ttl, room) => (record, Some(ttl), Some(room)),
+        },
     };
     Ok(Some((
         Verdict::of(record, token, &id.fingerprint),
         ttl,
         room,
     )))
+}
+
+/// A record too large for the reserve's answer, read by itself.
+enum Fetched {
+    Record(Record, Duration, Room),
+    /// The key went away in between.
+    Gone,
+    Unreadable(DecodeError),
+}
+
+/// Reads a record too large for the reserve's answer, with room for its
+/// `len` bytes in the budget, its turn among large reads first: a request
+/// waiting for one holds no room for the record (only the reserve's
+/// `INLINE_RECORD`). The wait is outside `op_timeout`; each turn is bounded by it.
+async fn fetch_large(ctx: &Ctx<'_>, id: &Identity, len: u64) -> Result<Fetched, Stop> {
+    let _turn = ctx.app.large_reads.acquire().await;
+    let Some(room) = ctx.app.budget.take(len) else {
+        return Err(Stop::Refuse(Problem::ProxyBusy));
+    };
+    match ctx.app.store.get(id.key.as_str()).await {
+        Ok(None) => Ok(Fetched::Gone),
+        Ok(Some(Inspected { record, ttl })) => Ok(Fetched::Record(record, ttl, room)),
+        Err(StoreError::Decode(e)) => Ok(Fetched::Unreadable(e)),
+        Err(e) => Err(store_down(ctx, id, e)),
+    }
 }
 
 /// A verdict, the record's TTL when known, and the room a fetched record holds.
