@@ -12,7 +12,11 @@ Variants: a reserve as the script it was (`bench/reserve.lua`) and as
 the two plain commands it is now (`SET NX PX` and `GETRANGE`), each for a
 new key and for a key held by a 300-byte record (a replay's or a 409's
 reserve); with `PTTL` as a third command (what a 409 would save); `SET NX
-PX` alone; and `complete.lua`, the other script of a new key.
+PX` alone; and `complete.lua`, the other script of a new key, beside what
+bounds it from below on Redis 7: the same script as a function (`FCALL`),
+a script that does nothing (`return 1`) sent the same arguments, a script
+of complete.lua's `SET` alone (its read left out), and a plain `SET PX` of
+the finished record with no owner check.
 
     bench/redis_ops.py [--reps 3] [--n 100000]
 """
@@ -31,6 +35,17 @@ import bench  # noqa: E402
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "reserve.lua"), "rb") as f:
     RESERVE_LUA = f.read()
 BATCH = 32
+# A script that does nothing: what calling any script costs Redis.
+EMPTY_LUA = b"return 1"
+# complete.lua's write without its read: a script's one redis.call.
+SET_LUA = b"redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1"
+
+
+def complete_function(script):
+    """complete.lua as a Redis 7 function (FUNCTION LOAD): the same body."""
+    body = script.decode().replace("KEYS[", "keys[").replace("ARGV[", "args[")
+    return ("#!lua name=idemproxy_bench\n"
+            "redis.register_function('idemproxy_complete', function(keys, args)\n" + body + "\nend)\n")
 
 
 def pack(*args):
@@ -103,8 +118,11 @@ def main():
 def run(client, pid, args):
     with open(os.path.join(bench.ROOT, "src", "store", "complete.lua"), "rb") as f:
         complete_lua = f.read()
-    client.send([pack("SCRIPT", "LOAD", RESERVE_LUA), pack("SCRIPT", "LOAD", complete_lua)])
-    reserve_sha, complete_sha = (hashlib.sha1(s).hexdigest() for s in (RESERVE_LUA, complete_lua))
+    client.send([pack("SCRIPT", "LOAD", RESERVE_LUA), pack("SCRIPT", "LOAD", complete_lua),
+                 pack("SCRIPT", "LOAD", EMPTY_LUA), pack("SCRIPT", "LOAD", SET_LUA),
+                 pack("FUNCTION", "LOAD", "REPLACE", complete_function(complete_lua))])
+    reserve_sha, complete_sha, empty_sha, set_sha = (hashlib.sha1(s).hexdigest()
+                                                     for s in (RESERVE_LUA, complete_lua, EMPTY_LUA, SET_LUA))
     token = b"T" * 16
     processing = b"\x01P" + token + b"p" * 80
     finished = b"\x01F" + token + b"f" * 280
@@ -121,13 +139,19 @@ def run(client, pid, args):
         "  + PTTL, held key": lambda k: [pack("SET", "held", processing, "NX", "PX", 30000),
                                          pack("GETRANGE", "held", 0, 65535), pack("PTTL", "held")],
         "complete.lua (after a reserve)": lambda k: [pack("EVALSHA", complete_sha, 1, k, token, finished, 86400000)],
+        "  as a function (FCALL)": lambda k: [pack("FCALL", "idemproxy_complete", 1, k, token, finished, 86400000)],
+        "  an empty script, same arguments": lambda k: [pack("EVALSHA", empty_sha, 1, k, token, finished, 86400000)],
+        "  a script of its SET alone": lambda k: [pack("EVALSHA", set_sha, 1, k, token, finished, 86400000)],
+        "  SET PX alone, no owner check": lambda k: [pack("SET", k, finished, "PX", 86400000)],
     }
+    # These run on keys that hold a reservation, as a completion does.
+    completions = list(variants)[list(variants).index("complete.lua (after a reserve)"):]
     figures = {name: [] for name in variants}
     for rep in range(args.reps):
         for name, commands in variants.items():
             client.send([pack("FLUSHALL"), pack("SET", "held", finished)])
             keys = [f"k{i}" for i in range(args.n)]
-            if name.startswith("complete"):
+            if name in completions:
                 for i in range(0, args.n, BATCH):
                     client.send([pack("SET", k, processing, "PX", 30000) for k in keys[i:i + BATCH]])
             before = bench.cpu_seconds([pid])
