@@ -910,3 +910,45 @@ impl Operations for RedisStore {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Overrides};
+
+    /// A future is copied whole where it is made and where it is awaited, so
+    /// the per-request operations carry only their common path: connecting,
+    /// `WAIT` and a large record's pieces are boxed where they start. With
+    /// connecting inline, each of these was over 3.5 KiB (`docs/benchmarks.md`,
+    /// "Futures copied whole").
+    #[test]
+    fn the_per_request_operations_futures_stay_small() {
+        // Never connected: the futures are made, measured and dropped.
+        let toml = r#"
+            [server]
+            upstream = "http://127.0.0.1:1"
+            [store]
+            backend = "redis"
+            url = "redis://127.0.0.1:1"
+            wait_replicas = 1
+        "#;
+        let config = Config::from_toml(toml, "<test>", &Overrides::default()).unwrap();
+        let store = RedisStore::new(&config.store).unwrap();
+        let (lease, token) = (Duration::from_secs(1), Token([7; 16]));
+        let sizes = [
+            (
+                "reserve",
+                size_of_val(&store.reserve("k", Bytes::new(), lease, 1)),
+            ),
+            (
+                "complete",
+                size_of_val(&store.complete("k", token, Bytes::new(), lease)),
+            ),
+            ("renew", size_of_val(&store.renew("k", token, lease))),
+            ("release", size_of_val(&store.release("k", token))),
+        ];
+        for (op, size) in sizes {
+            assert!(size <= 1024, "{op}'s future is {size} bytes");
+        }
+    }
+}
