@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use super::cluster::ClusterNodes;
 use super::pieces;
-use super::wire::{pack, Wire};
+use super::wire::{digits, pack, Wire};
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
@@ -182,28 +182,35 @@ async fn send_script<T: redis::FromRedisValue>(
         args.len() <= SCRIPT_ARGS,
         "a script with more arguments than SCRIPT_ARGS"
     );
-    let hash = script.get_hash().as_bytes();
+    let mut all: [&[u8]; 4 + SCRIPT_ARGS] = [&[]; 4 + SCRIPT_ARGS];
+    all[..4].copy_from_slice(&[
+        b"EVALSHA",
+        script.get_hash().as_bytes(),
+        b"1",
+        key.as_bytes(),
+    ]);
+    all[4..4 + args.len()].copy_from_slice(args);
+    let all = &all[..4 + args.len()];
     let value = match conn {
         Conn::Wire(wire) => {
-            let mut all: [&[u8]; 4 + SCRIPT_ARGS] = [&[]; 4 + SCRIPT_ARGS];
-            all[..4].copy_from_slice(&[b"EVALSHA", hash, b"1", key.as_bytes()]);
-            all[4..4 + args.len()].copy_from_slice(args);
-            let write = |out: &mut Vec<u8>| pack(out, &all[..4 + args.len()]);
-            let mut got = wire.commands(write, 1).await?;
+            let mut got = wire.commands(|out| pack(out, all), 1).await?;
             got.pop()
                 .ok_or((redis::ErrorKind::Client, "a script without its answer"))?
         }
-        other => {
-            let bytes = hash.len() + key.len() + args.iter().map(|a| a.len()).sum::<usize>();
-            let mut cmd = Cmd::with_capacity(4 + args.len(), 8 + bytes);
-            cmd.arg("EVALSHA").arg(hash).arg(1).arg(key);
-            for arg in args {
-                cmd.arg(*arg);
-            }
-            cmd.query_async(other).await?
-        }
+        other => command(all).query_async(other).await?,
     };
     Ok(redis::from_redis_value(value)?)
+}
+
+/// A command from its arguments (its name first), at its final size: for
+/// redis-rs's connections, what [`pack`] writes on our own.
+fn command(args: &[&[u8]]) -> Cmd {
+    let bytes = args.iter().map(|a| a.len()).sum();
+    let mut cmd = Cmd::with_capacity(args.len(), bytes);
+    for arg in args {
+        cmd.arg(*arg);
+    }
+    cmd
 }
 
 /// The password: `IDEMPROXY_REDIS_PASSWORD`, else `password_file`, else none (a URL may carry one).
@@ -271,29 +278,25 @@ async fn send_reserve(
     lease: Duration,
     inline: u64,
 ) -> redis::RedisResult<(Value, Value)> {
+    let (mut ms_digits, mut last_digits) = ([0; 20], [0; 20]);
+    let lease = digits(ms(lease), &mut ms_digits);
     // `GETRANGE key 0 -1` would be the whole value: never below one byte.
-    let last = inline.max(1) - 1;
+    let last = digits(inline.max(1) - 1, &mut last_digits);
+    let key = key.as_bytes();
+    let set: [&[u8]; 6] = [b"SET", key, value, b"NX", b"PX", lease];
+    let getrange: [&[u8]; 4] = [b"GETRANGE", key, b"0", last];
     let mut answers = match conn {
         Conn::Wire(wire) => {
-            let (mut ms_digits, mut inline_digits) = ([0; 20], [0; 20]);
-            let lease = super::wire::digits(ms(lease), &mut ms_digits);
-            let last = super::wire::digits(last, &mut inline_digits);
-            let key = key.as_bytes();
             let write = |out: &mut Vec<u8>| {
-                pack(out, &[b"SET", key, value, b"NX", b"PX", lease]);
-                pack(out, &[b"GETRANGE", key, b"0", last]);
+                pack(out, &set);
+                pack(out, &getrange);
             };
             wire.commands(write, 2).await?
         }
         other => {
             let mut pipe = Pipeline::with_capacity(2);
-            pipe.cmd("SET")
-                .arg(key)
-                .arg(value)
-                .arg("NX")
-                .arg("PX")
-                .arg(ms(lease));
-            pipe.cmd("GETRANGE").arg(key).arg(0).arg(last);
+            pipe.add_command(command(&set))
+                .add_command(command(&getrange));
             pipe.query_async(other).await?
         }
     };
@@ -807,7 +810,7 @@ impl Operations for RedisStore {
             Box::pin(self.complete_in_pieces(&mut conn, key, token, &value, ttl)).await?
         } else {
             let mut ttl_digits = [0; 20];
-            let ttl = super::wire::digits(ms(ttl), &mut ttl_digits);
+            let ttl = digits(ms(ttl), &mut ttl_digits);
             let args: [&[u8]; 3] = [&token.0, &value, ttl];
             let n: i64 = run_script(&mut conn, &COMPLETE, key, &args)
                 .await
@@ -842,7 +845,7 @@ impl Operations for RedisStore {
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         let mut conn = self.conn().await?;
         let mut lease_digits = [0; 20];
-        let lease = super::wire::digits(ms(lease), &mut lease_digits);
+        let lease = digits(ms(lease), &mut lease_digits);
         let n: i64 = run_script(&mut conn, &RENEW, key, &[&token.0, lease])
             .await
             .map_err(|e| self.backend(e))?;
