@@ -290,6 +290,15 @@ async fn accept(
 /// clients use it). The §8 bounds hold per stream as per request.
 fn connection_builder(s: &ServerConfig) -> Builders {
     let mut http1 = http1::Builder::new();
+    // hyper's header timer does more than time heads: with it set, hyper
+    // reads again once a request has ended (`notify_read` in its
+    // `State::idle`), and that read, with no request in progress, is what
+    // starts `Guarded`'s idle and parking clock. Without it, the only read is
+    // the one left waiting during the request (hyper watching for a hang-up),
+    // and no clock starts until the client sends again (`tests/parking.rs`
+    // fails). Timing heads in `Guarded` instead needs a wake per request when
+    // the last one ends, which costs what hyper's timer does (measured in
+    // docs/benchmarks.md).
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(s.header_read_timeout)
