@@ -1,7 +1,10 @@
-//! A client connection's I/O with its two deadlines (§8): a client that
-//! accepts no bytes of an answer for `client_write_timeout` is disconnected,
-//! and a connection with no request in progress and no bytes either way for
-//! `idle_timeout` is closed. One timer per connection, reset in place.
+//! A client connection's I/O with its three deadlines (§8): a client that
+//! accepts no bytes of an answer for `client_write_timeout` is disconnected;
+//! an HTTP/1.1 request's head must arrive within `header_read_timeout` of its
+//! first byte; and a connection with no request in progress and no bytes
+//! either way for `idle_timeout` is closed. One timer per connection, reset
+//! in place: hyper's own header timer would box and register a timer per
+//! request.
 //!
 //! The same timer says when an HTTP/1.1 connection has been idle long enough
 //! to be parked (`crate::serve`): its HTTP state and buffers freed until the
@@ -38,6 +41,13 @@ struct Counter {
     /// The HTTP connection is being closed to park it: its shutdown must not
     /// close the socket (read by `crate::serve`'s I/O).
     parking: AtomicBool,
+    /// The connection speaks HTTP/1.1: bytes that come with no request in
+    /// progress are a request's head (HTTP/2 sends frames of its own while idle).
+    http1: AtomicBool,
+    /// Bytes of a head were handed to hyper from outside [`Guarded`]'s
+    /// reads (those a parked connection kept): `begun` then, plus one (0: none).
+    /// While no request has begun since, a head is in progress.
+    head_handed: AtomicUsize,
     _slot: Option<OwnedSemaphorePermit>,
 }
 
@@ -79,6 +89,22 @@ impl Busy {
     pub fn parking(&self) -> bool {
         self.0.parking.load(Ordering::Acquire)
     }
+
+    /// The connection speaks HTTP/1.1: its heads are timed ([`Guarded`]).
+    pub fn set_http1(&self) {
+        self.0.http1.store(true, Ordering::Relaxed);
+    }
+
+    /// Bytes kept from before a parking were handed to hyper with no request
+    /// in progress: the start of a head.
+    pub fn head_handed(&self) {
+        if self.idle() {
+            let mark = self.begun().wrapping_add(1);
+            if self.0.head_handed.load(Ordering::Relaxed) != mark {
+                self.0.head_handed.store(mark, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 pub struct BusyGuard(Arc<Counter>);
@@ -111,6 +137,8 @@ enum Armed {
     Park,
     /// A read is waiting, with no request in progress.
     Idle,
+    /// A read is waiting for the rest of a request's head.
+    Head,
 }
 
 pub struct Guarded<IO> {
@@ -124,8 +152,12 @@ pub struct Guarded<IO> {
     /// `busy.begun()` when bytes were last read with no request in progress:
     /// while no request has begun since, those bytes are part of a request
     /// not yet whole, and the connection is not parked (a client trickling
-    /// a request's head stays under hyper's `header_read_timeout`).
+    /// a request's head stays under `header_read_timeout`).
     read_mark: usize,
+    /// `header_read_timeout`, for an HTTP/1.1 connection (see [`Busy::set_http1`]).
+    head_timeout: Option<Duration>,
+    /// The head in progress: `busy.begun()` when its first bytes came, and when.
+    head: Option<(usize, Instant)>,
     timer: Pin<Box<Sleep>>,
     /// When an idle wait that began with `Park` runs out.
     idle_until: Instant,
@@ -141,6 +173,8 @@ impl<IO> Guarded<IO> {
             idle_timeout,
             park_after: None,
             read_mark: 0,
+            head_timeout: None,
+            head: None,
             timer: Box::pin(tokio::time::sleep(idle_timeout)),
             idle_until: Instant::now(),
             armed: Armed::Nothing,
@@ -152,6 +186,56 @@ impl<IO> Guarded<IO> {
     pub fn park_after(mut self, after: Duration) -> Self {
         self.park_after = (after < self.idle_timeout).then_some(after);
         self
+    }
+
+    /// Times each HTTP/1.1 request's head: it must arrive within `after` of
+    /// its first byte.
+    pub fn head_timeout(mut self, after: Duration) -> Self {
+        self.head_timeout = Some(after);
+        self
+    }
+
+    /// Bytes came with no request in progress: the first of a head, unless a
+    /// head is already in progress (no request has begun since its first bytes).
+    fn head_bytes(&mut self, begun: usize) {
+        self.read_mark = begun;
+        if self.head_timeout.is_some() && !matches!(self.head, Some((b, _)) if b == begun) {
+            self.head = Some((begun, Instant::now()));
+        }
+    }
+
+    /// When the head in progress is due, if one is (and the connection speaks HTTP/1.1).
+    fn head_due(&mut self) -> Option<Instant> {
+        let begun = self.busy.begun();
+        let handed = self.busy.0.head_handed.load(Ordering::Relaxed);
+        if handed != 0 {
+            self.busy.0.head_handed.store(0, Ordering::Relaxed);
+            // Not if a request has begun since (those bytes were its head).
+            if handed == begun.wrapping_add(1) {
+                self.head_bytes(begun);
+            }
+        }
+        match (self.head_timeout, self.head) {
+            (Some(after), Some((b, since)))
+                if b == begun && self.busy.0.http1.load(Ordering::Relaxed) =>
+            {
+                Some(since + after)
+            }
+            _ => None,
+        }
+    }
+
+    /// Bytes were written. With no request in progress, they end the last
+    /// answer: the idle clock (parking, `idle_timeout`) starts here. hyper
+    /// reads next only when the client sends (its read during the request,
+    /// watching for a hang-up, is still waiting), so the read side alone
+    /// would never start it.
+    fn written(&mut self, cx: &mut Context<'_>) {
+        self.progressed();
+        if self.busy.idle() {
+            // An idle wait that is already over is reported by the next read.
+            let _ = self.idle(cx);
+        }
     }
 
     /// Progress either way: nothing is overdue.
@@ -176,12 +260,21 @@ impl<IO> Guarded<IO> {
         }
     }
 
-    /// A read waits with no request in progress: on the way, the wish to be
-    /// parked; an error once `idle_timeout` has run out.
+    /// A read waits with no request in progress: for the rest of a head, an
+    /// error once `header_read_timeout` has run out since its first byte;
+    /// otherwise, on the way, the wish to be parked, and an error once
+    /// `idle_timeout` has run out.
     fn idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
-        if !matches!(self.armed, Armed::Park | Armed::Idle) {
+        // Bytes handed back after a parking start a head, whatever was armed.
+        let handed = self.busy.0.head_handed.load(Ordering::Relaxed) != 0;
+        if handed || !matches!(self.armed, Armed::Park | Armed::Idle | Armed::Head) {
             let now = Instant::now();
+            let head_due = self.head_due();
             match self.park_after {
+                _ if head_due.is_some_and(|due| due < now + self.idle_timeout) => {
+                    self.timer.as_mut().reset(head_due.unwrap_or(now));
+                    self.armed = Armed::Head;
+                }
                 Some(after) if self.busy.begun() != self.read_mark => {
                     self.idle_until = now + self.idle_timeout;
                     self.timer.as_mut().reset(now + after);
@@ -197,11 +290,20 @@ impl<IO> Guarded<IO> {
             if self.timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            if self.armed == Armed::Idle {
-                return Poll::Ready(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the connection was idle for idle_timeout",
-                ));
+            match self.armed {
+                Armed::Idle => {
+                    return Poll::Ready(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the connection was idle for idle_timeout",
+                    ))
+                }
+                Armed::Head => {
+                    return Poll::Ready(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the request's head did not arrive within header_read_timeout",
+                    ))
+                }
+                _ => {}
             }
             self.busy.0.park_wanted.store(true, Ordering::Release);
             self.armed = Armed::Idle;
@@ -220,17 +322,17 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Guarded<IO> {
         let before = buf.filled().len();
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
-                if matches!(this.armed, Armed::Park | Armed::Idle) {
+                if matches!(this.armed, Armed::Park | Armed::Idle | Armed::Head) {
                     this.progressed();
                 }
                 if buf.filled().len() > before && this.busy.idle() {
-                    this.read_mark = this.busy.begun();
+                    this.head_bytes(this.busy.begun());
                 }
                 Poll::Ready(r)
             }
             // A write stall has its own deadline; a request in progress is not idleness.
             Poll::Pending if this.armed == Armed::Write || !this.busy.idle() => {
-                if matches!(this.armed, Armed::Park | Armed::Idle) {
+                if matches!(this.armed, Armed::Park | Armed::Idle | Armed::Head) {
                     this.progressed();
                 }
                 Poll::Pending
@@ -249,7 +351,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
         let this = self.get_mut();
         match Pin::new(&mut this.io).poll_write(cx, buf) {
             Poll::Ready(r) => {
-                this.progressed();
+                this.written(cx);
                 Poll::Ready(r)
             }
             Poll::Pending => this.write_stalled(cx).map(Err),
@@ -264,7 +366,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
         let this = self.get_mut();
         match Pin::new(&mut this.io).poll_write_vectored(cx, bufs) {
             Poll::Ready(r) => {
-                this.progressed();
+                this.written(cx);
                 Poll::Ready(r)
             }
             Poll::Pending => this.write_stalled(cx).map(Err),

@@ -106,6 +106,9 @@ pub async fn serve<IO, S>(
         let _ = conn.await;
         return;
     }
+    // HTTP/1.1: bytes with no request in progress are a head, timed by the
+    // connection's own timer (`header_read_timeout`, `crate::conn::Guarded`).
+    busy.set_http1();
     let (mut io, mut service) = (io, service);
     loop {
         let mut conn = builders
@@ -342,6 +345,9 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Client<IO> {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         if !this.prefix.is_empty() {
+            // Read before (sniffed, or kept from before a parking): with no
+            // request in progress, the start of a head whose clock runs.
+            this.busy.head_handed();
             let n = this.prefix.len().min(buf.remaining());
             buf.put_slice(&this.prefix[..n]);
             this.prefix.advance(n);

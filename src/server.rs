@@ -220,8 +220,9 @@ async fn accept(
         let _ = stream.set_nodelay(true);
         let busy = Busy::holding(slot);
         let (s, io) = (&config.server, busy.clone());
-        let stream =
-            Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout).park_after(PARK_AFTER);
+        let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout)
+            .park_after(PARK_AFTER)
+            .head_timeout(s.header_read_timeout);
         let (app_, requests, conn_busy) = (app.clone(), requests.clone(), busy.clone());
         let began = Arc::new(Notify::new());
         let begin = began.clone();
@@ -290,18 +291,11 @@ async fn accept(
 /// clients use it). The §8 bounds hold per stream as per request.
 fn connection_builder(s: &ServerConfig) -> Builders {
     let mut http1 = http1::Builder::new();
-    // hyper's header timer does more than time heads: with it set, hyper
-    // reads again once a request has ended (`notify_read` in its
-    // `State::idle`), and that read, with no request in progress, is what
-    // starts `Guarded`'s idle and parking clock. Without it, the only read is
-    // the one left waiting during the request (hyper watching for a hang-up),
-    // and no clock starts until the client sends again (`tests/parking.rs`
-    // fails). Timing heads in `Guarded` instead needs a wake per request when
-    // the last one ends, which costs what hyper's timer does (measured in
-    // docs/benchmarks.md).
+    // Heads are timed by the connection's own timer (`Guarded::head_timeout`):
+    // hyper's would box and register a timer per request.
     http1
         .timer(TokioTimer::new())
-        .header_read_timeout(s.header_read_timeout)
+        .header_read_timeout(None)
         .max_buf_size(s.max_header_bytes.max(8192));
     let mut http2 = http2::Builder::new(TokioExecutor::new());
     http2

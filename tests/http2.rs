@@ -493,3 +493,46 @@ async fn requests_in_progress_are_bounded_across_http2_streams() {
     let after = get(false).await.unwrap();
     assert_eq!(after.status(), 201, "the places free as requests end");
 }
+
+/// An idle HTTP/2 connection carries frames of its own (here the client's
+/// keep-alive pings). Unlike HTTP/1.1 bytes with no request in progress,
+/// they are not a request's head, and `header_read_timeout` does not cut the
+/// connection: the next request goes on the same one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_h2c_connection_with_pings_outlives_the_header_timeout() {
+    let upstream = TestUpstream::start().await;
+    let proxy = memory_proxy(
+        &upstream.url(),
+        "header_read_timeout = \"300ms\"\nidle_timeout = \"60s\"",
+    )
+    .await;
+    let stream = TcpStream::connect(proxy.addr).await.expect("connect");
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(std::time::Duration::from_millis(50))
+        .keep_alive_while_idle(true)
+        .handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+        .await
+        .expect("an HTTP/2 handshake");
+    let conn = tokio::spawn(conn);
+    let url = proxy.url("/v1/other");
+    let get = || {
+        Request::get(url.as_str())
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let first = send.send_request(get()).await.expect("the first answer");
+    assert_eq!(first.status(), 201);
+    // Pings every 50 ms, well past the 300 ms header timeout.
+    let idle_until = tokio::time::Instant::now() + std::time::Duration::from_millis(1200);
+    while tokio::time::Instant::now() < idle_until {
+        assert!(!conn.is_finished(), "the connection was closed while idle");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await; // time is the subject: idle with pings
+    }
+    let second = tokio::time::timeout(DEADLINE, send.send_request(get()))
+        .await
+        .expect("an answer in time")
+        .expect("the same connection still serves");
+    assert_eq!(second.status(), 201);
+    assert_eq!(upstream.hits(), 2);
+}

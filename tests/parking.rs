@@ -187,6 +187,79 @@ async fn a_request_trickled_in_is_not_parked_and_its_header_timeout_holds() {
     );
 }
 
+/// Every kind of answer ends with the connection's idle clock running: each
+/// connection below is parked once its answer is out (the clock starts with
+/// the answer's last bytes, whatever its body: a length, chunks, none). An
+/// answer given before the request's body was read closes the connection
+/// instead (`Connection: close`), so it is not among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_answer_leaves_its_connection_to_be_parked() {
+    let (upstream, proxy, first) = payments().await;
+    drop(first);
+    let requests = [
+        "GET /other HTTP/1.1\r\nHost: x\r\n\r\n".to_string(),
+        "GET /other HTTP/1.1\r\nHost: x\r\nx-test-chunked: 1\r\n\r\n".to_string(),
+        "HEAD /other HTTP/1.1\r\nHost: x\r\n\r\n".to_string(),
+        "GET /other HTTP/1.1\r\nHost: x\r\nx-test-status: 204\r\n\r\n".to_string(),
+        "GET /other HTTP/1.1\r\nHost: x\r\nx-test-status: 304\r\n\r\n".to_string(),
+        post("kinds-1", r#"{"n":1}"#),
+        post("kinds-1", r#"{"n":1}"#),
+        "POST /v1/payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: kinds-2\r\n\
+         x-test-chunked: 1\r\nx-test-body-bytes: 65536\r\nContent-Length: 2\r\n\r\n{}"
+            .to_string(),
+        "POST /v1/payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: kinds-2\r\n\
+         x-test-chunked: 1\r\nx-test-body-bytes: 65536\r\nContent-Length: 2\r\n\r\n{}"
+            .to_string(),
+    ];
+    let mut open = Vec::new();
+    for (i, request) in requests.iter().enumerate() {
+        let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+        c.write_all(request.as_bytes()).await.unwrap();
+        let first_line = request.lines().next().unwrap_or_default();
+        until_parked(
+            &proxy,
+            (i + 1) as f64,
+            &format!("parked after #{i}, {first_line}"),
+        )
+        .await;
+        open.push(c);
+    }
+    assert_eq!(upstream.hits(), 7, "the two retries were replayed");
+}
+
+/// The start of a second head sent with the first request, and then nothing:
+/// hyper holds those bytes while the connection waits, so no read of the
+/// connection's own sees them start. They are a head all the same, held to
+/// `header_read_timeout` (from the parking that hands them back at the
+/// latest), not to `idle_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipelined_head_that_stops_halfway_is_cut_off_by_the_header_timeout() {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server("header_read_timeout = \"1s\"\nidle_timeout = \"60s\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    c.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\n\r\nGET /other HTTP/1.1\r\nHo")
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    assert_eq!(answer(&mut c).await.0, 201);
+    let mut rest = Vec::new();
+    tokio::time::timeout(DEADLINE, c.read_to_end(&mut rest))
+        .await
+        .expect("closed by header_read_timeout, not idle_timeout")
+        .unwrap();
+    let text = String::from_utf8_lossy(&rest);
+    assert!(!text.contains("HTTP/1.1 201"), "never answered: {text}");
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "closed near the parking delay and header_read_timeout (1.25 s): {:?}",
+        started.elapsed()
+    );
+    assert_eq!(upstream.hits(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_connection_does_not_hold_up_shutdown() {
     let upstream = TestUpstream::start().await;
