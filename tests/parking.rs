@@ -63,6 +63,20 @@ async fn payments() -> (TestUpstream, Proxy, TcpStream) {
     (upstream, proxy, c)
 }
 
+/// The test upstream, a proxy with `header_read_timeout` and a long
+/// `idle_timeout` in front of it, and one client connection to the proxy.
+async fn timed_heads(header_read_timeout: &str) -> (TestUpstream, Proxy, TcpStream) {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .server(&format!(
+            "header_read_timeout = \"{header_read_timeout}\"\nidle_timeout = \"60s\""
+        ))
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    (upstream, proxy, c)
+}
+
 async fn parked(proxy: &Proxy) -> f64 {
     metric(proxy, "idemproxy_parked_connections").await
 }
@@ -138,18 +152,13 @@ async fn bytes_read_before_parking_are_not_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_trickled_in_is_not_parked_and_its_header_timeout_holds() {
-    let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
-        .server("header_read_timeout = \"1500ms\"\nidle_timeout = \"60s\"")
-        .build();
-    let proxy = Proxy::start(&config).await;
-    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    let (_upstream, proxy, mut c) = timed_heads("1500ms").await;
     c.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .unwrap();
     assert_eq!(answer(&mut c).await.0, 201);
     // The next request's head, a few bytes at a time, each pause past the
-    // parking delay: parking must not start hyper's header clock again.
+    // parking delay: parking must not start the head's clock again.
     let started = tokio::time::Instant::now();
     let (mut r, mut w) = c.into_split();
     let closed = tokio::spawn(async move {
@@ -234,12 +243,7 @@ async fn every_kind_of_answer_leaves_its_connection_to_be_parked() {
 /// latest), not to `idle_timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pipelined_head_that_stops_halfway_is_cut_off_by_the_header_timeout() {
-    let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
-        .server("header_read_timeout = \"1s\"\nidle_timeout = \"60s\"")
-        .build();
-    let proxy = Proxy::start(&config).await;
-    let mut c = TcpStream::connect(addr(&proxy)).await.unwrap();
+    let (upstream, _proxy, mut c) = timed_heads("1s").await;
     c.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\n\r\nGET /other HTTP/1.1\r\nHo")
         .await
         .unwrap();
