@@ -156,8 +156,9 @@ pub struct Guarded<IO> {
     read_mark: usize,
     /// `header_read_timeout`, for an HTTP/1.1 connection (see [`Busy::set_http1`]).
     head_timeout: Option<Duration>,
-    /// The head in progress: `busy.begun()` when its first bytes came, and when.
-    head: Option<(usize, Instant)>,
+    /// When the last head's first bytes came. It is in progress while no
+    /// request has begun since (`busy.begun() == read_mark`).
+    head_since: Option<Instant>,
     timer: Pin<Box<Sleep>>,
     /// When an idle wait that began with `Park` runs out.
     idle_until: Instant,
@@ -174,7 +175,7 @@ impl<IO> Guarded<IO> {
             park_after: None,
             read_mark: 0,
             head_timeout: None,
-            head: None,
+            head_since: None,
             timer: Box::pin(tokio::time::sleep(idle_timeout)),
             idle_until: Instant::now(),
             armed: Armed::Nothing,
@@ -198,10 +199,10 @@ impl<IO> Guarded<IO> {
     /// Bytes came with no request in progress: the first of a head, unless a
     /// head is already in progress (no request has begun since its first bytes).
     fn head_bytes(&mut self, begun: usize) {
-        self.read_mark = begun;
-        if self.head_timeout.is_some() && !matches!(self.head, Some((b, _)) if b == begun) {
-            self.head = Some((begun, Instant::now()));
+        if self.head_timeout.is_some() && (self.head_since.is_none() || self.read_mark != begun) {
+            self.head_since = Some(Instant::now());
         }
+        self.read_mark = begun;
     }
 
     /// When the head in progress is due, if one is (and the connection speaks HTTP/1.1).
@@ -215,9 +216,9 @@ impl<IO> Guarded<IO> {
                 self.head_bytes(begun);
             }
         }
-        match (self.head_timeout, self.head) {
-            (Some(after), Some((b, since)))
-                if b == begun && self.busy.0.http1.load(Ordering::Relaxed) =>
+        match (self.head_timeout, self.head_since) {
+            (Some(after), Some(since))
+                if self.read_mark == begun && self.busy.0.http1.load(Ordering::Relaxed) =>
             {
                 Some(since + after)
             }
