@@ -35,6 +35,7 @@ pub mod budget;
 pub mod canonical_json;
 pub mod config;
 pub mod conn;
+pub mod deadline;
 pub mod grpc;
 pub mod key;
 pub mod metrics;

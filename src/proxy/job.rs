@@ -178,9 +178,11 @@ impl Job {
                 body => Ok((parts, body, room)),
             }
         };
-        let timeout = app.upstream.timeout;
+        let deadlines = &app.upstream.deadlines;
+        let timeout = deadlines.after();
+        let start = tokio::time::Instant::now();
         tokio::select! {
-            r = tokio::time::timeout(timeout, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
+            r = deadlines.within(start, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
             () = app.hard_stop.cancelled() => Err(UpstreamError::Timeout(timeout)),
         }
     }

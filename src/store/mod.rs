@@ -18,11 +18,12 @@ pub mod wire;
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
 use crate::config::{Backend, StoreConfig};
+use crate::deadline::Deadlines;
 use crate::metrics::Metrics;
 use crate::record::{DecodeError, Head, Record, Token};
 use crate::seal::{KeyFileError, SealError, Sealing};
@@ -245,7 +246,8 @@ macro_rules! backend {
 pub struct Store {
     inner: Inner,
     prefix: String,
-    op_timeout: Duration,
+    /// Every operation's `op_timeout`, kept by one timer for all of them.
+    deadlines: Deadlines,
     metrics: Arc<Metrics>,
     /// The keys that seal finished records, when a key file is configured.
     sealing: Option<Sealing>,
@@ -272,7 +274,7 @@ impl Store {
         Ok(Store {
             inner,
             prefix: cfg.key_prefix.clone(),
-            op_timeout: cfg.op_timeout,
+            deadlines: Deadlines::new(cfg.op_timeout),
             metrics,
             sealing,
         })
@@ -354,10 +356,11 @@ impl Store {
         op: &'static str,
         fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
     ) -> Result<T, StoreError> {
-        let start = Instant::now();
-        let res = match tokio::time::timeout(self.op_timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout(self.op_timeout)),
+        let start = tokio::time::Instant::now();
+        let timeout = self.deadlines.after();
+        let res = match self.deadlines.within(start, fut).await {
+            Some(r) => r,
+            None => Err(StoreError::Timeout(timeout)),
         };
         // A decode error is an answer from a live store.
         let store_ok = !matches!(

@@ -19,6 +19,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use crate::body::Body;
 use crate::config::{self, UpstreamProtocol};
 use crate::conn::Caller;
+use crate::deadline::Deadlines;
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1, plus the
 /// legacy `Keep-Alive` and `Proxy-Connection`): never forwarded, never stored.
@@ -119,7 +120,8 @@ pub struct Upstream {
     h2c: Client<HttpConnector, Body>,
     protocol: UpstreamProtocol,
     base: config::UpstreamUrl,
-    pub timeout: Duration,
+    /// `upstream_timeout` for every exchange, kept by one timer for all of them.
+    pub deadlines: Deadlines,
 }
 
 impl Upstream {
@@ -152,7 +154,7 @@ impl Upstream {
             h2c,
             protocol,
             base,
-            timeout,
+            deadlines: Deadlines::new(timeout),
         }
     }
 
@@ -265,9 +267,10 @@ impl Upstream {
         &self,
         req: Request<Body>,
     ) -> Result<Response<Inbound>, UpstreamError> {
-        match tokio::time::timeout(self.timeout, self.send(req)).await {
-            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(r) => r,
+        let start = tokio::time::Instant::now();
+        match self.deadlines.within(start, self.send(req)).await {
+            None => Err(UpstreamError::Timeout(self.deadlines.after())),
+            Some(r) => r,
         }
     }
 
