@@ -52,6 +52,7 @@ impl Begun {
             caller,
             request_id: self.request_id,
             grpc: self.grpc,
+            start: self.start,
         }
     }
 
@@ -64,7 +65,10 @@ impl Begun {
         handled: Handled,
     ) -> Response<Body> {
         let route_name = route.map_or(&*UNPROTECTED, |r| &r.name);
-        app.metrics.request(route_name, handled.outcome);
+        match route {
+            Some(route) => app.metrics.request_on(route, handled.outcome),
+            None => app.metrics.request(route_name, handled.outcome),
+        }
         info!(
             target: "idemproxy::access",
             request_id = %ctx.request_id,

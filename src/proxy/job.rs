@@ -4,7 +4,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::response::Parts;
@@ -120,8 +120,10 @@ impl Job {
         // Pinned here and lent: moved into `holding_lease`, the exchange's
         // state (~2.7 KiB) would be held twice and copied between the two.
         let exchanged = {
-            let exchange = std::pin::pin!(self.exchange(request));
-            self.holding_lease(exchange).await
+            // One clock read for the upstream's deadline, its metric and the lease's first renewal.
+            let sent = tokio::time::Instant::now();
+            let exchange = std::pin::pin!(self.exchange(request, sent));
+            self.holding_lease(exchange, sent).await
         };
         self.request_room = None;
         match exchanged {
@@ -154,10 +156,13 @@ impl Job {
 
     /// Sends the request and reads the whole answer, bounded by the upstream
     /// timeout and by the end of the shutdown grace (either way: outcome unknown).
-    async fn exchange(&self, request: Request<Body>) -> Result<Exchanged, UpstreamError> {
+    async fn exchange(
+        &self,
+        request: Request<Body>,
+        sent: tokio::time::Instant,
+    ) -> Result<Exchanged, UpstreamError> {
         let app = &self.claim.app;
         let exchange = async {
-            let sent = Instant::now();
             let resp = app.upstream.send(request).await?;
             app.metrics.upstream(sent.elapsed());
             let (mut parts, body) = resp.into_parts();
@@ -180,9 +185,8 @@ impl Job {
         };
         let deadlines = &app.upstream.deadlines;
         let timeout = deadlines.after();
-        let start = tokio::time::Instant::now();
         tokio::select! {
-            r = deadlines.within(start, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
+            r = deadlines.within(sent, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
             () = app.hard_stop.cancelled() => Err(UpstreamError::Timeout(timeout)),
         }
     }
@@ -258,9 +262,13 @@ impl Job {
     }
 
     /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.
-    async fn holding_lease<F: std::future::Future>(&self, mut fut: Pin<&mut F>) -> F::Output {
+    async fn holding_lease<F: std::future::Future>(
+        &self,
+        mut fut: Pin<&mut F>,
+        from: tokio::time::Instant,
+    ) -> F::Output {
         let period = (self.policy.lease / 3).max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let mut tick = tokio::time::interval_at(from + period, period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut held = true;
         loop {

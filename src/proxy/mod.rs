@@ -71,6 +71,8 @@ struct Ctx<'a> {
     request_id: Uuid,
     /// A gRPC request: the proxy's own answers are gRPC errors (§9).
     grpc: bool,
+    /// When the request's handling began (its body is due `body_read_timeout` after).
+    start: Instant,
 }
 
 impl Ctx<'_> {
@@ -246,7 +248,7 @@ async fn enforce(
 ) -> Result<Handled, (Stop, Pending)> {
     let policy = &route.policy;
     let key = phase!(read_key(&req.parts.headers, policy), req);
-    let (body, room) = phase!(read_body(ctx.app, policy, &mut req.body).await, req);
+    let (body, room) = phase!(read_body(ctx, policy, &mut req.body).await, req);
     let key = key.or_from_body(&body, policy.max_key_length);
     let key = phase!(key.map_err(|no| no_key(policy, no)), req);
     let id = Identity::of(ctx.app, policy, &req.parts, &key, &body);
@@ -340,10 +342,11 @@ fn no_key(policy: &Policy, no: NoKey) -> Stop {
 
 /// Phase 2, the body: read into memory up to the route's limit, with room in
 /// the memory budget (taken for the declared length at once, else as it
-/// comes), within the body timeout. `body` is left as what would be forwarded
-/// from here on: all of it, or what was read and the rest (shadow mode
-/// forwards that as it came).
-async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<(Bytes, Room), Stop> {
+/// comes), within the body timeout (counted from the request's start). `body`
+/// is left as what would be forwarded from here on: all of it, or what was
+/// read and the rest (shadow mode forwards that as it came).
+async fn read_body(ctx: &Ctx<'_>, policy: &Policy, body: &mut Body) -> Result<(Bytes, Room), Stop> {
+    let app = ctx.app;
     let Body::Stream(incoming) = std::mem::replace(body, Body::Full(None)) else {
         return Err(Stop::Refuse(Problem::BodyUnreadable));
     };
@@ -355,7 +358,7 @@ async fn read_body(app: &App, policy: &Policy, body: &mut Body) -> Result<(Bytes
         return Err(Stop::Refuse(Problem::ProxyBusy));
     };
     let after = app.body_read_timeout;
-    let deadline = tokio::time::Instant::now() + after;
+    let deadline = ctx.start + after;
     let (read, rest, cut) = match read_capped(incoming, limit, Some(deadline), &mut room).await {
         Capped::Whole(bytes, _) => {
             *body = Body::full(bytes.clone());
@@ -430,14 +433,16 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let mut claim = Claim::new(app.clone(), id.key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
-    let wait_until = Instant::now() + policy.wait_timeout;
+    // From the first reserve sent (one clock read for both).
+    let mut wait_until = None;
     let mut pause = Duration::from_millis(5);
     loop {
         let store_down = |e| store_down(ctx, id, e);
-        let sent_at = tokio::time::Instant::now();
-        let found = app
-            .store
-            .reserve(id.key.as_str(), processing.clone(), policy.lease);
+        let sent_at = Instant::now();
+        let wait_until = *wait_until.get_or_insert(sent_at + policy.wait_timeout);
+        let found =
+            app.store
+                .reserve_at(sent_at, id.key.as_str(), processing.clone(), policy.lease);
         let judged = match found.await.map_err(store_down)? {
             Reservation::Reserved => Ok(Some((Verdict::Ours, None, None))),
             found => judge(ctx, id, token, found).await,

@@ -346,17 +346,32 @@ impl Store {
     where
         F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
     {
+        self.timed_from(None, op, fut)
+    }
+
+    /// [`Store::timed`], its time counted from `start` when the caller has
+    /// read the clock already (`None`: from now).
+    fn timed_from<'a, T: 'a, F>(
+        &'a self,
+        start: Option<tokio::time::Instant>,
+        op: &'static str,
+        fut: F,
+    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a
+    where
+        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
+    {
         let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
             Box::pin(fut);
-        self.timed_boxed(op, fut)
+        self.timed_boxed(start, op, fut)
     }
 
     async fn timed_boxed<T>(
         &self,
+        start: Option<tokio::time::Instant>,
         op: &'static str,
         fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
     ) -> Result<T, StoreError> {
-        let start = tokio::time::Instant::now();
+        let start = start.unwrap_or_else(tokio::time::Instant::now);
         let timeout = self.deadlines.after();
         let res = match self.deadlines.within(start, fut).await {
             Some(r) => r,
@@ -384,8 +399,22 @@ impl Store {
         processing: Bytes,
         lease: Duration,
     ) -> Result<Reservation, StoreError> {
+        self.reserve_at(tokio::time::Instant::now(), key, processing, lease)
+            .await
+    }
+
+    /// [`Store::reserve`] sent at `sent_at`, a clock the caller has read
+    /// already (for its lease): `op_timeout` counts from it too.
+    pub async fn reserve_at(
+        &self,
+        sent_at: tokio::time::Instant,
+        key: &str,
+        processing: Bytes,
+        lease: Duration,
+    ) -> Result<Reservation, StoreError> {
         let found = self
-            .timed(
+            .timed_from(
+                Some(sent_at),
                 "reserve",
                 backend!(&self.inner, b => b.reserve(key, processing, lease, INLINE_RECORD)),
             )
