@@ -10,7 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::routes::RouteName;
+use crate::routes::{Route, RouteName};
 
 /// What became of a request; the `outcome` label of `idemproxy_requests_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,6 +41,29 @@ pub enum Outcome {
 /// How many outcomes there are (an outcome added after `Upgraded` is
 /// counted through the family's lookup until this names it).
 const OUTCOMES: usize = Outcome::Upgraded as usize + 1;
+
+/// Tells one `Metrics` from another (a route's series belong to one).
+static METRICS_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A protected route's `idemproxy_requests` series by outcome, kept beside
+/// the route once found: counting a request then hashes no label and takes
+/// no lock (the family's lookup is a SipHash of the route name and a
+/// read lock). They belong to the first `Metrics` that counts the route;
+/// any other counts through the family. A clone starts empty.
+#[derive(Default)]
+pub struct RouteSeries(OnceLock<(u64, [OnceLock<Counter>; OUTCOMES])>);
+
+impl Clone for RouteSeries {
+    fn clone(&self) -> Self {
+        RouteSeries::default()
+    }
+}
+
+impl std::fmt::Debug for RouteSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RouteSeries")
+    }
+}
 
 impl Outcome {
     pub fn as_str(self) -> &'static str {
@@ -117,6 +140,8 @@ pub struct Metrics {
     /// `requests`' series of unprotected requests (route `""`), by outcome,
     /// taken from the family on first use.
     unprotected: [OnceLock<Counter>; OUTCOMES],
+    /// Whose a route's `RouteSeries` are.
+    id: u64,
     lease_lost: Family<RouteLabel, Counter>,
     pub inflight: Gauge,
     pub parked: Gauge,
@@ -212,11 +237,30 @@ impl Metrics {
             store_seen: Default::default(),
             store_errors,
             unprotected: Default::default(),
+            id: METRICS_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             lease_lost,
             inflight,
             parked,
             tunnels,
             store_up,
+        }
+    }
+
+    /// Counts a request on a protected route (`route.series` found once).
+    pub fn request_on(&self, route: &Route, outcome: Outcome) {
+        let (owner, series) = route.series.0.get_or_init(|| (self.id, Default::default()));
+        match series.get(outcome as usize) {
+            Some(s) if *owner == self.id => {
+                let counter = s.get_or_init(|| {
+                    let label = RouteOutcome {
+                        route: route.name.clone(),
+                        outcome: outcome.as_str(),
+                    };
+                    self.requests.get_or_create(&label).clone()
+                });
+                counter.inc();
+            }
+            _ => self.request(&route.name, outcome),
         }
     }
 
@@ -283,5 +327,55 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Policy;
+    use crate::routes::PathPattern;
+    use std::sync::Arc;
+
+    fn route() -> Route {
+        Route {
+            name: RouteName::new("payments"),
+            methods: vec![http::Method::POST],
+            path: PathPattern::parse("/v1/payments").unwrap(),
+            policy: Arc::new(Policy::default()),
+            series: Default::default(),
+        }
+    }
+
+    /// The `idemproxy_requests` line of one route and outcome.
+    fn count(m: &Metrics, outcome: &str) -> Option<String> {
+        let want = format!("route=\"payments\",outcome=\"{outcome}\"");
+        m.encode()
+            .lines()
+            .find(|l| l.starts_with("idemproxy_requests_total") && l.contains(&want))
+            .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
+    }
+
+    #[test]
+    fn a_routes_own_series_count_in_its_metrics_and_no_other() {
+        let (a, b) = (Metrics::new(), Metrics::new());
+        let r = route();
+        // `a` counts first: the route keeps `a`'s series.
+        a.request_on(&r, Outcome::Replayed);
+        a.request_on(&r, Outcome::Replayed);
+        a.request_on(&r, Outcome::Forwarded);
+        // `b` is not `a`: its counts go through its own family.
+        b.request_on(&r, Outcome::Replayed);
+        // The family's lookup and the kept series are one series.
+        a.request(&r.name, Outcome::Replayed);
+        assert_eq!(count(&a, "replayed").as_deref(), Some("3"));
+        assert_eq!(count(&a, "forwarded").as_deref(), Some("1"));
+        assert_eq!(count(&b, "replayed").as_deref(), Some("1"));
+        assert_eq!(count(&b, "forwarded"), None);
+        // A clone of the route (another configuration's) starts empty.
+        let again = r.clone();
+        b.request_on(&again, Outcome::Forwarded);
+        assert_eq!(count(&b, "forwarded").as_deref(), Some("1"));
+        assert_eq!(count(&a, "forwarded").as_deref(), Some("1"));
     }
 }

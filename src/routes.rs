@@ -170,6 +170,8 @@ pub struct Route {
     pub methods: Vec<Method>,
     pub path: PathPattern,
     pub policy: Arc<Policy>,
+    /// Its request counters, once found (`Metrics::request_on`).
+    pub series: crate::metrics::RouteSeries,
 }
 
 /// Routes in file order; the first whose method and path match wins.

@@ -436,6 +436,7 @@ fn route(
             section,
             src,
         )?),
+        series: Default::default(),
     })
 }
 
