@@ -13,9 +13,10 @@ so it weighs more here than on the machine.
         an idemproxy (RUST_LOG=warn, one worker, its own Redis and a small
         Python upstream): replays of one stored key, new keys, or
         pass-through GETs
-    bench/callgrind.py floor examples/hyper_floor [memory|redis:PORT|raw:PORT|wire:PORT|proxy:UPSTREAM]
+    bench/callgrind.py floor examples/hyper_floor [memory|redis:PORT|raw:PORT|wire:PORT|proxy:UPSTREAM|replay:PORT]
         the floor server of bench/floor.py (PORT is replaced by its Redis's
-        port, UPSTREAM by the Python upstream's)
+        port, UPSTREAM by the Python upstream's); replay:PORT is sent the
+        replays of one key that `idem ... replay` is sent
 
 Prints the instructions per request and the dump's path, for
 callgrind_annotate (e.g. --inclusive=yes).
@@ -77,10 +78,10 @@ path = "/v1/payments"
     i = [0]
     def one():
         i[0] += 1
-        if kind == "floor" or arg == "pt":
+        if arg == "pt" or (kind == "floor" and not arg.startswith("replay")):
             c.request("GET", "/x")
         else:
-            key = "k-1" if arg == "replay" else f"k-{i[0]}"
+            key = "k-1" if arg.startswith("replay") else f"k-{i[0]}"
             c.request("POST", "/v1/payments", body='{"amount":4200}',
                       headers={"Idempotency-Key": key, "Content-Type": "application/json"})
         r = c.getresponse(); r.read(); assert r.status < 300, r.status

@@ -15,6 +15,10 @@ wrk -t2 -c64 against:
     and through idemproxy's own connection (store::wire, a Cmd in and a Value
     out): a replay's exchange and store round trip without the rest of the
     protected path;
+  - examples/hyper_floor replaying as the contract asks and no more (replay:PORT:
+    the body read, the key parsed, fingerprint and record id hashed, the
+    reserve through store::wire, the record decoded and answered): the
+    replay's floor with the replay's own request, POST and body;
   - examples/hyper_floor forwarding each request as it came to the upstream
     through idemproxy's own upstream pool, the answer streamed back: hyper's
     cost of a proxied exchange without idemproxy's per-request work;
@@ -52,16 +56,17 @@ def main():
         floor_bin = os.path.join(bench.ROOT, "target", "release", "examples", "hyper_floor")
         floor_port, solo_port = bench.free_port(), bench.free_port()
         redis_port, raw_port, wire_port = bench.free_port(), bench.free_port(), bench.free_port()
-        proxy_port = bench.free_port()
+        proxy_port, replaying_port = bench.free_port(), bench.free_port()
         floor = stack.spawn([floor_bin, f"127.0.0.1:{floor_port}"], proxy=True)
         via_redis = stack.spawn([floor_bin, f"127.0.0.1:{redis_port}", f"redis:{stack.redis_port}"], proxy=True)
         via_raw = stack.spawn([floor_bin, f"127.0.0.1:{raw_port}", f"raw:{stack.redis_port}"], proxy=True)
         via_wire = stack.spawn([floor_bin, f"127.0.0.1:{wire_port}", f"wire:{stack.redis_port}"], proxy=True)
         proxying = stack.spawn([floor_bin, f"127.0.0.1:{proxy_port}", f"proxy:{stack.up_port}"], proxy=True)
+        replaying = stack.spawn([floor_bin, f"127.0.0.1:{replaying_port}", f"replay:{stack.redis_port}"], proxy=True)
         solo_conf = stack.nginx_conf("solo", 1, f"listen 127.0.0.1:{solo_port} backlog=4096; "
                                      f"default_type application/json; location / {{ return 200 '{bench.BODY}'; }}")
         solo = stack.spawn(["nginx", "-c", solo_conf], proxy=True)
-        for port in (floor_port, redis_port, raw_port, wire_port, proxy_port):
+        for port in (floor_port, redis_port, raw_port, wire_port, proxy_port, replaying_port):
             bench.wait_port(port)
         bench.wait_port(solo_port)
         for i in range(1, 1001):
@@ -75,6 +80,8 @@ def main():
             "hyper + reserve.lua, minimal": (f"http://127.0.0.1:{raw_port}/x", None, [via_raw.pid]),
             "hyper + reserve.lua, store::wire": (f"http://127.0.0.1:{wire_port}/x", None, [via_wire.pid]),
             "hyper proxying (idemproxy's pool)": (f"http://127.0.0.1:{proxy_port}/x", None, [proxying.pid]),
+            "hyper replaying, the contract's minimum": (f"http://127.0.0.1:{replaying_port}/v1/payments", replay,
+                                                        [replaying.pid]),
             "idemproxy, pass-through": (stack.url("idemproxy"), None, [stack.idem.pid]),
             "idemproxy, replay": (stack.url("idemproxy", "/v1/payments"), replay, [stack.idem.pid]),
         }
@@ -91,10 +98,10 @@ def main():
     finally:
         stack.stop()
     ref = runs["nginx proxy, pass-through"]
-    print(f"\n{'server (CPU 1, one worker)':36} {'req/s':>10} {'CPU µs/request':>16} {'vs nginx proxy (paired)':>24}")
+    print(f"\n{'server (CPU 1, one worker)':40} {'req/s':>10} {'CPU µs/request':>16} {'vs nginx proxy (paired)':>24}")
     for name, rs in runs.items():
         ratio = statistics.median(r["proxy_us"] / n["proxy_us"] for r, n in zip(rs, ref))
-        print(f"{name:36} {statistics.median(r['rps'] for r in rs) / 1000:9.1f}k "
+        print(f"{name:40} {statistics.median(r['rps'] for r in rs) / 1000:9.1f}k "
               f"{statistics.median(r['proxy_us'] for r in rs):16.2f} {ratio:23.2f}x")
 
 

@@ -28,6 +28,20 @@
 //!   request's task), and the answer is streamed back as it came: hyper's
 //!   cost of a proxied exchange, with none of idemproxy's per-request work
 //!   (routes, forwarding headers, hop-by-hop stripping, metrics, logs).
+//! - `replay:PORT`: a replay with what the contract asks of one and nothing
+//!   else, through idemproxy's own functions and connection: the POST's
+//!   body read whole, the key parsed from `Idempotency-Key`, the
+//!   fingerprint and the record id hashed (`idemproxy::key`), a
+//!   `processing` record encoded and reserved with `SET NX PX` and
+//!   `GETRANGE` in one write (`store::wire`, as the store sends them), the
+//!   record that holds the key decoded (`idemproxy::record`), its
+//!   fingerprint compared, and its status, headers and body answered with
+//!   the replay header. A key found free is answered once as a new key
+//!   would be stored (untimed warm-up). Not done: routes, the memory
+//!   budget, the owner claim, deadlines, metrics, request ids, access
+//!   records, the connection's own timers. hyper's header timer is off for
+//!   this mode, as on idemproxy's listener (which times heads itself, and
+//!   this server does not): the floor is, if anything, low.
 
 use std::collections::VecDeque;
 use std::io;
@@ -62,13 +76,14 @@ enum Source {
     Raw(Arc<Raw>, String),
     Wire(Wire, String),
     Proxy(Arc<Pool>),
+    Replay(Wire),
 }
 
 impl Source {
     async fn body(&self) -> Bytes {
         match self {
             Source::Memory => Bytes::from_static(BODY),
-            Source::Proxy(_) => unreachable!("a proxy answers in `forward`"),
+            Source::Proxy(_) | Source::Replay(_) => unreachable!("answered in `answer`"),
             Source::Redis(conn, script) => {
                 let mut conn = conn.clone();
                 let (value, _ttl): (Vec<u8>, i64) = script
@@ -119,11 +134,104 @@ async fn answer(source: Arc<Source>, req: Request<Incoming>) -> Result<Response<
         let resp = pool.send(req).await.map_err(|e| e.to_string())?;
         return Ok(resp.map(Body::Stream));
     }
+    if let Source::Replay(wire) = &*source {
+        return replay(wire, req).await;
+    }
     let mut resp = Response::new(Body::full(source.body().await));
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
     );
+    Ok(resp)
+}
+
+/// `replay:PORT` (see the module's doc): a replay's required work and no more.
+async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, String> {
+    use http::header::{HeaderValue, AUTHORIZATION};
+    use http_body_util::BodyExt;
+    use idemproxy::key;
+    use idemproxy::policy::FingerprintBody;
+    use idemproxy::record::{now_ms, Finished, Processing, Record, Token};
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let raw = parts.headers.get("idempotency-key").ok_or("no key")?;
+    let key = key::parse_key(raw.as_bytes(), 255).map_err(|e| format!("{e:?}"))?;
+    let fingerprint = key::fingerprint(
+        &parts.method,
+        parts.uri.path(),
+        parts.uri.query(),
+        &parts.headers,
+        &[],
+        &body,
+        FingerprintBody::Raw,
+    );
+    let digest = key::request_record_digest(&parts.headers, &[AUTHORIZATION], &key);
+    let mut store_key = String::with_capacity(16 + 64);
+    store_key.push_str("idemproxy-floor:");
+    key::push_hex(&mut store_key, &digest);
+    let token = Token::new();
+    let processing = Record::Processing(Processing {
+        token,
+        fingerprint,
+        created_ms: now_ms(),
+        route: "payments".into(),
+    })
+    .encode();
+    let k = store_key.as_bytes();
+    let mut got = wire
+        .commands(
+            |out| {
+                idemproxy::store::wire::pack(
+                    out,
+                    &[b"SET", k, &processing, b"NX", b"PX", b"30000"],
+                );
+                idemproxy::store::wire::pack(out, &[b"GETRANGE", k, b"0", b"65535"]);
+            },
+            2,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let head = match got.pop() {
+        Some(redis::Value::BulkString(head)) => head,
+        other => return Err(format!("GETRANGE answered {other:?}")),
+    };
+    let finished = match Record::decode(Bytes::from(head)).map_err(|e| e.to_string())? {
+        Record::Finished(f) if f.fingerprint == fingerprint => f,
+        Record::Finished(_) => return Err("another request under this key".into()),
+        // Ours (the key was free): stored as a new key's answer would be.
+        Record::Processing(_) => {
+            let finished = Record::Finished(Finished {
+                token,
+                fingerprint,
+                created_ms: now_ms(),
+                route: "payments".into(),
+                completed_ms: now_ms(),
+                status: 200,
+                body_stored: true,
+                headers: vec![(
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                )],
+                body: Bytes::from_static(BODY),
+                trailers: Vec::new(),
+            })
+            .encode();
+            let set: [&[u8]; 3] = [b"SET", k, &finished];
+            wire.commands(|out| idemproxy::store::wire::pack(out, &set), 1)
+                .await
+                .map_err(|e| e.to_string())?;
+            return Ok(Response::new(Body::full(Bytes::from_static(BODY))));
+        }
+    };
+    // As `proxy::verdict::replay` builds the answer.
+    let mut resp = Response::new(Body::full(finished.body));
+    *resp.status_mut() = http::StatusCode::from_u16(finished.status).map_err(|e| e.to_string())?;
+    let headers = resp.headers_mut();
+    headers.reserve(finished.headers.len() + 1);
+    for (name, value) in finished.headers {
+        headers.append(name, value);
+    }
+    headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
     Ok(resp)
 }
 
@@ -317,13 +425,25 @@ async fn source(mode: &str) -> Source {
             script.load_async(&mut wire).await.expect("SCRIPT LOAD");
             Source::Wire(wire, script.get_hash().to_string())
         }
+        Some(("replay", p)) => {
+            let info = redis::IntoConnectionInfo::into_connection_info(format!(
+                "redis://127.0.0.1:{}/0",
+                port(p)
+            ))
+            .expect("redis URL");
+            let wire = Wire::connect(&info)
+                .await
+                .expect("connect to redis")
+                .expect("a plain TCP address");
+            Source::Replay(wire)
+        }
         Some(("proxy", p)) => {
             let authority: http::uri::Authority =
                 format!("127.0.0.1:{}", port(p)).parse().expect("authority");
             let pool = Pool::new(&authority, Duration::from_secs(5), Duration::from_secs(60));
             Source::Proxy(pool)
         }
-        _ => panic!("MODE: memory, redis:PORT, raw:PORT, wire:PORT or proxy:PORT"),
+        _ => panic!("MODE: memory, redis:PORT, raw:PORT, wire:PORT, proxy:PORT or replay:PORT"),
     }
 }
 
@@ -344,9 +464,14 @@ fn main() -> io::Result<()> {
             let _ = stream.set_nodelay(true);
             let source = source.clone();
             tokio::spawn(async move {
-                let _ = http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(Duration::from_secs(10))
+                let mut builder = http1::Builder::new();
+                builder.timer(TokioTimer::new());
+                if matches!(*source, Source::Replay(_)) {
+                    builder.header_read_timeout(None);
+                } else {
+                    builder.header_read_timeout(Duration::from_secs(10));
+                }
+                let _ = builder
                     .serve_connection(
                         TokioIo::new(stream),
                         service_fn(move |req| answer(source.clone(), req)),
