@@ -433,13 +433,13 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let mut claim = Claim::new(app.clone(), id.key.clone(), token);
     // Shadow mode never delays a request to wait for another.
     let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
-    // From the first reserve sent (one clock read for both).
-    let mut wait_until = None;
+    // `wait_timeout` from the first reserve sent (one clock read for both).
+    let mut waits_until = None;
     let mut pause = Duration::from_millis(5);
     loop {
         let store_down = |e| store_down(ctx, id, e);
         let sent_at = Instant::now();
-        let wait_until = *wait_until.get_or_insert(sent_at + policy.wait_timeout);
+        let wait_until = *waits_until.get_or_insert(sent_at + policy.wait_timeout);
         let found =
             app.store
                 .reserve_at(sent_at, id.key.as_str(), processing.clone(), policy.lease);
