@@ -152,6 +152,8 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
     use idemproxy::key;
     use idemproxy::policy::FingerprintBody;
     use idemproxy::record::{now_ms, Finished, Processing, Record, Token};
+    // The store's own packing (this file's `pack` is the minimal client's).
+    use idemproxy::store::wire::pack as wire_pack;
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
     let raw = parts.headers.get("idempotency-key").ok_or("no key")?;
@@ -181,11 +183,8 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
     let mut got = wire
         .commands(
             |out| {
-                idemproxy::store::wire::pack(
-                    out,
-                    &[b"SET", k, &processing, b"NX", b"PX", b"30000"],
-                );
-                idemproxy::store::wire::pack(out, &[b"GETRANGE", k, b"0", b"65535"]);
+                wire_pack(out, &[b"SET", k, &processing, b"NX", b"PX", b"30000"]);
+                wire_pack(out, &[b"GETRANGE", k, b"0", b"65535"]);
             },
             2,
         )
@@ -217,7 +216,7 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
             })
             .encode();
             let set: [&[u8]; 3] = [b"SET", k, &finished];
-            wire.commands(|out| idemproxy::store::wire::pack(out, &set), 1)
+            wire.commands(|out| wire_pack(out, &set), 1)
                 .await
                 .map_err(|e| e.to_string())?;
             return Ok(Response::new(Body::full(Bytes::from_static(BODY))));
