@@ -47,13 +47,9 @@ pub struct App {
 impl App {
     pub fn new(config: &Config) -> Result<Arc<App>, StoreSetupError> {
         let metrics = Arc::new(Metrics::new());
-        let store = Store::new(&config.store, metrics.clone())?;
-        let upstream = Upstream::new(
-            config.server.upstream.clone(),
-            config.server.upstream_protocol,
-            config.server.upstream_timeout,
-            config.server.upstream_idle_timeout,
-        );
+        let slots = config.server.worker_slots();
+        let store = Store::new(&config.store, metrics.clone(), slots)?;
+        let upstream = Upstream::new(&config.server, slots);
         Ok(Arc::new(App {
             routes: RwLock::new(config.routes.clone()),
             store,

@@ -22,6 +22,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
+use crate::metrics::Counted;
+
 /// Requests in progress on one connection, from the handler's start to the
 /// end of its response body (or of its upgrade tunnel).
 ///
@@ -49,13 +51,17 @@ struct Counter {
     /// While no request has begun since, a head is in progress.
     head_handed: AtomicUsize,
     _slot: Option<OwnedSemaphorePermit>,
+    /// The connection's place in its worker's count (`idemproxy_worker_connections`).
+    _load: Option<Counted>,
 }
 
 impl Busy {
-    /// The counter of a connection that holds `slot` for as long as it lives.
-    pub fn holding(slot: OwnedSemaphorePermit) -> Self {
+    /// The counter of a connection that holds `slot`, and its place in its
+    /// worker's `load` when it has one, for as long as it lives.
+    pub fn holding(slot: OwnedSemaphorePermit, load: Option<Counted>) -> Self {
         Busy(Arc::new(Counter {
             _slot: Some(slot),
+            _load: load,
             ..Counter::default()
         }))
     }

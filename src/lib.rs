@@ -23,7 +23,8 @@
 //! through untouched (`upstream`); an HTTP/1.1 `Upgrade` (a WebSocket) is never
 //! protected and becomes a tunnel (`proxy::tunnel`); `server` accepts and
 //! drains, with the per-connection deadlines of `conn`, and speaks TLS when
-//! configured (`tls`).
+//! configured (`tls`); each worker thread runs a runtime of its own and
+//! serves whole connections (`workers`).
 // `deny`, not `forbid`: one call into glibc (`serve::trim`, `malloc_trim`)
 // is allowed by name; nothing else may use `unsafe`.
 #![deny(unsafe_code)]
@@ -50,3 +51,4 @@ pub mod server;
 pub mod store;
 pub mod tls;
 pub mod upstream;
+pub mod workers;

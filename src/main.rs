@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
-use idemproxy::config::{Config, HumanDuration, Overrides};
+use idemproxy::config::{Config, HumanDuration, Overrides, Runtime};
 use idemproxy::seal;
 use idemproxy::server::{Server, StartError};
 use idemproxy::tls::{self, Certificates};
@@ -86,10 +86,17 @@ fn main() -> ExitCode {
         return check(&config);
     }
     init_logging(cli.log_format);
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if config.server.workers > 0 {
-        builder.worker_threads(config.server.workers);
-    }
+    // With a runtime per worker thread (`idemproxy::workers`), this one runs
+    // the rest on the main thread: accepting, the admin listener, health
+    // pings, signals and draining.
+    let mut builder = match config.server.runtime {
+        Runtime::PerThread => tokio::runtime::Builder::new_current_thread(),
+        Runtime::WorkStealing => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(config.server.worker_threads());
+            builder
+        }
+    };
     let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -105,6 +105,11 @@ struct RouteLabel {
     route: RouteName,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    worker: String,
+}
+
 /// One unit of a gauge while this lives: raised when made, lowered when
 /// dropped, also when the task holding it is dropped half-way.
 pub struct Counted(Gauge);
@@ -143,6 +148,7 @@ pub struct Metrics {
     /// Whose a route's `RouteSeries` are.
     id: u64,
     lease_lost: Family<RouteLabel, Counter>,
+    worker_connections: Family<WorkerLabel, Gauge>,
     pub inflight: Gauge,
     pub parked: Gauge,
     pub tunnels: Gauge,
@@ -200,6 +206,12 @@ impl Metrics {
             "Completions refused because another owner held the key",
             lease_lost.clone(),
         );
+        let worker_connections = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "worker_connections",
+            "Client connections each worker thread serves now (runtime = \"per_thread\")",
+            worker_connections.clone(),
+        );
         let inflight = Gauge::default();
         registry.register("inflight", "Requests being handled now", inflight.clone());
         let parked = Gauge::default();
@@ -239,11 +251,24 @@ impl Metrics {
             unprotected: Default::default(),
             id: METRICS_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             lease_lost,
+            worker_connections,
             inflight,
             parked,
             tunnels,
             store_up,
         }
+    }
+
+    /// The connection gauges of `n` worker threads, `worker` "1" to "n".
+    pub fn worker_gauges(&self, n: usize) -> Vec<Gauge> {
+        (1..=n)
+            .map(|w| {
+                let label = WorkerLabel {
+                    worker: w.to_string(),
+                };
+                self.worker_connections.get_or_create(&label).clone()
+            })
+            .collect()
     }
 
     /// Counts a request on a protected route (`route.series` found once).

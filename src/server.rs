@@ -13,7 +13,7 @@ use hyper::server::conn::http1;
 use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -22,13 +22,14 @@ use tracing::{error, info, warn};
 
 use crate::app::App;
 use crate::body::Body;
-use crate::config::{Config, ServerConfig};
+use crate::config::{Config, Runtime, ServerConfig};
 use crate::conn::{Busy, BusyGuard, Caller, Guarded};
-use crate::metrics::Outcome;
+use crate::metrics::{Counted, Outcome};
 use crate::problem::Problem;
 use crate::serve::{Builders, PARK_AFTER};
 use crate::store::StoreSetupError;
 use crate::tls::{Certificates, Tls, TlsError};
+use crate::workers::Workers;
 use crate::{admin, grpc, proxy, serve, tls};
 
 /// Admin requests' headers must arrive within this time.
@@ -62,6 +63,8 @@ pub enum StartError {
     Store(#[from] StoreSetupError),
     #[error(transparent)]
     Tls(#[from] TlsError),
+    #[error("cannot start the worker threads: {0}")]
+    Workers(std::io::Error),
 }
 
 impl StartError {
@@ -80,6 +83,9 @@ pub struct Server {
     listener: TcpListener,
     admin: TcpListener,
     tls: Option<Arc<Tls>>,
+    /// `runtime = "per_thread"`: the threads that serve the connections
+    /// (`None`: they are served by the runtime that runs the server).
+    workers: Option<Workers>,
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, StartError> {
@@ -101,12 +107,20 @@ impl Server {
         let app = App::new(&config)?;
         let listener = bind("proxy", &config.server.listen).await?;
         let admin = bind("admin", &config.server.admin_listen).await?;
+        let workers = match config.server.runtime {
+            Runtime::PerThread => {
+                let load = app.metrics.worker_gauges(config.server.worker_threads());
+                Some(Workers::start(load).map_err(StartError::Workers)?)
+            }
+            Runtime::WorkStealing => None,
+        };
         Ok(Server {
             app,
             config,
             listener,
             admin,
             tls,
+            workers,
         })
     }
 
@@ -136,14 +150,23 @@ impl Server {
             listener,
             admin,
             tls,
+            mut workers,
         } = self;
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
         let trimmer = tokio::spawn(serve::give_back_freed_memory());
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
         let connections = Connections::default();
-        accept(&app, &config, listener, tls, &connections, shutdown).await;
+        let front = Arc::new(Front::new(&app, &config.server, tls, &connections));
+        accept(&front, listener, &connections, workers.as_ref(), shutdown).await;
+        if let Some(workers) = &mut workers {
+            workers.close();
+        }
         drain(&app, config.server.shutdown_grace, connections).await;
+        // Whatever the workers still run (connections past the grace) ends with them.
+        if let Some(workers) = workers {
+            workers.stop().await;
+        }
         pinger.abort();
         trimmer.abort();
         admin_task.abort();
@@ -159,6 +182,8 @@ fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListe
         upstream = %config.server.upstream,
         upstream_protocol = %config.server.upstream_protocol,
         tls = config.server.tls.is_some(),
+        runtime = %config.server.runtime,
+        workers = config.server.worker_threads(),
         store = ?config.store.backend,
         routes = config.routes.len(),
         "listening"
@@ -175,26 +200,54 @@ struct Connections {
     stop: CancellationToken,
 }
 
-/// Accepts connections until `shutdown` resolves; each is served in a task of
-/// its own, tracked by `connections` for draining. With `tls`, the handshake is
-/// done in that task too: a slow one must not keep the loop from accepting.
-async fn accept(
-    app: &Arc<App>,
-    config: &Config,
-    listener: TcpListener,
+/// What every client connection needs, made once and shared by the accept
+/// loop and the workers.
+struct Front {
+    app: Arc<App>,
+    server: ServerConfig,
+    /// Requests in progress at once, over all connections. HTTP/1.1 never
+    /// reaches it (one request per connection); over HTTP/2 it keeps 100
+    /// streams on each of `max_connections` connections from holding a
+    /// handler, an upstream connection and an answer each.
+    requests: Arc<Semaphore>,
+    http: Builders,
     tls: Option<Arc<Tls>>,
+    scheme: &'static str,
+    /// Tells the connections to finish (draining).
+    stop: CancellationToken,
+}
+
+impl Front {
+    fn new(
+        app: &Arc<App>,
+        server: &ServerConfig,
+        tls: Option<Arc<Tls>>,
+        connections: &Connections,
+    ) -> Self {
+        Front {
+            app: app.clone(),
+            server: server.clone(),
+            requests: Arc::new(Semaphore::new(server.max_connections)),
+            http: connection_builder(server),
+            scheme: if tls.is_some() { "https" } else { "http" },
+            tls,
+            stop: connections.stop.clone(),
+        }
+    }
+}
+
+/// Accepts connections until `shutdown` resolves; each is served in a task of
+/// its own, tracked by `connections` for draining: on this runtime, or with
+/// `workers` on the worker that holds the fewest connections.
+async fn accept(
+    front: &Arc<Front>,
+    listener: TcpListener,
     connections: &Connections,
+    workers: Option<&Workers>,
     shutdown: impl Future<Output = ()>,
 ) {
-    let slots = Arc::new(Semaphore::new(config.server.max_connections));
-    // Requests in progress at once, over all connections. HTTP/1.1 never
-    // reaches it (one request per connection); over HTTP/2 it keeps 100
-    // streams on each of `max_connections` connections from holding a
-    // handler, an upstream connection and an answer each.
-    let requests = Arc::new(Semaphore::new(config.server.max_connections));
-    let http = Arc::new(connection_builder(&config.server));
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    app.accepting.store(true, Ordering::Release);
+    let slots = Arc::new(Semaphore::new(front.server.max_connections));
+    front.app.accepting.store(true, Ordering::Release);
     tokio::pin!(shutdown);
     loop {
         // At the connection limit, stop accepting: new clients wait in the kernel's backlog.
@@ -218,72 +271,106 @@ async fn accept(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let busy = Busy::holding(slot);
-        let (s, io) = (&config.server, busy.clone());
-        let stream = Guarded::new(stream, io, s.client_write_timeout, s.idle_timeout)
-            .park_after(PARK_AFTER)
-            .head_timeout(s.header_read_timeout);
-        let (app_, requests, conn_busy) = (app.clone(), requests.clone(), busy.clone());
-        let began = Arc::new(Notify::new());
-        let begin = began.clone();
-        let caller = Caller { addr: peer, scheme };
-        let service = service_fn(move |mut req: Request<Incoming>| {
-            // For an upgrade tunnel to keep its connection counted as busy
-            // while it lives (only there: an extension costs allocations).
-            if proxy::is_upgrade(&req) {
-                req.extensions_mut().insert(busy.clone());
+        let Some(workers) = workers else {
+            let busy = Busy::holding(slot, None);
+            connections
+                .tasks
+                .spawn(connection(front.clone(), stream, peer, busy));
+            continue;
+        };
+        // Handed over as a plain socket: it is registered with the worker's
+        // runtime when the worker first polls the job.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "cannot hand a connection to a worker");
+                continue;
             }
-            let (app, in_progress) = (app_.clone(), busy.enter());
-            let request = requests.clone().try_acquire_owned().ok();
-            begin.notify_one();
-            async move {
-                let resp = match &request {
-                    // On the heap (`Handling`): the handler's state is freed once
-                    // it has answered, while the stream's task lives on to send the body.
-                    Some(_) => proxy::handle(app, req, caller).await,
-                    None => over_capacity(&app, &req),
-                };
-                Ok::<_, Infallible>(resp.map(|body| Tracked {
-                    body,
-                    _in_progress: in_progress,
-                    _request: request,
-                }))
+        };
+        let worker = workers.least_loaded();
+        let busy = Busy::holding(slot, workers.load(worker).map(Counted::new));
+        let front = front.clone();
+        let job = connections.tasks.track_future(async move {
+            match TcpStream::from_std(stream) {
+                Ok(stream) => connection(front, stream, peer, busy).await,
+                Err(e) => warn!(error = %e, "a worker cannot take a connection"),
             }
         });
-        // The handshake and the first request's headers, together.
-        let until = Instant::now() + s.header_read_timeout;
-        let (http, tls, stop) = (http.clone(), tls.clone(), connections.stop.clone());
-        let app = app.clone();
-        connections.tasks.spawn(async move {
-            // A handshake in progress does not hold up draining.
-            let opened = tokio::select! {
-                io = tls::open(tls.as_deref(), stream, until) => io,
-                () = stop.cancelled() => None,
-            };
-            let Some(io) = opened else {
-                return;
-            };
-            // Until the first bytes tell HTTP/1.1 from HTTP/2, neither
-            // protocol's own limits run: a client that sends nothing, or
-            // trickles the HTTP/2 preface or its first header block, would
-            // otherwise hold its slot until `idle_timeout`. So no request
-            // begun by `until` closes the connection. Later requests: HTTP/1.1
-            // has its header timeout; on HTTP/2, bytes that keep arriving keep
-            // the connection open.
-            serve::serve(
-                &http,
-                io,
-                conn_busy,
-                service,
-                &app.metrics,
-                &began,
-                until,
-                &stop,
-            )
-            .await;
-        });
+        if !workers.run(worker, Box::pin(job)) {
+            warn!(
+                worker = worker + 1,
+                "a worker has stopped; connection closed"
+            );
+        }
     }
-    app.accepting.store(false, Ordering::Release);
+    front.app.accepting.store(false, Ordering::Release);
+}
+
+/// Serves one client connection on the runtime that polls this: its
+/// deadlines, the TLS handshake (a slow one holds up no other connection)
+/// and its requests.
+async fn connection(front: Arc<Front>, stream: TcpStream, peer: SocketAddr, busy: Busy) {
+    let s = &front.server;
+    let stream = Guarded::new(stream, busy.clone(), s.client_write_timeout, s.idle_timeout)
+        .park_after(PARK_AFTER)
+        .head_timeout(s.header_read_timeout);
+    let (app_, requests, conn_busy) = (front.app.clone(), front.requests.clone(), busy.clone());
+    let began = Arc::new(Notify::new());
+    let begin = began.clone();
+    let caller = Caller {
+        addr: peer,
+        scheme: front.scheme,
+    };
+    let service = service_fn(move |mut req: Request<Incoming>| {
+        // For an upgrade tunnel to keep its connection counted as busy
+        // while it lives (only there: an extension costs allocations).
+        if proxy::is_upgrade(&req) {
+            req.extensions_mut().insert(busy.clone());
+        }
+        let (app, in_progress) = (app_.clone(), busy.enter());
+        let request = requests.clone().try_acquire_owned().ok();
+        begin.notify_one();
+        async move {
+            let resp = match &request {
+                // On the heap (`Handling`): the handler's state is freed once
+                // it has answered, while the stream's task lives on to send the body.
+                Some(_) => proxy::handle(app, req, caller).await,
+                None => over_capacity(&app, &req),
+            };
+            Ok::<_, Infallible>(resp.map(|body| Tracked {
+                body,
+                _in_progress: in_progress,
+                _request: request,
+            }))
+        }
+    });
+    // The handshake and the first request's headers, together.
+    let until = Instant::now() + s.header_read_timeout;
+    // A handshake in progress does not hold up draining.
+    let opened = tokio::select! {
+        io = tls::open(front.tls.as_deref(), stream, until) => io,
+        () = front.stop.cancelled() => None,
+    };
+    let Some(io) = opened else {
+        return;
+    };
+    // Until the first bytes tell HTTP/1.1 from HTTP/2, neither protocol's
+    // own limits run: a client that sends nothing, or trickles the HTTP/2
+    // preface or its first header block, would otherwise hold its slot until
+    // `idle_timeout`. So no request begun by `until` closes the connection.
+    // Later requests: HTTP/1.1 has its header timeout; on HTTP/2, bytes that
+    // keep arriving keep the connection open.
+    serve::serve(
+        &front.http,
+        io,
+        conn_busy,
+        service,
+        &front.app.metrics,
+        &began,
+        until,
+        &front.stop,
+    )
+    .await;
 }
 
 /// The builders for client connections: HTTP/1.1, or cleartext HTTP/2 when

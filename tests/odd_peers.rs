@@ -377,7 +377,13 @@ impl CountingUpstream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_upstream_connection_serves_request_after_request_until_one_breaks() {
     let upstream = CountingUpstream::start().await;
-    let proxy = proxy_for(&upstream.url).await;
+    // One worker thread: each has an upstream pool of its own, and each
+    // `Call` comes on a new client connection, which may go to any worker.
+    let config = ConfigBuilder::new(&upstream.url)
+        .server("workers = 1")
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
     for (method, path, status) in [
         ("GET", "/ok", 200),
         ("POST", "/ok", 200),

@@ -230,6 +230,7 @@ fn store_from(config: ConfigBuilder) -> idemproxy::store::Store {
     idemproxy::store::Store::new(
         &cfg.store,
         std::sync::Arc::new(idemproxy::metrics::Metrics::new()),
+        1,
     )
     .unwrap()
 }

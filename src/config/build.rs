@@ -11,8 +11,8 @@ use toml::Spanned;
 use super::grammar::{ConfHeader, ConfKeyFrom, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore};
 use super::{
-    Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, ServerConfig, Source,
-    StoreConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
+    Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, Runtime, ServerConfig,
+    Source, StoreConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
 };
 use crate::policy::{KeySource, Policy};
 use crate::routes::{Route, RouteName, RouteTable};
@@ -192,6 +192,7 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         body_read_timeout: duration(raw.body_read_timeout, Duration::from_secs(30)),
         max_connections,
         workers,
+        runtime: raw.runtime.unwrap_or(Runtime::PerThread),
         max_header_bytes,
         max_buffered,
         client_write_timeout: duration(raw.client_write_timeout, Duration::from_secs(30)),

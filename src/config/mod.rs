@@ -114,6 +114,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Threads that run requests; 0: one per CPU the process may run on.
     pub workers: usize,
+    /// How those threads share the work.
+    pub runtime: Runtime,
     /// The request line and headers together; larger → 431.
     pub max_header_bytes: usize,
     /// Bytes held at once for protected request bodies, responses being
@@ -142,6 +144,48 @@ pub struct TlsFiles {
     pub cert_file: PathBuf,
     /// The private key of the first certificate (PKCS#8, PKCS#1 or SEC1).
     pub key_file: PathBuf,
+}
+
+/// How the worker threads share the work (`[server] runtime`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Runtime {
+    /// Each worker thread runs a runtime of its own and serves the
+    /// connections handed to it from start to end, with its own store
+    /// connection and upstream pool (`crate::workers`).
+    PerThread,
+    /// One tokio runtime whose workers steal each other's tasks.
+    WorkStealing,
+}
+
+impl fmt::Display for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Runtime::PerThread => "per_thread",
+            Runtime::WorkStealing => "work_stealing",
+        })
+    }
+}
+
+impl ServerConfig {
+    /// The worker threads to run: `workers`, or with 0 one per CPU this
+    /// process may run on (its affinity and cgroup quota).
+    pub fn worker_threads(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
+    /// Places for per-worker things (`crate::workers::PerWorker`): one per
+    /// worker thread and one for every other thread; one in all when the
+    /// workers share one runtime.
+    pub fn worker_slots(&self) -> usize {
+        match self.runtime {
+            Runtime::PerThread => self.worker_threads() + 1,
+            Runtime::WorkStealing => 1,
+        }
+    }
 }
 
 /// The protocol of the requests sent to the upstream.

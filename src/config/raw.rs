@@ -14,7 +14,7 @@ use toml::Spanned;
 use super::grammar::{
     ByteSize, ConfGrpcStatus, ConfHeader, ConfKeyFrom, ConfMethod, ConfStatus, HumanDuration,
 };
-use super::{Backend, RedisMode, UpstreamProtocol};
+use super::{Backend, RedisMode, Runtime, UpstreamProtocol};
 use crate::policy::{Concurrent, FingerprintBody, KeyMode, Mode, OnStoreError, UnknownOutcome};
 use crate::routes::PathPattern;
 
@@ -44,6 +44,7 @@ pub(super) struct RawServer {
     pub body_read_timeout: Option<HumanDuration>,
     pub max_connections: Option<Spanned<i64>>,
     pub workers: Option<Spanned<i64>>,
+    pub runtime: Option<Runtime>,
     pub max_header_bytes: Option<Spanned<ByteSize>>,
     pub max_buffered: Option<Spanned<ByteSize>>,
     pub client_write_timeout: Option<HumanDuration>,

@@ -183,7 +183,7 @@ impl Job {
                 body => Ok((parts, body, room)),
             }
         };
-        let deadlines = &app.upstream.deadlines;
+        let deadlines = app.upstream.deadlines();
         let timeout = deadlines.after();
         tokio::select! {
             r = deadlines.within(sent, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),

@@ -27,6 +27,7 @@ use crate::deadline::Deadlines;
 use crate::metrics::Metrics;
 use crate::record::{DecodeError, Head, Record, Token};
 use crate::seal::{KeyFileError, SealError, Sealing};
+use crate::workers::PerWorker;
 
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
@@ -246,15 +247,21 @@ macro_rules! backend {
 pub struct Store {
     inner: Inner,
     prefix: String,
-    /// Every operation's `op_timeout`, kept by one timer for all of them.
-    deadlines: Deadlines,
+    /// Every operation's `op_timeout`, kept by one timer per worker thread.
+    deadlines: PerWorker<Deadlines>,
     metrics: Arc<Metrics>,
     /// The keys that seal finished records, when a key file is configured.
     sealing: Option<Sealing>,
 }
 
 impl Store {
-    pub fn new(cfg: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, StoreSetupError> {
+    /// The store `cfg` describes; `slots`: per-worker places for its
+    /// connections and timers (`ServerConfig::worker_slots`; 1 outside a server).
+    pub fn new(
+        cfg: &StoreConfig,
+        metrics: Arc<Metrics>,
+        slots: usize,
+    ) -> Result<Store, StoreSetupError> {
         let sealing = cfg
             .encryption_key_file
             .as_deref()
@@ -269,12 +276,12 @@ impl Store {
         }
         let inner = match cfg.backend {
             Backend::Memory => Inner::Memory(MemoryStore::new(cfg.memory_limit)),
-            Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg)?)),
+            Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg, slots)?)),
         };
         Ok(Store {
             inner,
             prefix: cfg.key_prefix.clone(),
-            deadlines: Deadlines::new(cfg.op_timeout),
+            deadlines: PerWorker::new(slots, |_| Deadlines::new(cfg.op_timeout)),
             metrics,
             sealing,
         })
@@ -372,8 +379,9 @@ impl Store {
         fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
     ) -> Result<T, StoreError> {
         let start = start.unwrap_or_else(tokio::time::Instant::now);
-        let timeout = self.deadlines.after();
-        let res = match self.deadlines.within(start, fut).await {
+        let deadlines = self.deadlines.get();
+        let timeout = deadlines.after();
+        let res = match deadlines.within(start, fut).await {
             Some(r) => r,
             None => Err(StoreError::Timeout(timeout)),
         };

@@ -23,6 +23,7 @@ use super::wire::{digits, pack, Wire};
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 use crate::record::Token;
+use crate::workers::PerWorker;
 
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
@@ -86,6 +87,17 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// One connection and what keeps it.
+#[derive(Default)]
+struct Slot {
+    /// `None` until the first operation, and (standalone, Sentinel) after a
+    /// connection was given up. Shared with a cluster reconnect running in the background.
+    conn: Arc<RwLock<Option<Conn>>>,
+    /// One connect at a time; the others wait for its result.
+    connecting: tokio::sync::Mutex<()>,
+    failures_in_a_row: AtomicU32,
+}
+
 /// Where connections come from.
 enum Source {
     Standalone {
@@ -102,12 +114,11 @@ enum Source {
 
 pub struct RedisStore {
     source: Source,
-    /// `None` until the first operation, and (standalone, Sentinel) after a
-    /// connection was given up. Shared with a cluster reconnect running in the background.
-    conn: Arc<RwLock<Option<Conn>>>,
-    /// One connect at a time; the others wait for its result.
-    connecting: tokio::sync::Mutex<()>,
-    failures_in_a_row: AtomicU32,
+    /// The connections: one per worker thread for a standalone server or
+    /// Sentinel's master (`crate::workers`: a request's round trips then wake
+    /// no other thread), one for every thread in a cluster (redis-rs's
+    /// cluster connection already holds one per node).
+    slots: PerWorker<Slot>,
     op_timeout: Duration,
     wait_replicas: u32,
     wait_timeout: Duration,
@@ -307,8 +318,9 @@ async fn send_reserve(
 }
 
 impl RedisStore {
-    /// Builds the client without connecting: an unreachable store is not a start-up failure.
-    pub fn new(cfg: &StoreConfig) -> Result<Self, StoreSetupError> {
+    /// Builds the client without connecting: an unreachable store is not a
+    /// start-up failure. `slots`: per-worker places for connections.
+    pub fn new(cfg: &StoreConfig, slots: usize) -> Result<Self, StoreSetupError> {
         // rustls needs a process-wide crypto provider; a second install is a no-op error.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let password = password(cfg)?;
@@ -378,11 +390,13 @@ impl RedisStore {
                 Source::Cluster(Arc::new(nodes))
             }
         };
+        let slots = match &source {
+            Source::Cluster(_) => 1,
+            _ => slots,
+        };
         Ok(RedisStore {
             source,
-            conn: Arc::new(RwLock::new(None)),
-            connecting: tokio::sync::Mutex::new(()),
-            failures_in_a_row: AtomicU32::new(0),
+            slots: PerWorker::new(slots, |_| Slot::default()),
             op_timeout: cfg.op_timeout,
             wait_replicas: cfg.wait_replicas,
             wait_timeout: cfg.wait_timeout,
@@ -411,8 +425,8 @@ impl RedisStore {
         }
     }
 
-    /// The shared connection (a cheap handle), connecting first when there is
-    /// none or when ours broke.
+    /// This thread's connection (a cheap handle), connecting first when there
+    /// is none or when ours broke.
     async fn conn(&self) -> Result<Conn, StoreError> {
         match self.usable() {
             Some(c) => Ok(c),
@@ -425,16 +439,17 @@ impl RedisStore {
     /// A new connection, one connect at a time (unless another connect
     /// finished meanwhile), after the back-off of a failed one.
     async fn connect(&self) -> Result<Conn, StoreError> {
-        let _one_at_a_time = self.connecting.lock().await;
+        let slot = self.slots.get();
+        let _one_at_a_time = slot.connecting.lock().await;
         if let Some(c) = self.usable() {
             return Ok(c);
         }
         // Taken out, so that it is logged once, not by every operation while
         // Redis stays away.
         let broken = {
-            let mut slot = self.conn.write().unwrap_or_else(|e| e.into_inner());
-            match slot.as_ref() {
-                Some(Conn::Wire(w)) if w.is_broken() => slot.take(),
+            let mut held = slot.conn.write().unwrap_or_else(|e| e.into_inner());
+            match held.as_ref() {
+                Some(Conn::Wire(w)) if w.is_broken() => held.take(),
                 _ => None,
             }
         };
@@ -455,7 +470,7 @@ impl RedisStore {
                 fresh?
             }
         };
-        *self.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
+        *slot.conn.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
         Ok(fresh)
     }
 
@@ -508,7 +523,8 @@ impl RedisStore {
 
     /// The current connection, unless there is none or it is one of ours that broke.
     fn usable(&self) -> Option<Conn> {
-        match self.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        let slot = self.slots.get();
+        match slot.conn.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
             Some(Conn::Wire(w)) if w.is_broken() => None,
             other => other.cloned(),
         }
@@ -537,19 +553,23 @@ impl RedisStore {
 
     /// Told after every operation whether the store failed; gives up a connection that keeps failing.
     pub fn note_result(&self, failed: bool) {
+        let slot = self.slots.get();
         if !failed {
-            self.failures_in_a_row.store(0, Ordering::Relaxed);
+            // Read first: most operations succeed, and a store to the line would dirty it.
+            if slot.failures_in_a_row.load(Ordering::Relaxed) != 0 {
+                slot.failures_in_a_row.store(0, Ordering::Relaxed);
+            }
             return;
         }
-        if self.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 < FAILURES_BEFORE_RECONNECT {
+        if slot.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 < FAILURES_BEFORE_RECONNECT {
             return;
         }
-        self.failures_in_a_row.store(0, Ordering::Relaxed);
+        slot.failures_in_a_row.store(0, Ordering::Relaxed);
         if let Source::Cluster(nodes) = &self.source {
-            self.reconnect_cluster(nodes);
+            self.reconnect_cluster(nodes, slot);
             return;
         }
-        if self
+        if slot
             .conn
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -563,8 +583,8 @@ impl RedisStore {
     /// Makes a new cluster connection in the background, through every node
     /// known, and swaps it in once it is up; until then, and if it fails, the
     /// current one (which keeps healing itself) stays in use.
-    fn reconnect_cluster(&self, nodes: &Arc<ClusterNodes>) {
-        if self
+    fn reconnect_cluster(&self, nodes: &Arc<ClusterNodes>, slot: &Slot) {
+        if slot
             .conn
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -589,7 +609,7 @@ impl RedisStore {
             nodes.reconnecting.store(false, Ordering::Release);
             return;
         };
-        let (nodes, slot) = (nodes.clone(), self.conn.clone());
+        let (nodes, slot) = (nodes.clone(), slot.conn.clone());
         runtime.spawn(async move {
             match nodes.connect().await {
                 Ok(fresh) => {
@@ -936,7 +956,7 @@ mod tests {
             wait_replicas = 1
         "#;
         let config = Config::from_toml(toml, "<test>", &Overrides::default()).unwrap();
-        let store = RedisStore::new(&config.store).unwrap();
+        let store = RedisStore::new(&config.store, 1).unwrap();
         let (lease, token) = (Duration::from_secs(1), Token([7; 16]));
         let sizes = [
             (

@@ -20,6 +20,7 @@ use crate::body::Body;
 use crate::config::{self, UpstreamProtocol};
 use crate::conn::Caller;
 use crate::deadline::Deadlines;
+use crate::workers::PerWorker;
 
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1, plus the
 /// legacy `Keep-Alive` and `Proxy-Connection`): never forwarded, never stored.
@@ -112,27 +113,29 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// The upstream: base URL and keep-alive connection pools, one per protocol.
 pub struct Upstream {
-    /// HTTP/1.1 exchanges, driven by the request's own task.
-    pool: Arc<pool::Pool>,
+    /// HTTP/1.1 exchanges, driven by the request's own task: a pool per
+    /// worker thread, so that a connection is driven where it was made.
+    pool: PerWorker<Arc<pool::Pool>>,
     /// HTTP/1.1 upgrades (a WebSocket's 101 and the tunnel after it).
     http1: Client<HttpConnector, Body>,
     /// Cleartext HTTP/2 with prior knowledge: requests multiplexed on one connection.
     h2c: Client<HttpConnector, Body>,
     protocol: UpstreamProtocol,
     base: config::UpstreamUrl,
-    /// `upstream_timeout` for every exchange, kept by one timer for all of them.
-    pub deadlines: Deadlines,
+    /// `upstream_timeout` for every exchange, kept by one timer per worker thread.
+    deadlines: PerWorker<Deadlines>,
 }
 
 impl Upstream {
-    pub fn new(
-        base: config::UpstreamUrl,
-        protocol: UpstreamProtocol,
-        timeout: Duration,
-        idle_timeout: Duration,
-    ) -> Self {
+    /// The upstream `server` names; `slots`: per-worker places for its pools
+    /// and timers (`ServerConfig::worker_slots`).
+    pub fn new(server: &config::ServerConfig, slots: usize) -> Self {
+        let (timeout, idle_timeout) = (server.upstream_timeout, server.upstream_idle_timeout);
+        let base = server.upstream.clone();
         let connect_timeout = timeout.min(Duration::from_secs(5));
-        let pool = pool::Pool::new(&base.authority, connect_timeout, idle_timeout);
+        let pool = PerWorker::new(slots, |_| {
+            pool::Pool::new(&base.authority, connect_timeout, idle_timeout)
+        });
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
@@ -152,10 +155,15 @@ impl Upstream {
             pool,
             http1,
             h2c,
-            protocol,
+            protocol: server.upstream_protocol,
             base,
-            deadlines: Deadlines::new(timeout),
+            deadlines: PerWorker::new(slots, |_| Deadlines::new(timeout)),
         }
+    }
+
+    /// This thread's `upstream_timeout` deadlines.
+    pub fn deadlines(&self) -> &Deadlines {
+        self.deadlines.get()
     }
 
     /// The version a request goes upstream with, given the one it came in with.
@@ -268,8 +276,9 @@ impl Upstream {
         req: Request<Body>,
     ) -> Result<Response<Inbound>, UpstreamError> {
         let start = tokio::time::Instant::now();
-        match self.deadlines.within(start, self.send(req)).await {
-            None => Err(UpstreamError::Timeout(self.deadlines.after())),
+        let deadlines = self.deadlines.get();
+        match deadlines.within(start, self.send(req)).await {
+            None => Err(UpstreamError::Timeout(deadlines.after())),
             Some(r) => r,
         }
     }
@@ -289,7 +298,7 @@ impl Upstream {
                         req.headers_mut().insert(header::HOST, v);
                     }
                 }
-                let mut resp = self.pool.send(req).await?;
+                let mut resp = self.pool.get().send(req).await?;
                 strip_hop_by_hop(resp.headers_mut());
                 return Ok(resp);
             }

@@ -37,8 +37,10 @@ impl InProcess {
     /// Serves `routes` (with their `[defaults]`, as in [`ConfigBuilder::routes`]).
     pub async fn start(routes: &str) -> InProcess {
         let upstream = TestUpstream::start().await;
+        // One runtime for all (the test's own, whose clock the test pauses):
+        // worker threads would run runtimes of their own, with clocks of their own.
         let text = ConfigBuilder::new(&upstream.url())
-            .server("upstream_timeout = \"1h\"")
+            .server("upstream_timeout = \"1h\"\nruntime = \"work_stealing\"")
             .routes(routes)
             .build();
         let config = Config::from_toml(&text, "inprocess.toml", &Overrides::default())

@@ -1,0 +1,222 @@
+//! Worker threads with a runtime each (`[server] runtime = "per_thread"`,
+//! the default): a client connection is served from its first byte to its
+//! last by one thread, and the requests on it use that thread's own store
+//! connection, upstream pool and deadline timers. A request's tasks (the
+//! connection, the forward-and-store job, the store connection's reader and
+//! writer) then wake one another without crossing threads.
+//!
+//! Measured (`docs/benchmarks.md`, "A runtime per worker thread"): with two
+//! workers on two CPUs, tokio's work-stealing runtime spent 8 % more CPU per
+//! pass-through request, 21 % more per replay and 40 % more per new key than
+//! one worker did: a task woken from another thread costs a futex call and
+//! a context switch, and a new key woke three tasks that way.
+//!
+//! The listener is accepted from by one loop (on the thread that runs the
+//! control plane: admin, health pings, signals, draining), which hands each
+//! connection to the worker with the fewest open ones. That keeps a few
+//! long-lived connections (a sidecar's usual client) spread over the
+//! workers, which `SO_REUSEPORT`'s hashing does not, and costs one
+//! hand-over per connection, not per request.
+//!
+//! Per-worker things are kept in a [`PerWorker`], indexed by the thread's
+//! [`slot`]: 1..=N on the workers, 0 on every other thread (the control
+//! plane, blocking tasks, a test's runtime; with `runtime =
+//! "work_stealing"` there is only slot 0).
+
+use std::cell::Cell;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+thread_local! {
+    static SLOT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// This thread's place among the per-worker things: its worker's number,
+/// or 0 on a thread that is not a worker.
+pub fn slot() -> usize {
+    SLOT.with(Cell::get)
+}
+
+/// One value per slot: index 0 for the threads that are not workers, then
+/// one per worker. Read through [`PerWorker::get`], which picks the calling
+/// thread's; a slot beyond the values (one value: work stealing) reads the first.
+pub struct PerWorker<T>(Box<[T]>);
+
+impl<T> PerWorker<T> {
+    /// `slots` values, made by `make(slot)`; at least one.
+    pub fn new(slots: usize, make: impl FnMut(usize) -> T) -> Self {
+        PerWorker((0..slots.max(1)).map(make).collect())
+    }
+
+    /// The calling thread's value.
+    pub fn get(&self) -> &T {
+        self.0.get(slot()).unwrap_or(&self.0[0])
+    }
+
+    /// Every value, slot 0 first.
+    pub fn all(&self) -> &[T] {
+        &self.0
+    }
+}
+
+/// A connection's work, handed to a worker: it is first polled there, so
+/// whatever it registers (its socket, its timers) belongs to that worker's runtime.
+pub type Job = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The worker threads, each with a current-thread runtime that runs the
+/// jobs it is handed until [`Workers::stop`].
+pub struct Workers {
+    queues: Vec<mpsc::UnboundedSender<Job>>,
+    /// Connections each worker holds now (`idemproxy_worker_connections`).
+    load: Vec<Gauge>,
+    /// Told once draining is over: the runtimes may end, dropping what is left.
+    finish: CancellationToken,
+    ended: Vec<oneshot::Receiver<()>>,
+}
+
+impl Workers {
+    /// Starts `n` worker threads (at least one); `load[i]` is worker `i + 1`'s
+    /// connection gauge. The runtimes are built here, so that a failure is
+    /// the caller's error, not a thread's panic.
+    pub fn start(load: Vec<Gauge>) -> io::Result<Workers> {
+        let finish = CancellationToken::new();
+        let (mut queues, mut ended) = (Vec::new(), Vec::new());
+        for worker in 1..=load.len().max(1) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (queue, mut jobs) = mpsc::unbounded_channel::<Job>();
+            let (done, ended_rx) = oneshot::channel();
+            let finish = finish.clone();
+            std::thread::Builder::new()
+                .name(format!("idemproxy-worker-{worker}"))
+                .spawn(move || {
+                    SLOT.with(|s| s.set(worker));
+                    runtime.block_on(async move {
+                        while let Some(job) = jobs.recv().await {
+                            tokio::spawn(job);
+                        }
+                        // No more connections; those open drain, then the word comes.
+                        finish.cancelled().await;
+                    });
+                    drop(runtime);
+                    let _ = done.send(());
+                })?;
+            queues.push(queue);
+            ended.push(ended_rx);
+        }
+        Ok(Workers {
+            queues,
+            load,
+            finish,
+            ended,
+        })
+    }
+
+    /// The worker with the fewest connections now (the first among equals).
+    pub fn least_loaded(&self) -> usize {
+        (0..self.queues.len())
+            .min_by_key(|&i| self.load.get(i).map_or(0, Gauge::get))
+            .unwrap_or(0)
+    }
+
+    /// The gauge of the connections worker `i` (from 0) holds.
+    pub fn load(&self, i: usize) -> Option<&Gauge> {
+        self.load.get(i)
+    }
+
+    /// Hands `job` to worker `i` (from 0). `false`: that worker has stopped.
+    pub fn run(&self, i: usize, job: Job) -> bool {
+        self.queues
+            .get(i)
+            .is_some_and(|queue| queue.send(job).is_ok())
+    }
+
+    /// No more jobs; what the workers run goes on.
+    pub fn close(&mut self) {
+        self.queues.clear();
+    }
+
+    /// Ends the workers: their runtimes drop whatever still runs (call it once
+    /// draining is over), and the threads are waited for.
+    pub async fn stop(mut self) {
+        self.close();
+        self.finish.cancel();
+        for ended in std::mem::take(&mut self.ended) {
+            let _ = ended.await;
+        }
+    }
+}
+
+/// Workers never stopped (a server bound but never run) end all the same.
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.close();
+        self.finish.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_thread_that_is_no_worker_reads_slot_zero_and_one_value_serves_every_slot() {
+        let values = PerWorker::new(3, |slot| slot * 10);
+        assert_eq!(*values.get(), 0);
+        assert_eq!(values.all(), &[0, 10, 20]);
+        let one = PerWorker::new(0, |slot| slot + 7);
+        assert_eq!(one.all(), &[7]);
+        SLOT.with(|s| s.set(2));
+        assert_eq!(*values.get(), 20);
+        assert_eq!(*one.get(), 7, "beyond the values: the first");
+        SLOT.with(|s| s.set(0));
+    }
+
+    #[tokio::test]
+    async fn each_job_runs_on_its_worker_until_the_workers_stop() {
+        let load: Vec<Gauge> = (0..2).map(|_| Gauge::default()).collect();
+        let workers = Workers::start(load.clone()).unwrap();
+        load[0].inc();
+        assert_eq!(
+            workers.least_loaded(),
+            1,
+            "the worker with fewer connections"
+        );
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut ran = Vec::new();
+        for worker in [0, 1, 1] {
+            let (tx, rx) = oneshot::channel();
+            let seen = seen.clone();
+            let job: Job = Box::pin(async move {
+                let name = std::thread::current().name().map(str::to_string);
+                seen.lock().unwrap().push((slot(), name));
+                let _ = tx.send(());
+            });
+            assert!(workers.run(worker, job));
+            ran.push(rx);
+        }
+        for rx in ran {
+            rx.await.unwrap();
+        }
+        let mut seen = seen.lock().unwrap().clone();
+        seen.sort();
+        let names = |w: usize| Some(format!("idemproxy-worker-{w}"));
+        assert_eq!(seen, [(1, names(1)), (2, names(2)), (2, names(2))]);
+        // A job still running when the workers stop is dropped with its runtime.
+        let (held, dropped) = oneshot::channel::<()>();
+        let job: Job = Box::pin(async move {
+            let _held = held;
+            std::future::pending::<()>().await;
+        });
+        assert!(workers.run(0, job));
+        workers.stop().await;
+        assert!(dropped.await.is_err(), "the pending job was dropped");
+    }
+}
