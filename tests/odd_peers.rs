@@ -437,3 +437,27 @@ async fn idle_upstream_connections_are_closed_after_upstream_idle_timeout() {
     assert_eq!(r.status, 200);
     assert_eq!(upstream.accepted(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_url_with_a_path_puts_it_in_front_of_every_request_target() {
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&format!("{}/api", upstream.url()))
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let r = Call::new("GET", &proxy.url("/x/y?q=1&r=%20")).send().await;
+    assert_eq!(r.status, 201);
+    let r = Call::post(&proxy.url("/v1/payments?ref=7"))
+        .key("k-prefix")
+        .body("x")
+        .await;
+    assert_eq!(r.status, 201);
+    let targets: Vec<String> = upstream.seen().into_iter().map(|s| s.target).collect();
+    assert_eq!(targets, ["/api/x/y?q=1&r=%20", "/api/v1/payments?ref=7"]);
+    // Without a path, the client's own target goes as it came.
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy_for(&upstream.url()).await;
+    let r = Call::new("GET", &proxy.url("/x/y?q=1")).send().await;
+    assert_eq!(r.status, 201);
+    assert_eq!(upstream.seen()[0].target, "/x/y?q=1");
+}

@@ -176,21 +176,46 @@ impl Upstream {
         }
     }
 
-    /// The upstream URI for a request's path and query.
-    fn uri_for(&self, original: &Uri) -> Result<Uri, UpstreamError> {
-        let pq = original.path_and_query().map_or("/", |pq| pq.as_str());
+    /// The origin form of the upstream request-target for a request's path
+    /// and query: the client's own when the upstream URL has no path prefix
+    /// (a shared-bytes clone, no parse), else the prefix in front of it.
+    fn origin_form(&self, original: &Uri) -> Result<Uri, UpstreamError> {
+        let pq = original.path_and_query();
+        if self.base.base_path.is_empty() {
+            let pq = pq
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/"));
+            return Ok(Uri::from(pq));
+        }
+        let pq = pq.map_or("/", |pq| pq.as_str());
         let mut path = String::with_capacity(self.base.base_path.len() + pq.len());
         path.push_str(&self.base.base_path);
         path.push_str(pq);
+        PathAndQuery::from_maybe_shared(path)
+            .map(Uri::from)
+            .map_err(|e| UpstreamError::Connect(format!("cannot build the upstream URI: {e}")))
+    }
+
+    /// The absolute form of an origin-form URI, for hyper-util's client
+    /// (HTTP/2 and upgrades), which picks its connection by scheme and authority.
+    fn absolute(&self, uri: &Uri) -> Result<Uri, UpstreamError> {
+        if uri.scheme().is_some() {
+            return Ok(uri.clone());
+        }
+        let pq = uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
         Uri::builder()
             .scheme(self.base.scheme.clone())
             .authority(self.base.authority.clone())
-            .path_and_query(path)
+            .path_and_query(pq)
             .build()
             .map_err(|e| UpstreamError::Connect(format!("cannot build the upstream URI: {e}")))
     }
 
-    /// Prepares a client request for the upstream: URI, version, hop-by-hop
+    /// Prepares a client request for the upstream: URI (its origin form),
+    /// version, hop-by-hop
     /// headers removed, `X-Forwarded-For` / `X-Forwarded-Proto` (the
     /// [`Caller`]'s scheme) added. The
     /// client's authority is kept as `Host` to an HTTP/1.1 upstream (over
@@ -204,7 +229,7 @@ impl Upstream {
     ) -> Result<Request<Body>, UpstreamError> {
         let version = self.version_for(parts.version);
         let client_authority = parts.uri.authority().cloned();
-        parts.uri = self.uri_for(&parts.uri)?;
+        parts.uri = self.origin_form(&parts.uri)?;
         parts.version = version;
         let h = &mut parts.headers;
         // `TE: trailers` is the one `TE` HTTP/2 allows (RFC 9113 §8.2.2), and
@@ -289,10 +314,13 @@ impl Upstream {
             Version::HTTP_2 => &self.h2c,
             _ if req.headers().contains_key(header::UPGRADE) => &self.http1,
             _ => {
-                // The request line takes the origin form; `Host` names the
-                // upstream when the client's request had none.
-                let pq = req.uri().path_and_query().cloned();
-                *req.uri_mut() = Uri::from(pq.unwrap_or_else(|| PathAndQuery::from_static("/")));
+                // The request line takes the origin form (`prepare` made it);
+                // `Host` names the upstream when the client's request had none.
+                if req.uri().scheme().is_some() {
+                    let pq = req.uri().path_and_query().cloned();
+                    *req.uri_mut() =
+                        Uri::from(pq.unwrap_or_else(|| PathAndQuery::from_static("/")));
+                }
                 if !req.headers().contains_key(header::HOST) {
                     if let Ok(v) = HeaderValue::from_str(self.base.authority.as_str()) {
                         req.headers_mut().insert(header::HOST, v);
@@ -303,6 +331,7 @@ impl Upstream {
                 return Ok(resp);
             }
         };
+        *req.uri_mut() = self.absolute(req.uri())?;
         // Boxed: hyper-util's request future is large (~10 KiB with its
         // connector's), and only upgrades and HTTP/2 take this path.
         match Box::pin(client.request(req))

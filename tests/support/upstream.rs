@@ -33,6 +33,8 @@ use super::DEADLINE;
 pub struct Seen {
     pub method: Method,
     pub path: String,
+    /// The request-target as it came: path and query (origin form).
+    pub target: String,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
@@ -124,6 +126,7 @@ impl TestUpstream {
         st.seen.lock().unwrap().push(Seen {
             method: parts.method.clone(),
             path: parts.uri.path().to_string(),
+            target: parts.uri.to_string(),
             headers: parts.headers.clone(),
             body: body.clone(),
         });
