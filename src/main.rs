@@ -188,6 +188,11 @@ fn print_check(config: &Config) {
         config.server.admin_listen,
         config.store.backend
     );
+    println!(
+        "workers {} runtime {}",
+        config.server.worker_threads(),
+        config.server.runtime
+    );
     if let Some(files) = &config.server.tls {
         println!(
             "tls cert={} key={}",

@@ -51,6 +51,20 @@ fn check_prints_the_resolved_routes_and_exits_0() {
             && routes[0].contains("key=required")
     );
     assert!(routes[2].contains("key=optional"));
+    // The worker threads as they will run: `workers = 0` resolved to a number.
+    let workers = stdout
+        .lines()
+        .find(|l| l.starts_with("workers "))
+        .unwrap_or_default();
+    let n: usize = workers
+        .split(' ')
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        n >= 1 && workers.ends_with(" runtime per_thread"),
+        "{stdout}"
+    );
     for route in &routes {
         assert!(
             route.contains(" key_from=header:idempotency-key "),
