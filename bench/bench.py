@@ -34,9 +34,16 @@ building this checkout.
 Prints tables of medians with min-max and the ratios to nginx, writes
 bench/results/latest.json and an SVG chart (bench/results/latest.svg).
 
-    bench/bench.py [--pin] [--reps 5] [--duration 5] [--rate N] [--svg PATH]
+    bench/bench.py [--pin] [--floors] [--reps 5] [--duration 5] [--rate N] [--svg PATH]
                    [--only http1,h2,ws,big] [--json PATH]
                    [--h2-clients 16] [--h2-streams 4] [--ws-connections 64] [--ws-sizes 1024,65536]
+
+--floors (with http1) also measures, in every repetition beside the
+targets, the floors of bench/floor.py on the proxy's CPU:
+examples/hyper_floor forwarding through idemproxy's own upstream pool with
+nothing else (the pass-through's), and replaying as the contract asks and no
+more (the replay's); the targets table then shows each floor's ratio beside
+the measured one, from the same run.
 
 --only runs some groups of scenarios: http1 (the wrk/oha scenarios, RSS and
 round trips), h2, ws; without it all run. big runs only http1's 8 MiB
@@ -268,6 +275,16 @@ max_response_body = "16MiB"
             wait_port(port)
         for admin in admins:
             wait_http(f"http://127.0.0.1:{admin}/readyz")
+
+    def start_floors(self, floor_bin):
+        """examples/hyper_floor on the proxy's CPU: forwarding through idemproxy's
+        pool (the pass-through's floor) and replaying as the contract asks (the replay's)."""
+        proxy_port, replay_port = free_port(), free_port()
+        proxying = self.spawn([floor_bin, f"127.0.0.1:{proxy_port}", f"proxy:{self.up_port}"], proxy=True)
+        replaying = self.spawn([floor_bin, f"127.0.0.1:{replay_port}", f"replay:{self.redis_port}"], proxy=True)
+        wait_port(proxy_port)
+        wait_port(replay_port)
+        self.floors = (proxy_port, replay_port, proxying.pid, replaying.pid)
 
     def big_file(self):
         path = os.path.join(self.dir, "big.bin")
@@ -614,6 +631,14 @@ def run_http1(stack, args, workdir):
         wrk(stack.url(which), 2)
 
     runs = {k: [] for k in ("direct", "pt_idem", "pt_nginx", "newkey", "replay", "storm")}
+    floors = {}
+    if getattr(stack, "floors", None):
+        proxy_port, replay_port, proxy_pid, replay_pid = stack.floors
+        floors = {"floor_pt": (f"http://127.0.0.1:{proxy_port}/x", None, [proxy_pid]),
+                  "floor_replay": (f"http://127.0.0.1:{replay_port}/v1/payments", replay, [replay_pid])}
+        for url, script, _ in floors.values():
+            wrk(url, 2, script=script)
+        runs.update({k: [] for k in floors})
     for rep in range(args.reps):
         order = ("idemproxy", "nginx") if rep % 2 == 0 else ("nginx", "idemproxy")
         for which in order:
@@ -622,6 +647,8 @@ def run_http1(stack, args, workdir):
             else:
                 runs["pt_nginx"].append(wrk(stack.url(which), d, meter=nginx))
         runs["direct"].append(wrk(stack.url("direct"), d))
+        for k, (url, script, pids) in floors.items():
+            runs[k].append(wrk(url, d, script=script, meter={"proxy": pids}))
         newkey = lua(workdir, f"newkey-{rep}.lua", NEWKEY_LUA % f"bench{time.time_ns()}")
         r = wrk(stack.url("idemproxy"), d, script=newkey, meter=idem)
         if r["non2xx"]:
@@ -734,13 +761,17 @@ def targets_http1(res):
     runs, lat, big = res["runs"], res["latency"], res["big"]
     ng = runs["pt_nginx"]
     t = []
+    floor_of = {"pt_idem": "floor_pt", "replay": "floor_replay"}
     for key, label, rps_min, cpu_max in (("pt_idem", "pass-through GET", 0.95, 1.0),
                                          ("newkey", "protected POST, new key", 0.45, 2.0),
                                          ("replay", "replay", 1.2, 0.75)):
         r = paired_ratio(runs[key], ng, "rps")
         c = paired_ratio(runs[key], ng, "proxy_us")
-        t.append((f"{label}: req/s vs nginx", f"{r:.2f}x", f">= {rps_min}x", r >= rps_min))
-        t.append((f"{label}: proxy CPU/request vs nginx", f"{c:.2f}x", f"<= {cpu_max}x", c <= cpu_max))
+        floor = runs.get(floor_of.get(key, ""))
+        fr = f" (floor {paired_ratio(floor, ng, 'rps'):.2f}x)" if floor else ""
+        fc = f" (floor {paired_ratio(floor, ng, 'proxy_us'):.2f}x)" if floor else ""
+        t.append((f"{label}: req/s vs nginx", f"{r:.2f}x{fr}", f">= {rps_min}x", r >= rps_min))
+        t.append((f"{label}: proxy CPU/request vs nginx", f"{c:.2f}x{fc}", f"<= {cpu_max}x", c <= cpu_max))
     rss = res["rss_kib"]["connections_1000"] / 1024
     t.append(("RSS with 1,000 idle connections", f"{rss:.1f} MiB", "<= 20 MiB", rss <= 20))
     redis = med(runs["newkey"], "redis_us")
@@ -772,8 +803,12 @@ def report_http1(res, args):
     print(f"{'scenario':40} {'req/s':24} {'proxy µs/req':16} {'Redis µs/req':14} vs nginx: req/s, CPU (paired)")
     rows = (("direct", "upstream directly (reference)"), ("pt_nginx", "nginx proxy, pass-through GET"),
             ("pt_idem", "idemproxy, pass-through GET"), ("newkey", "idemproxy, protected POST, new key"),
-            ("replay", "idemproxy, replay"), ("storm", "idemproxy, duplicate storm (256 c, 10 keys)"))
+            ("replay", "idemproxy, replay"), ("storm", "idemproxy, duplicate storm (256 c, 10 keys)"),
+            ("floor_pt", "floor: hyper through idemproxy's pool"),
+            ("floor_replay", "floor: the contract's minimum replay"))
     for key, label in rows:
+        if key not in runs:
+            continue
         rs = runs[key]
         cpu = fmt([r["proxy_us"] for r in rs]) if "proxy_us" in rs[0] else ""
         redis = f"{med(rs, 'redis_us'):.1f}" if "redis_us" in rs[0] else ""
@@ -805,9 +840,9 @@ def report_http1(res, args):
     rt = res["round_trips"]
     print(f"store round trips per request (MONITOR): new key {rt['new_key']:.2f}, replay {rt['replay']:.2f}")
     print()
-    print(f"{'target':58} {'measured':22} {'target':12} met")
+    print(f"{'target':58} {'measured':28} {'target':12} met")
     for label, value, target, met in targets_http1(res):
-        print(f"{label:58} {value:22} {target:12} {'yes' if met else 'NO'}")
+        print(f"{label:58} {value:28} {target:12} {'yes' if met else 'NO'}")
 
 
 def chart_http1(res, svg):
@@ -952,6 +987,8 @@ def main():
     ap.add_argument("--bin", help="an idemproxy binary to measure instead of building this checkout's")
     ap.add_argument("--pin", action="store_true",
                     help="the proxy under test (one worker) on CPU 1; wrk, the upstream and Redis on CPU 0")
+    ap.add_argument("--floors", action="store_true",
+                    help="with http1: measure bench/floor.py's pass-through and replay floors in the same run")
     ap.add_argument("--svg", help="chart (default bench/results/latest.svg, latest-pinned.svg with --pin)")
     ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups: http1, h2, ws, big")
     ap.add_argument("--json", help="results file (default latest.json, or latest-<groups>.json with --only)")
@@ -992,6 +1029,10 @@ def main():
                        cwd=ROOT, check=True)
         ws_bin = os.path.join(target, "release", "ws-bench")
 
+    floor_bin = None
+    if args.floors and "http1" in groups:
+        subprocess.run(["cargo", "build", "--release", "--example", "hyper_floor"], cwd=ROOT, check=True)
+        floor_bin = os.path.join(ROOT, "target", "release", "examples", "hyper_floor")
     if args.pin:
         if os.cpu_count() < 2 or not shutil.which("taskset"):
             sys.exit("--pin needs two CPUs and taskset (util-linux)")
@@ -1001,6 +1042,8 @@ def main():
     results = {}
     try:
         stack.start(idem_bin, groups, h2=nginx_h2, ws_bin=ws_bin)
+        if floor_bin:
+            stack.start_floors(floor_bin)
         if "http1" in groups:
             results.update(run_http1(stack, args, workdir))
         if "big" in groups:
