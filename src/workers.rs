@@ -71,6 +71,8 @@ pub type Job = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// The worker threads, each with a current-thread runtime that runs the
 /// jobs it is handed until [`Workers::stop`].
 pub struct Workers {
+    /// Unbounded channels, bounded all the same: every job holds one of the
+    /// `max_connections` slots from before it is queued until it ends.
     queues: Vec<mpsc::UnboundedSender<Job>>,
     /// Connections each worker holds now (`idemproxy_worker_connections`).
     load: Vec<Gauge>,
