@@ -41,9 +41,10 @@ bench/results/latest.json and an SVG chart (bench/results/latest.svg).
 --floors (with http1) also measures, in every repetition beside the
 targets, the floors of bench/floor.py on the proxy's CPU:
 examples/hyper_floor forwarding through idemproxy's own upstream pool with
-nothing else (the pass-through's), and replaying as the contract asks and no
-more (the replay's); the targets table then shows each floor's ratio beside
-the measured one, from the same run.
+nothing else, forwarding as the contract asks and no more (the pass-through's
+floor: forwarding headers, hop-by-hop stripping, `upstream_timeout`), and
+replaying as the contract asks and no more (the replay's); the targets table
+then shows each floor's ratio beside the measured one, from the same run.
 
 --only runs some groups of scenarios: http1 (the wrk/oha scenarios, RSS and
 round trips), h2, ws; without it all run. big runs only http1's 8 MiB
@@ -279,12 +280,15 @@ max_response_body = "16MiB"
     def start_floors(self, floor_bin):
         """examples/hyper_floor on the proxy's CPU: forwarding through idemproxy's
         pool (the pass-through's floor) and replaying as the contract asks (the replay's)."""
-        proxy_port, replay_port = free_port(), free_port()
-        proxying = self.spawn([floor_bin, f"127.0.0.1:{proxy_port}", f"proxy:{self.up_port}"], proxy=True)
-        replaying = self.spawn([floor_bin, f"127.0.0.1:{replay_port}", f"replay:{self.redis_port}"], proxy=True)
-        wait_port(proxy_port)
-        wait_port(replay_port)
-        self.floors = (proxy_port, replay_port, proxying.pid, replaying.pid)
+        self.floors = {}
+        for name, mode in (("floor_bare", f"proxy:{self.up_port}"), ("floor_pt", f"passthrough:{self.up_port}"),
+                           ("floor_replay", f"replay:{self.redis_port}")):
+            port = free_port()
+            # A current-thread runtime, as each of idemproxy's worker threads runs.
+            proc = self.spawn([floor_bin, f"127.0.0.1:{port}", mode], proxy=True,
+                              env=dict(os.environ, FLOOR_RUNTIME="current"))
+            wait_port(port)
+            self.floors[name] = (port, proc.pid)
 
     def big_file(self):
         path = os.path.join(self.dir, "big.bin")
@@ -632,10 +636,11 @@ def run_http1(stack, args, workdir):
 
     runs = {k: [] for k in ("direct", "pt_idem", "pt_nginx", "newkey", "replay", "storm")}
     floors = {}
-    if getattr(stack, "floors", None):
-        proxy_port, replay_port, proxy_pid, replay_pid = stack.floors
-        floors = {"floor_pt": (f"http://127.0.0.1:{proxy_port}/x", None, [proxy_pid]),
-                  "floor_replay": (f"http://127.0.0.1:{replay_port}/v1/payments", replay, [replay_pid])}
+    for name, (port, pid) in (getattr(stack, "floors", None) or {}).items():
+        replaying = name == "floor_replay"
+        floors[name] = (f"http://127.0.0.1:{port}" + ("/v1/payments" if replaying else "/x"),
+                        replay if replaying else None, [pid])
+    if floors:
         for url, script, _ in floors.values():
             wrk(url, 2, script=script)
         runs.update({k: [] for k in floors})
@@ -804,7 +809,8 @@ def report_http1(res, args):
     rows = (("direct", "upstream directly (reference)"), ("pt_nginx", "nginx proxy, pass-through GET"),
             ("pt_idem", "idemproxy, pass-through GET"), ("newkey", "idemproxy, protected POST, new key"),
             ("replay", "idemproxy, replay"), ("storm", "idemproxy, duplicate storm (256 c, 10 keys)"),
-            ("floor_pt", "floor: hyper through idemproxy's pool"),
+            ("floor_bare", "floor: hyper through idemproxy's pool"),
+            ("floor_pt", "floor: the contract's minimum forward"),
             ("floor_replay", "floor: the contract's minimum replay"))
     for key, label in rows:
         if key not in runs:

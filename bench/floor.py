@@ -22,10 +22,15 @@ wrk -t2 -c64 against:
   - examples/hyper_floor forwarding each request as it came to the upstream
     through idemproxy's own upstream pool, the answer streamed back: hyper's
     cost of a proxied exchange without idemproxy's per-request work;
+  - examples/hyper_floor forwarding as the contract asks and no more
+    (passthrough:PORT: idemproxy's `Upstream::prepare` and
+    `send_with_timeout`: forwarding headers, hop-by-hop stripping,
+    `upstream_timeout`): the pass-through's floor;
   - idemproxy passing GETs through (the same exchanges, with its own work);
   - idemproxy replaying stored keys (a client exchange plus one Redis round trip).
-Prints CPU µs per request (utime + stime from /proc) and the ratios to the
-nginx proxy, paired per repetition.
+The hyper_floor servers run on a current-thread runtime, as each of
+idemproxy's worker threads does. Prints CPU µs per request (utime + stime
+from /proc) and the ratios to the nginx proxy, paired per repetition.
 
     bench/floor.py [--reps 5] [--duration 3]
 """
@@ -54,22 +59,27 @@ def main():
     bench.LOAD[:] = ["taskset", "-c", bench.LOAD_CPU]
     workdir = tempfile.mkdtemp(prefix="idemproxy-floor-")
     stack = bench.Stack(workdir, pin=True)
+    # The floors on a current-thread runtime, as each of idemproxy's worker
+    # threads runs (a multi-thread runtime with one worker until 2026-12-01,
+    # 3 % more instructions: docs/benchmarks.md's earlier figures).
+    FLOOR_ENV = dict(os.environ, FLOOR_RUNTIME="current")
     try:
         stack.start(os.path.join(bench.ROOT, "target", "release", "idemproxy"))
         floor_bin = os.path.join(bench.ROOT, "target", "release", "examples", "hyper_floor")
         floor_port, solo_port = bench.free_port(), bench.free_port()
         redis_port, raw_port, wire_port = bench.free_port(), bench.free_port(), bench.free_port()
-        proxy_port, replaying_port = bench.free_port(), bench.free_port()
-        floor = stack.spawn([floor_bin, f"127.0.0.1:{floor_port}"], proxy=True)
-        via_redis = stack.spawn([floor_bin, f"127.0.0.1:{redis_port}", f"redis:{stack.redis_port}"], proxy=True)
-        via_raw = stack.spawn([floor_bin, f"127.0.0.1:{raw_port}", f"raw:{stack.redis_port}"], proxy=True)
-        via_wire = stack.spawn([floor_bin, f"127.0.0.1:{wire_port}", f"wire:{stack.redis_port}"], proxy=True)
-        proxying = stack.spawn([floor_bin, f"127.0.0.1:{proxy_port}", f"proxy:{stack.up_port}"], proxy=True)
-        replaying = stack.spawn([floor_bin, f"127.0.0.1:{replaying_port}", f"replay:{stack.redis_port}"], proxy=True)
+        proxy_port, replaying_port, forward_port = bench.free_port(), bench.free_port(), bench.free_port()
+        floor = stack.spawn([floor_bin, f"127.0.0.1:{floor_port}"], proxy=True, env=FLOOR_ENV)
+        via_redis = stack.spawn([floor_bin, f"127.0.0.1:{redis_port}", f"redis:{stack.redis_port}"], proxy=True, env=FLOOR_ENV)
+        via_raw = stack.spawn([floor_bin, f"127.0.0.1:{raw_port}", f"raw:{stack.redis_port}"], proxy=True, env=FLOOR_ENV)
+        via_wire = stack.spawn([floor_bin, f"127.0.0.1:{wire_port}", f"wire:{stack.redis_port}"], proxy=True, env=FLOOR_ENV)
+        proxying = stack.spawn([floor_bin, f"127.0.0.1:{proxy_port}", f"proxy:{stack.up_port}"], proxy=True, env=FLOOR_ENV)
+        replaying = stack.spawn([floor_bin, f"127.0.0.1:{replaying_port}", f"replay:{stack.redis_port}"], proxy=True, env=FLOOR_ENV)
+        forwarding = stack.spawn([floor_bin, f"127.0.0.1:{forward_port}", f"passthrough:{stack.up_port}"], proxy=True, env=FLOOR_ENV)
         solo_conf = stack.nginx_conf("solo", 1, f"listen 127.0.0.1:{solo_port} backlog=4096; "
                                      f"default_type application/json; location / {{ return 200 '{bench.BODY}'; }}")
         solo = stack.spawn(["nginx", "-c", solo_conf], proxy=True)
-        for port in (floor_port, redis_port, raw_port, wire_port, proxy_port, replaying_port):
+        for port in (floor_port, redis_port, raw_port, wire_port, proxy_port, replaying_port, forward_port):
             bench.wait_port(port)
         bench.wait_port(solo_port)
         for i in range(1, 1001):
@@ -83,6 +93,8 @@ def main():
             "hyper + reserve.lua, minimal": (f"http://127.0.0.1:{raw_port}/x", None, [via_raw.pid]),
             "hyper + reserve.lua, store::wire": (f"http://127.0.0.1:{wire_port}/x", None, [via_wire.pid]),
             "hyper proxying (idemproxy's pool)": (f"http://127.0.0.1:{proxy_port}/x", None, [proxying.pid]),
+            "hyper forwarding, the contract's minimum": (f"http://127.0.0.1:{forward_port}/x", None,
+                                                         [forwarding.pid]),
             "hyper replaying, the contract's minimum": (f"http://127.0.0.1:{replaying_port}/v1/payments", replay,
                                                         [replaying.pid]),
             "idemproxy, pass-through": (stack.url("idemproxy"), None, [stack.idem.pid]),

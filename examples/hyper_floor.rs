@@ -28,6 +28,16 @@
 //!   request's task), and the answer is streamed back as it came: hyper's
 //!   cost of a proxied exchange, with none of idemproxy's per-request work
 //!   (routes, forwarding headers, hop-by-hop stripping, metrics, logs).
+//! - `passthrough:PORT`: a pass-through with what the contract asks of one
+//!   and nothing else, through idemproxy's own functions: the request made
+//!   ready for the upstream by `idemproxy::upstream::Upstream::prepare`
+//!   (the upstream's URI, hop-by-hop headers stripped, `X-Forwarded-For`
+//!   and `X-Forwarded-Proto` added) and sent through its pool within
+//!   `upstream_timeout` (`send_with_timeout`), the answer's hop-by-hop
+//!   headers stripped and its body streamed back. Not done: routes,
+//!   request ids, metrics, access records, the connection's own timers
+//!   (write, idle, head) and parking, the connection and request limits.
+//!   hyper's header timer is off, as for `replay:PORT`.
 //! - `replay:PORT`: a replay with what the contract asks of one and nothing
 //!   else, through idemproxy's own functions and connection: the POST's
 //!   body read whole, the key parsed from `Idempotency-Key`, the
@@ -76,6 +86,7 @@ enum Source {
     Raw(Arc<Raw>, String),
     Wire(Wire, String),
     Proxy(Arc<Pool>),
+    Forward(Box<idemproxy::upstream::Upstream>),
     Replay(Wire),
 }
 
@@ -83,7 +94,9 @@ impl Source {
     async fn body(&self) -> Bytes {
         match self {
             Source::Memory => Bytes::from_static(BODY),
-            Source::Proxy(_) | Source::Replay(_) => unreachable!("answered in `answer`"),
+            Source::Proxy(_) | Source::Forward(_) | Source::Replay(_) => {
+                unreachable!("answered in `answer`")
+            }
             Source::Redis(conn, script) => {
                 let mut conn = conn.clone();
                 let (value, _ttl): (Vec<u8>, i64) = script
@@ -128,7 +141,26 @@ impl Source {
     }
 }
 
-async fn answer(source: Arc<Source>, req: Request<Incoming>) -> Result<Response<Body>, String> {
+async fn answer(
+    source: Arc<Source>,
+    req: Request<Incoming>,
+    peer: std::net::SocketAddr,
+) -> Result<Response<Body>, String> {
+    if let Source::Forward(upstream) = &*source {
+        let caller = idemproxy::conn::Caller {
+            addr: peer,
+            scheme: "http",
+        };
+        let (parts, body) = req.into_parts();
+        let req = upstream
+            .prepare(parts, Body::Stream(Inbound::from(body)), caller)
+            .map_err(|e| e.to_string())?;
+        let resp = upstream
+            .send_with_timeout(req)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(resp.map(Body::Stream));
+    }
     if let Source::Proxy(pool) = &*source {
         let req = req.map(|b| Body::Stream(Inbound::from(b)));
         let resp = pool.send(req).await.map_err(|e| e.to_string())?;
@@ -442,7 +474,14 @@ async fn source(mode: &str) -> Source {
             let pool = Pool::new(&authority, Duration::from_secs(5), Duration::from_secs(60));
             Source::Proxy(pool)
         }
-        _ => panic!("MODE: memory, redis:PORT, raw:PORT, wire:PORT, proxy:PORT or replay:PORT"),
+        Some(("passthrough", p)) => {
+            // The upstream as idemproxy's defaults configure it (`upstream_timeout` 30 s).
+            let text = format!("[server]\nupstream = \"http://127.0.0.1:{}\"\n", port(p));
+            let config = idemproxy::config::Config::from_toml(&text, "floor", &Default::default())
+                .expect("a valid configuration");
+            Source::Forward(Box::new(idemproxy::upstream::Upstream::new(&config.server, 1)))
+        }
+        _ => panic!("MODE: memory, redis:PORT, raw:PORT, wire:PORT, proxy:PORT, passthrough:PORT or replay:PORT"),
     }
 }
 
@@ -450,22 +489,31 @@ fn main() -> io::Result<()> {
     let mut args = std::env::args().skip(1);
     let addr = args.next().unwrap_or_else(|| "127.0.0.1:18700".into());
     let mode = args.next().unwrap_or_else(|| "memory".into());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
+    // One worker (a multi-thread runtime with one thread), as the figures in
+    // docs/benchmarks.md were measured; idemproxy's workers now run
+    // current-thread runtimes, 3 % fewer instructions: FLOOR_RUNTIME=current
+    // measures the floors that way.
+    let runtime = match std::env::var("FLOOR_RUNTIME").as_deref() {
+        Ok("current") => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+        _ => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?,
+    };
     runtime.block_on(async move {
         let source = Arc::new(source(&mode).await);
         let listener = TcpListener::bind(&addr).await?;
         eprintln!("hyper_floor listening on {addr} ({mode})");
         loop {
-            let (stream, _) = listener.accept().await?;
+            let (stream, peer) = listener.accept().await?;
             let _ = stream.set_nodelay(true);
             let source = source.clone();
             tokio::spawn(async move {
                 let mut builder = http1::Builder::new();
                 builder.timer(TokioTimer::new());
-                if matches!(*source, Source::Replay(_)) {
+                if matches!(*source, Source::Replay(_) | Source::Forward(_)) {
                     builder.header_read_timeout(None);
                 } else {
                     builder.header_read_timeout(Duration::from_secs(10));
@@ -473,7 +521,7 @@ fn main() -> io::Result<()> {
                 let _ = builder
                     .serve_connection(
                         TokioIo::new(stream),
-                        service_fn(move |req| answer(source.clone(), req)),
+                        service_fn(move |req| answer(source.clone(), req, peer)),
                     )
                     .await;
             });

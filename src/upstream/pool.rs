@@ -64,6 +64,9 @@ struct Idle {
 
 pub struct Pool {
     idle: Mutex<Vec<Idle>>,
+    /// The task that closes idle connections runs (started by the first
+    /// `put`, on the runtime of the thread that uses the pool).
+    reaping: std::sync::atomic::AtomicBool,
     host: String,
     port: u16,
     connect_timeout: Duration,
@@ -72,7 +75,9 @@ pub struct Pool {
 
 impl Pool {
     /// A pool for `authority` (`host[:port]`, port 80 when none). A task
-    /// started here closes idle connections after `idle_timeout`; it ends with the pool.
+    /// started with its first idle connection, on the runtime that put it
+    /// there (a worker's: `crate::workers`), closes idle connections after
+    /// `idle_timeout`; it ends with the pool.
     pub fn new(
         authority: &http::uri::Authority,
         connect_timeout: Duration,
@@ -83,17 +88,14 @@ impl Pool {
             .strip_prefix('[')
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
-        let pool = Arc::new(Pool {
+        Arc::new(Pool {
             idle: Mutex::new(Vec::new()),
+            reaping: std::sync::atomic::AtomicBool::new(false),
             host: host.to_string(),
             port: authority.port_u16().unwrap_or(80),
             connect_timeout,
             idle_timeout,
-        });
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(reap(Arc::downgrade(&pool)));
-        }
-        pool
+        })
     }
 
     /// Sends a request and waits for the answer's head, driving the
@@ -168,13 +170,25 @@ impl Pool {
         None
     }
 
-    fn put(&self, conn: Box<Conn>) {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < MAX_IDLE {
-            idle.push(Idle {
-                conn,
-                since: Instant::now(),
-            });
+    fn put(self: &Arc<Self>, conn: Box<Conn>) {
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() < MAX_IDLE {
+                idle.push(Idle {
+                    conn,
+                    since: Instant::now(),
+                });
+            }
+        }
+        if !self.reaping.load(std::sync::atomic::Ordering::Relaxed)
+            && !self.reaping.swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(reap(Arc::downgrade(self)))),
+                Err(_) => self
+                    .reaping
+                    .store(false, std::sync::atomic::Ordering::Release),
+            }
         }
     }
 
