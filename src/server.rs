@@ -150,7 +150,7 @@ impl Server {
             listener,
             admin,
             tls,
-            mut workers,
+            workers,
         } = self;
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
@@ -159,9 +159,6 @@ impl Server {
         let connections = Connections::default();
         let front = Arc::new(Front::new(&app, &config.server, tls, &connections));
         accept(&front, listener, &connections, workers.as_ref(), shutdown).await;
-        if let Some(workers) = &mut workers {
-            workers.close();
-        }
         drain(&app, config.server.shutdown_grace, connections).await;
         // Whatever the workers still run (connections past the grace) ends with them.
         if let Some(workers) = workers {
@@ -273,13 +270,11 @@ async fn accept(
         let _ = stream.set_nodelay(true);
         let Some(workers) = workers else {
             let busy = Busy::holding(slot, None);
-            connections
-                .tasks
-                .spawn(connection(front.clone(), stream, peer, busy));
+            let serving = connection(front.clone(), stream, peer, busy);
+            connections.tasks.spawn(serving);
             continue;
         };
-        // Handed over as a plain socket: it is registered with the worker's
-        // runtime when the worker first polls the job.
+        // Handed over as a plain socket, registered again with the worker's runtime.
         let stream = match stream.into_std() {
             Ok(s) => s,
             Err(e) => {
@@ -289,27 +284,33 @@ async fn accept(
         };
         let worker = workers.least_loaded();
         let busy = Busy::holding(slot, workers.load(worker).map(Counted::new));
-        let front = front.clone();
-        let job = connections.tasks.track_future(async move {
-            match TcpStream::from_std(stream) {
-                Ok(stream) => connection(front, stream, peer, busy).await,
-                Err(e) => warn!(error = %e, "a worker cannot take a connection"),
+        let made = workers.run(worker, || match TcpStream::from_std(stream) {
+            Ok(stream) => {
+                let serving = connection(front.clone(), stream, peer, busy);
+                Some(Box::pin(connections.tasks.track_future(serving)))
+            }
+            Err(e) => {
+                warn!(error = %e, "a worker cannot take a connection");
+                None
             }
         });
-        if !workers.run(worker, Box::pin(job)) {
-            warn!(
-                worker = worker + 1,
-                "a worker has stopped; connection closed"
-            );
+        if !made {
+            warn!(worker = worker + 1, "connection closed: no worker took it");
         }
     }
     front.app.accepting.store(false, Ordering::Release);
 }
 
-/// Serves one client connection on the runtime that polls this: its
-/// deadlines, the TLS handshake (a slow one holds up no other connection)
-/// and its requests.
-async fn connection(front: Arc<Front>, stream: TcpStream, peer: SocketAddr, busy: Busy) {
+/// Serves one client connection: its deadlines, the TLS handshake (a slow
+/// one holds up no other connection) and its requests. Its timer and its
+/// service are made now, in the context of the runtime that will run it
+/// (see `Workers::run`).
+fn connection(
+    front: Arc<Front>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    busy: Busy,
+) -> impl Future<Output = ()> + Send + 'static {
     let s = &front.server;
     let stream = Guarded::new(stream, busy.clone(), s.client_write_timeout, s.idle_timeout)
         .park_after(PARK_AFTER)
@@ -346,31 +347,33 @@ async fn connection(front: Arc<Front>, stream: TcpStream, peer: SocketAddr, busy
     });
     // The handshake and the first request's headers, together.
     let until = Instant::now() + s.header_read_timeout;
-    // A handshake in progress does not hold up draining.
-    let opened = tokio::select! {
-        io = tls::open(front.tls.as_deref(), stream, until) => io,
-        () = front.stop.cancelled() => None,
-    };
-    let Some(io) = opened else {
-        return;
-    };
-    // Until the first bytes tell HTTP/1.1 from HTTP/2, neither protocol's
-    // own limits run: a client that sends nothing, or trickles the HTTP/2
-    // preface or its first header block, would otherwise hold its slot until
-    // `idle_timeout`. So no request begun by `until` closes the connection.
-    // Later requests: HTTP/1.1 has its header timeout; on HTTP/2, bytes that
-    // keep arriving keep the connection open.
-    serve::serve(
-        &front.http,
-        io,
-        conn_busy,
-        service,
-        &front.app.metrics,
-        &began,
-        until,
-        &front.stop,
-    )
-    .await;
+    async move {
+        // A handshake in progress does not hold up draining.
+        let opened = tokio::select! {
+            io = tls::open(front.tls.as_deref(), stream, until) => io,
+            () = front.stop.cancelled() => None,
+        };
+        let Some(io) = opened else {
+            return;
+        };
+        // Until the first bytes tell HTTP/1.1 from HTTP/2, neither protocol's
+        // own limits run: a client that sends nothing, or trickles the HTTP/2
+        // preface or its first header block, would otherwise hold its slot until
+        // `idle_timeout`. So no request begun by `until` closes the connection.
+        // Later requests: HTTP/1.1 has its header timeout; on HTTP/2, bytes that
+        // keep arriving keep the connection open.
+        serve::serve(
+            &front.http,
+            io,
+            conn_busy,
+            service,
+            &front.app.metrics,
+            &began,
+            until,
+            &front.stop,
+        )
+        .await;
+    }
 }
 
 /// The builders for client connections: HTTP/1.1, or cleartext HTTP/2 when

@@ -29,7 +29,8 @@ use std::io;
 use std::pin::Pin;
 
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::{mpsc, oneshot};
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 thread_local! {
@@ -64,16 +65,14 @@ impl<T> PerWorker<T> {
     }
 }
 
-/// A connection's work, handed to a worker: it is first polled there, so
-/// whatever it registers (its socket, its timers) belongs to that worker's runtime.
+/// A connection's work, handed to a worker: first polled there, so that it
+/// runs on that worker's thread from start to end.
 pub type Job = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The worker threads, each with a current-thread runtime that runs the
-/// jobs it is handed until [`Workers::stop`].
+/// jobs spawned onto it until [`Workers::stop`].
 pub struct Workers {
-    /// Unbounded channels, bounded all the same: every job holds one of the
-    /// `max_connections` slots from before it is queued until it ends.
-    queues: Vec<mpsc::UnboundedSender<Job>>,
+    handles: Vec<Handle>,
     /// Connections each worker holds now (`idemproxy_worker_connections`).
     load: Vec<Gauge>,
     /// Told once draining is over: the runtimes may end, dropping what is left.
@@ -87,33 +86,28 @@ impl Workers {
     /// the caller's error, not a thread's panic.
     pub fn start(load: Vec<Gauge>) -> io::Result<Workers> {
         let finish = CancellationToken::new();
-        let (mut queues, mut ended) = (Vec::new(), Vec::new());
+        let (mut handles, mut ended) = (Vec::new(), Vec::new());
         for worker in 1..=load.len().max(1) {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            let (queue, mut jobs) = mpsc::unbounded_channel::<Job>();
             let (done, ended_rx) = oneshot::channel();
+            handles.push(runtime.handle().clone());
             let finish = finish.clone();
             std::thread::Builder::new()
                 .name(format!("idemproxy-worker-{worker}"))
                 .spawn(move || {
                     SLOT.with(|s| s.set(worker));
-                    runtime.block_on(async move {
-                        while let Some(job) = jobs.recv().await {
-                            tokio::spawn(job);
-                        }
-                        // No more connections; those open drain, then the word comes.
-                        finish.cancelled().await;
-                    });
+                    // Runs what is spawned onto it (from the accepting thread)
+                    // until draining is over.
+                    runtime.block_on(finish.cancelled());
                     drop(runtime);
                     let _ = done.send(());
                 })?;
-            queues.push(queue);
             ended.push(ended_rx);
         }
         Ok(Workers {
-            queues,
+            handles,
             load,
             finish,
             ended,
@@ -122,7 +116,7 @@ impl Workers {
 
     /// The worker with the fewest connections now (the first among equals).
     pub fn least_loaded(&self) -> usize {
-        (0..self.queues.len())
+        (0..self.handles.len())
             .min_by_key(|&i| self.load.get(i).map_or(0, Gauge::get))
             .unwrap_or(0)
     }
@@ -132,22 +126,33 @@ impl Workers {
         self.load.get(i)
     }
 
-    /// Hands `job` to worker `i` (from 0). `false`: that worker has stopped.
-    pub fn run(&self, i: usize, job: Job) -> bool {
-        self.queues
-            .get(i)
-            .is_some_and(|queue| queue.send(job).is_ok())
-    }
-
-    /// No more jobs; what the workers run goes on.
-    pub fn close(&mut self) {
-        self.queues.clear();
+    /// Runs the job `make` makes on worker `i` (from 0). `make` runs here,
+    /// in the worker's runtime context: what it registers (a socket, a
+    /// timer) belongs to that runtime, and what it allocates, with the
+    /// task, comes from this thread's heap. Long-lived small allocations
+    /// made by the worker between the large short-lived ones of its
+    /// requests would pin their pages once those are freed (measured: 2–3
+    /// MiB more RSS with 1,000 parked connections). `false`: no job.
+    pub fn run(&self, i: usize, make: impl FnOnce() -> Option<Job>) -> bool {
+        let Some(handle) = self.handles.get(i) else {
+            return false;
+        };
+        let job = {
+            let _context = handle.enter();
+            make()
+        };
+        match job {
+            Some(job) => {
+                drop(handle.spawn(job));
+                true
+            }
+            None => false,
+        }
     }
 
     /// Ends the workers: their runtimes drop whatever still runs (call it once
     /// draining is over), and the threads are waited for.
     pub async fn stop(mut self) {
-        self.close();
         self.finish.cancel();
         for ended in std::mem::take(&mut self.ended) {
             let _ = ended.await;
@@ -158,7 +163,6 @@ impl Workers {
 /// Workers never stopped (a server bound but never run) end all the same.
 impl Drop for Workers {
     fn drop(&mut self) {
-        self.close();
         self.finish.cancel();
     }
 }
@@ -201,7 +205,7 @@ mod tests {
                 seen.lock().unwrap().push((slot(), name));
                 let _ = tx.send(());
             });
-            assert!(workers.run(worker, job));
+            assert!(workers.run(worker, || Some(job)));
             ran.push(rx);
         }
         for rx in ran {
@@ -217,7 +221,9 @@ mod tests {
             let _held = held;
             std::future::pending::<()>().await;
         });
-        assert!(workers.run(0, job));
+        assert!(workers.run(0, || Some(job)));
+        assert!(!workers.run(1, || None), "no job made");
+        assert!(!workers.run(2, || panic!("no such worker")));
         workers.stop().await;
         assert!(dropped.await.is_err(), "the pending job was dropped");
     }
