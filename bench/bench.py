@@ -27,9 +27,9 @@ reports CPU microseconds per request. --pin puts the proxy under test (one
 worker: nginx worker_processes 1, idemproxy workers = 1) on CPU 1 and the
 load generators, the upstream and Redis on CPU 0. The http1 group adds:
 small new keys' p99 alone and beside 8 MiB replays, open-loop latency at 40 %
-of nginx's maximum (up to 3 repetitions, medians), Redis INFO commandstats per new key, and a check of the
-performance issue's targets. --bin measures a given binary instead of
-building this checkout.
+of nginx's maximum (up to 3 repetitions, medians), Redis INFO commandstats
+per new key, and a check of the performance issue's targets. --bin measures
+a given binary instead of building this checkout.
 
 Prints tables of medians with min-max and the ratios to nginx, writes
 bench/results/latest.json and an SVG chart (bench/results/latest.svg).
@@ -680,7 +680,7 @@ def run_http1(stack, args, workdir):
     if "floor_pt" in floors:
         open_loop["pt_floor_pt"] = floors["floor_pt"][0]
     lat = {"rate": rate, "reps": []}
-    for rep in range(min(args.reps, 3)):
+    for rep in range(max(1, min(args.reps, 3))):
         names = list(open_loop)
         names = names[rep % len(names):] + names[:rep % len(names)]
         one = {k: oha(open_loop[k], rate, 10) for k in names}
