@@ -430,7 +430,13 @@ async fn store_blackhole_rejects_with_503_then_recovers() {
     })
     .await;
     assert!(!ok.is_replay());
-    assert!(Call::post(&url).key("k-outage").body("x").await.is_replay());
+    let again = Call::post(&url).key("k-outage").body("x").await;
+    assert!(
+        again.is_replay(),
+        "{} {}",
+        again.status,
+        String::from_utf8_lossy(&again.body)
+    );
     assert_eq!(
         env.upstream.hits(),
         2,

@@ -170,3 +170,45 @@ fn runtime_is_checked_at_load_time() {
         "{e}"
     );
 }
+
+/// A store connection that sent during a blackhole stays held by it. Once
+/// the store answers again on another worker's connection, the worker whose
+/// last operation failed makes its connection anew: a retry on it is
+/// replayed, not sent down the dead connection (a 503 after `op_timeout`,
+/// while the failed request's release still waits on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_the_store_answers_again_a_worker_whose_connection_failed_makes_it_anew() {
+    use support::relay::{Fault, Relay};
+    let redis = RedisServer::start().await;
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let upstream = TestUpstream::start().await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .server("workers = 2")
+        .redis_url(&format!("redis://{}/0", relay.addr))
+        .store("op_timeout = \"500ms\"")
+        .build();
+    let proxy = Proxy::start(&text).await;
+    // One connection on each worker: a request on it uses that worker's store connection.
+    let mut first = Held::open(&proxy).await;
+    assert_eq!(first.pay("k-warm-1").await, 201);
+    let mut second = Held::open(&proxy).await;
+    assert_eq!(second.pay("k-warm-2").await, 201);
+    assert_eq!(worker_connections(&proxy, 1).await, 1.0);
+    assert_eq!(worker_connections(&proxy, 2).await, 1.0);
+
+    // Only the second worker's connection sends during the blackhole: its
+    // reserve times out, and its release waits another `op_timeout` on it.
+    relay.set(Fault::Blackhole);
+    assert_eq!(second.pay("k-b").await, 503);
+    relay.set(Fault::Pass);
+
+    // The first worker's connection sent nothing then: it answers at once.
+    assert_eq!(first.pay("k-outage").await, 201);
+    // The retry on the second worker, within that release's `op_timeout`.
+    assert_eq!(second.pay("k-outage").await, 201, "replayed");
+    assert_eq!(
+        upstream.hits(),
+        3,
+        "two warm-ups and one execution of k-outage"
+    );
+}

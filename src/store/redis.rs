@@ -39,6 +39,13 @@ pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
 /// connection is replaced only once a new one is up (see [`ClusterNodes`]).
 const FAILURES_BEFORE_RECONNECT: u32 = 2;
 
+/// Takes a slot's connection (the next operation on that worker connects);
+/// 1 when there was one. Operations under way finish on the one taken.
+fn take_conn(slot: &Slot) -> usize {
+    let taken = slot.conn.write().unwrap_or_else(|e| e.into_inner()).take();
+    usize::from(taken.is_some())
+}
+
 /// At most one cluster reconnect per this long: while a master fails over,
 /// its keys fail for seconds, and each reconnect opens a connection per node.
 const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
@@ -119,6 +126,9 @@ pub struct RedisStore {
     /// no other thread), one for every thread in a cluster (redis-rs's
     /// cluster connection already holds one per node).
     slots: PerWorker<Slot>,
+    /// An operation failed since the store last answered on any slot: the
+    /// next answer looks at the other slots' connections (`answered_again`).
+    failing: AtomicBool,
     op_timeout: Duration,
     wait_replicas: u32,
     wait_timeout: Duration,
@@ -397,6 +407,7 @@ impl RedisStore {
         Ok(RedisStore {
             source,
             slots: PerWorker::new(slots, |_| Slot::default()),
+            failing: AtomicBool::new(false),
             op_timeout: cfg.op_timeout,
             wait_replicas: cfg.wait_replicas,
             wait_timeout: cfg.wait_timeout,
@@ -559,9 +570,17 @@ impl RedisStore {
             if slot.failures_in_a_row.load(Ordering::Relaxed) != 0 {
                 slot.failures_in_a_row.store(0, Ordering::Relaxed);
             }
+            if self.failing.load(Ordering::Acquire) {
+                self.answered_again(slot);
+            }
             return;
         }
-        if slot.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 < FAILURES_BEFORE_RECONNECT {
+        let failures = slot.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
+        // After the count: an answer that sees the flag sees the count.
+        if !self.failing.load(Ordering::Relaxed) {
+            self.failing.store(true, Ordering::Release);
+        }
+        if failures < FAILURES_BEFORE_RECONNECT {
             return;
         }
         slot.failures_in_a_row.store(0, Ordering::Relaxed);
@@ -569,14 +588,29 @@ impl RedisStore {
             self.reconnect_cluster(nodes, slot);
             return;
         }
-        if slot
-            .conn
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .is_some()
-        {
+        if take_conn(slot) > 0 {
             warn!("store keeps failing; the connection will be made anew");
+        }
+    }
+
+    /// The store answered on `slot`'s connection while another worker's last
+    /// operation had failed: that worker's connection, not the store, is the
+    /// likely fault (one that sent during a blackhole stays held by it), so
+    /// it is made anew now rather than after one more failed request.
+    fn answered_again(&self, slot: &Slot) {
+        self.failing.store(false, Ordering::Relaxed);
+        let mut given_up = 0;
+        for other in self.slots.all() {
+            if !std::ptr::eq(other, slot) && other.failures_in_a_row.swap(0, Ordering::Relaxed) != 0
+            {
+                given_up += take_conn(other);
+            }
+        }
+        if given_up > 0 {
+            warn!(
+                connections = given_up,
+                "the store answers again; connections that failed before will be made anew"
+            );
         }
     }
 

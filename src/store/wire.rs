@@ -158,6 +158,12 @@ impl Wire {
                 .arg(settings.db())
                 .query_async::<()>(&mut wire)
                 .await?;
+        } else if settings.password().is_none() {
+            // Nothing above asked Redis anything: a connection is kept only
+            // once it has answered (something that accepts and then never
+            // answers, as a proxy in front of a lost Redis can, fails the
+            // connect within `op_timeout` rather than the operations after it).
+            redis::cmd("PING").query_async::<()>(&mut wire).await?;
         }
         Ok(Some(wire))
     }
@@ -566,6 +572,29 @@ mod tests {
         let (value, len) = parse(bytes).unwrap().unwrap();
         assert_eq!(len, bytes.len(), "the whole reply is consumed");
         value
+    }
+
+    /// Something that accepts and never answers (a proxy in front of a lost
+    /// Redis) gives no connection: connecting waits for Redis's answer, so
+    /// the store's `op_timeout` around it fails the connect and keeps nothing.
+    #[tokio::test]
+    async fn a_peer_that_accepts_and_never_answers_gives_no_connection() {
+        use redis::IntoConnectionInfo;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        let info = format!("redis://{addr}/0")
+            .as_str()
+            .into_connection_info()
+            .unwrap();
+        let connect =
+            tokio::time::timeout(std::time::Duration::from_millis(300), Wire::connect(&info)).await;
+        assert!(connect.is_err(), "connected to a peer that never answered");
     }
 
     /// A command packed by hand is the bytes redis-rs packs for it.
