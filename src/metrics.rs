@@ -8,7 +8,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 use crate::routes::{Route, RouteName};
 
@@ -157,6 +157,71 @@ pub struct Metrics {
     pub buffered_bytes: Gauge,
 }
 
+/// The gauges: worker connections, in-flight requests, parked connections,
+/// tunnels, the store's health and the bytes buffered.
+fn register_gauges(
+    registry: &mut Registry,
+) -> (
+    Family<WorkerLabel, Gauge>,
+    Gauge,
+    Gauge,
+    Gauge,
+    Gauge,
+    Gauge,
+) {
+    let worker_connections = registered(
+        registry,
+        "worker_connections",
+        "Client connections each worker thread serves now (runtime = \"per_thread\")",
+        Family::<WorkerLabel, Gauge>::default(),
+    );
+    let inflight = registered(
+        registry,
+        "inflight",
+        "Requests being handled now",
+        Gauge::default(),
+    );
+    let parked = registered(
+        registry,
+        "parked_connections",
+        "Idle HTTP/1.1 client connections parked: their HTTP state and buffers freed until the client sends again",
+        Gauge::default(),
+    );
+    let tunnels = registered(
+        registry,
+        "tunnels",
+        "Upgrade tunnels open (WebSocket and others); each holds its client connection's slot",
+        Gauge::default(),
+    );
+    let store_up = registered(
+        registry,
+        "store_up",
+        "1 when the last store operation or health ping succeeded",
+        Gauge::default(),
+    );
+    let buffered_bytes = Gauge::default();
+    registry.register_with_unit(
+        "buffered",
+        "Bytes held for protected bodies, recorded responses and replays (bounded by max_buffered)",
+        Unit::Bytes,
+        buffered_bytes.clone(),
+    );
+    (
+        worker_connections,
+        inflight,
+        parked,
+        tunnels,
+        store_up,
+        buffered_bytes,
+    )
+}
+
+/// `metric`, registered under `name` with `help`.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -166,17 +231,17 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("idemproxy");
-        let requests = Family::<RouteOutcome, Counter>::default();
-        registry.register(
+        let requests = registered(
+            &mut registry,
             "requests",
             "Requests by route (\"\" when unprotected) and outcome",
-            requests.clone(),
+            Family::<RouteOutcome, Counter>::default(),
         );
-        let shadow_outcomes = Family::<RouteOutcome, Counter>::default();
-        registry.register(
+        let shadow_outcomes = registered(
+            &mut registry,
             "shadow_outcomes",
             "What enforcement would have done on routes in shadow mode",
-            shadow_outcomes.clone(),
+            Family::<RouteOutcome, Counter>::default(),
         );
         let upstream_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         registry.register_with_unit(
@@ -194,51 +259,20 @@ impl Metrics {
             Unit::Seconds,
             store_duration.clone(),
         );
-        let store_errors = Family::<OpLabel, Counter>::default();
-        registry.register(
+        let store_errors = registered(
+            &mut registry,
             "store_errors",
             "Store operations that failed or timed out",
-            store_errors.clone(),
+            Family::<OpLabel, Counter>::default(),
         );
-        let lease_lost = Family::<RouteLabel, Counter>::default();
-        registry.register(
+        let lease_lost = registered(
+            &mut registry,
             "lease_lost",
             "Completions refused because another owner held the key",
-            lease_lost.clone(),
+            Family::<RouteLabel, Counter>::default(),
         );
-        let worker_connections = Family::<WorkerLabel, Gauge>::default();
-        registry.register(
-            "worker_connections",
-            "Client connections each worker thread serves now (runtime = \"per_thread\")",
-            worker_connections.clone(),
-        );
-        let inflight = Gauge::default();
-        registry.register("inflight", "Requests being handled now", inflight.clone());
-        let parked = Gauge::default();
-        registry.register(
-            "parked_connections",
-            "Idle HTTP/1.1 client connections parked: their HTTP state and buffers freed until the client sends again",
-            parked.clone(),
-        );
-        let tunnels = Gauge::default();
-        registry.register(
-            "tunnels",
-            "Upgrade tunnels open (WebSocket and others); each holds its client connection's slot",
-            tunnels.clone(),
-        );
-        let store_up = Gauge::default();
-        registry.register(
-            "store_up",
-            "1 when the last store operation or health ping succeeded",
-            store_up.clone(),
-        );
-        let buffered_bytes = Gauge::default();
-        registry.register_with_unit(
-            "buffered",
-            "Bytes held for protected bodies, recorded responses and replays (bounded by max_buffered)",
-            Unit::Bytes,
-            buffered_bytes.clone(),
-        );
+        let (worker_connections, inflight, parked, tunnels, store_up, buffered_bytes) =
+            register_gauges(&mut registry);
         Metrics {
             buffered_bytes,
             registry,
