@@ -328,16 +328,18 @@ fn connection(
         if proxy::is_upgrade(&req) {
             req.extensions_mut().insert(busy.clone());
         }
-        let (app, in_progress) = (app_.clone(), busy.enter());
+        let in_progress = busy.enter();
         let request = requests.clone().try_acquire_owned().ok();
         begin.notify_one();
+        // Begun here, so that the future hyper keeps (and moves) holds a box,
+        // not the request. On the heap (`Handling`): the handler's state is
+        // freed once it has answered, while the stream's task lives on to send the body.
+        let handling = match &request {
+            Some(_) => proxy::handle(app_.clone(), req, caller),
+            None => Box::pin(std::future::ready(over_capacity(&app_, &req))),
+        };
         async move {
-            let resp = match &request {
-                // On the heap (`Handling`): the handler's state is freed once
-                // it has answered, while the stream's task lives on to send the body.
-                Some(_) => proxy::handle(app, req, caller).await,
-                None => over_capacity(&app, &req),
-            };
+            let resp = handling.await;
             Ok::<_, Infallible>(resp.map(|body| Tracked {
                 body,
                 _in_progress: in_progress,
