@@ -42,10 +42,12 @@ import bench  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rate", type=int, help="requests per second (default: 40 %% of nginx's maximum)")
+    ap.add_argument("--rate", type=int, help="requests per second (default: --share of nginx's maximum)")
     ap.add_argument("--share", type=float, default=0.4, help="the rate as a share of nginx's maximum")
     ap.add_argument("--seconds", type=int, default=8, help="length of each oha run")
     args = ap.parse_args()
+    if args.share <= 0 or (args.rate is not None and args.rate <= 0):
+        ap.error("--rate and --share must be above 0 (oha takes a rate of 0 as no limit)")
     subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=bench.ROOT, check=True)
     subprocess.run(["cargo", "build", "--release", "--example", "hyper_floor"], cwd=bench.ROOT, check=True)
     bench.LOAD[:] = ["taskset", "-c", bench.LOAD_CPU]
