@@ -157,63 +157,67 @@ pub struct Metrics {
     pub buffered_bytes: Gauge,
 }
 
-/// The gauges: worker connections, in-flight requests, parked connections,
-/// tunnels, the store's health and the bytes buffered.
-fn register_gauges(
-    registry: &mut Registry,
-) -> (
-    Family<WorkerLabel, Gauge>,
-    Gauge,
-    Gauge,
-    Gauge,
-    Gauge,
-    Gauge,
-) {
-    let worker_connections = registered(
-        registry,
-        "worker_connections",
-        "Client connections each worker thread serves now (runtime = \"per_thread\")",
-        Family::<WorkerLabel, Gauge>::default(),
-    );
-    let inflight = registered(
-        registry,
-        "inflight",
-        "Requests being handled now",
-        Gauge::default(),
-    );
-    let parked = registered(
-        registry,
-        "parked_connections",
-        "Idle HTTP/1.1 client connections parked: their HTTP state and buffers freed until the client sends again",
-        Gauge::default(),
-    );
-    let tunnels = registered(
-        registry,
-        "tunnels",
-        "Upgrade tunnels open (WebSocket and others); each holds its client connection's slot",
-        Gauge::default(),
-    );
-    let store_up = registered(
-        registry,
-        "store_up",
-        "1 when the last store operation or health ping succeeded",
-        Gauge::default(),
-    );
-    let buffered_bytes = Gauge::default();
-    registry.register_with_unit(
-        "buffered",
-        "Bytes held for protected bodies, recorded responses and replays (bounded by max_buffered)",
-        Unit::Bytes,
-        buffered_bytes.clone(),
-    );
-    (
-        worker_connections,
-        inflight,
-        parked,
-        tunnels,
-        store_up,
-        buffered_bytes,
-    )
+/// The gauges, registered by [`Gauges::register`]: named, not a tuple of
+/// six, so that two of the same type cannot trade places.
+struct Gauges {
+    worker_connections: Family<WorkerLabel, Gauge>,
+    inflight: Gauge,
+    parked: Gauge,
+    tunnels: Gauge,
+    store_up: Gauge,
+    buffered_bytes: Gauge,
+}
+
+impl Gauges {
+    /// The gauges: worker connections, in-flight requests, parked connections,
+    /// tunnels, the store's health and the bytes buffered.
+    fn register(registry: &mut Registry) -> Gauges {
+        let worker_connections = registered(
+            registry,
+            "worker_connections",
+            "Client connections each worker thread serves now (runtime = \"per_thread\")",
+            Family::<WorkerLabel, Gauge>::default(),
+        );
+        let inflight = registered(
+            registry,
+            "inflight",
+            "Requests being handled now",
+            Gauge::default(),
+        );
+        let parked = registered(
+            registry,
+            "parked_connections",
+            "Idle HTTP/1.1 client connections parked: their HTTP state and buffers freed until the client sends again",
+            Gauge::default(),
+        );
+        let tunnels = registered(
+            registry,
+            "tunnels",
+            "Upgrade tunnels open (WebSocket and others); each holds its client connection's slot",
+            Gauge::default(),
+        );
+        let store_up = registered(
+            registry,
+            "store_up",
+            "1 when the last store operation or health ping succeeded",
+            Gauge::default(),
+        );
+        let buffered_bytes = Gauge::default();
+        registry.register_with_unit(
+            "buffered",
+            "Bytes held for protected bodies, recorded responses and replays (bounded by max_buffered)",
+            Unit::Bytes,
+            buffered_bytes.clone(),
+        );
+        Gauges {
+            worker_connections,
+            inflight,
+            parked,
+            tunnels,
+            store_up,
+            buffered_bytes,
+        }
+    }
 }
 
 /// `metric`, registered under `name` with `help`.
@@ -271,8 +275,14 @@ impl Metrics {
             "Completions refused because another owner held the key",
             Family::<RouteLabel, Counter>::default(),
         );
-        let (worker_connections, inflight, parked, tunnels, store_up, buffered_bytes) =
-            register_gauges(&mut registry);
+        let Gauges {
+            worker_connections,
+            inflight,
+            parked,
+            tunnels,
+            store_up,
+            buffered_bytes,
+        } = Gauges::register(&mut registry);
         Metrics {
             buffered_bytes,
             registry,

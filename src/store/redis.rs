@@ -40,10 +40,10 @@ pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
 const FAILURES_BEFORE_RECONNECT: u32 = 2;
 
 /// Takes a slot's connection (the next operation on that worker connects);
-/// 1 when there was one. Operations under way finish on the one taken.
-fn take_conn(slot: &Slot) -> usize {
+/// whether there was one. Operations under way finish on the one taken.
+fn take_conn(slot: &Slot) -> bool {
     let taken = slot.conn.write().unwrap_or_else(|e| e.into_inner()).take();
-    usize::from(taken.is_some())
+    taken.is_some()
 }
 
 /// At most one cluster reconnect per this long: while a master fails over,
@@ -588,7 +588,7 @@ impl RedisStore {
             self.reconnect_cluster(nodes, slot);
             return;
         }
-        if take_conn(slot) > 0 {
+        if take_conn(slot) {
             warn!("store keeps failing; the connection will be made anew");
         }
     }
@@ -603,7 +603,7 @@ impl RedisStore {
         for other in self.slots.all() {
             if !std::ptr::eq(other, slot) && other.failures_in_a_row.swap(0, Ordering::Relaxed) != 0
             {
-                given_up += take_conn(other);
+                given_up += usize::from(take_conn(other));
             }
         }
         if given_up > 0 {
