@@ -20,8 +20,8 @@
 //!
 //! What a route does is its `policy`, built from the file by `config`. Every
 //! answer the proxy makes itself is a `problem`. Every other request streams
-//! through untouched (`upstream`); an HTTP/1.1 `Upgrade` (a WebSocket) is never
-//! protected and becomes a tunnel (`proxy::tunnel`); `server` accepts and
+//! through untouched (`upstream`); an HTTP/1.1 `Upgrade` (a WebSocket) on a
+//! path no route protects becomes a tunnel (`proxy::tunnel`); `server` accepts and
 //! drains, with the per-connection deadlines of `conn`, and speaks TLS when
 //! configured (`tls`); each worker thread runs a runtime of its own and
 //! serves whole connections (`workers`).

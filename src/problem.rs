@@ -69,6 +69,8 @@ impl Problem {
         match e {
             UpstreamError::Connect(_) => Problem::UpstreamUnreachable,
             UpstreamError::Exchange(_) => Problem::UpstreamReset { released },
+            // Never stored: the key is released whatever `unknown_outcome` says.
+            UpstreamError::Invalid(_) => Problem::UpstreamReset { released: true },
             UpstreamError::Timeout(after) => Problem::UpstreamTimeout {
                 after: *after,
                 released,

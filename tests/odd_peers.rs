@@ -461,3 +461,85 @@ async fn an_upstream_url_with_a_path_puts_it_in_front_of_every_request_target() 
     assert_eq!(r.status, 201);
     assert_eq!(upstream.seen()[0].target, "/x/y?q=1");
 }
+
+// ---------------------------------------------------------------------------
+// Upgrades on protected routes, and 101s nobody asked for (§9)
+
+/// A protected POST that also asks to upgrade, with its key.
+fn upgrade_post(key: &str) -> Vec<u8> {
+    format!(
+        "POST /v1/payments HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\n\
+         Upgrade: websocket\r\nIdempotency-Key: {key}\r\nContent-Length: 2\r\n\r\nhi"
+    )
+    .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_header_on_a_protected_route_is_no_way_around_the_key() {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy_for(&upstream.url()).await;
+    // Without a key: refused like any protected request.
+    let keyless = b"POST /v1/payments HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\n\
+                    Upgrade: websocket\r\nContent-Length: 2\r\n\r\nhi";
+    assert_eq!(status_of(&raw_request(proxy.addr, keyless).await), 400);
+    assert_eq!(
+        upstream.hits(),
+        0,
+        "a keyless request never reaches the upstream"
+    );
+    // With a key, three times: executed once, then replayed.
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let answer = raw_request(proxy.addr, &upgrade_post("k-upgrade")).await;
+        answers.push(String::from_utf8_lossy(&answer).to_ascii_lowercase());
+    }
+    assert_eq!(upstream.hits(), 1, "the same key ran once: {answers:?}");
+    for answer in &answers {
+        assert_eq!(status_of(answer.as_bytes()), 201, "{answer}");
+    }
+    assert!(
+        !answers[0].contains("idempotent-replayed"),
+        "{}",
+        answers[0]
+    );
+    for replay in &answers[1..] {
+        assert!(replay.contains("idempotent-replayed: true"), "{replay}");
+    }
+    // The upgrade intent was dropped on the way: the upstream saw a plain request.
+    let seen = upstream.seen();
+    assert!(
+        seen[0].headers.get("upgrade").is_none(),
+        "{:?}",
+        seen[0].headers
+    );
+    assert!(
+        seen[0].headers.get("connection").is_none(),
+        "{:?}",
+        seen[0].headers
+    );
+    let reserves = r#"idemproxy_store_duration_seconds_count{op="reserve"}"#;
+    assert!(support::metric(&proxy, reserves).await >= 3.0);
+}
+
+/// A 101 to a request that did not ask to switch protocols.
+const UNASKED_101: &[u8] = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\
+Connection: upgrade\r\n\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_101_to_a_plain_request_is_a_502_and_never_stored() {
+    let upstream = RawUpstream::start(UNASKED_101).await;
+    let proxy = proxy_for(&upstream.url).await;
+    let url = proxy.url("/v1/payments");
+    for attempt in 1..=2 {
+        let answer = Call::post(&url).key("k-101").body("x").await;
+        assert_eq!(answer.status, 502, "attempt {attempt}: {:?}", answer.body);
+        assert!(!answer.is_replay(), "attempt {attempt}: nothing was stored");
+        let problem = answer.json();
+        assert_eq!(problem["retryable"], true, "{problem}");
+        // The key was released: the retry reached the upstream again.
+        assert_eq!(upstream.hits(), attempt);
+    }
+    // Pass-through: a 101 nobody asked for is not relayed either.
+    let passed = Call::new("GET", &proxy.url(PASS)).send().await;
+    assert_eq!(passed.status, 502);
+}

@@ -16,7 +16,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use support::{eventually, metric, Call, Proxy, DEADLINE};
+use support::{eventually, metric, Proxy, DEADLINE};
 
 type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
@@ -241,32 +241,36 @@ async fn a_close_from_the_server_reaches_the_client_and_is_answered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_websocket_on_a_protected_route_needs_no_key_and_reserves_nothing() {
+async fn a_websocket_handshake_on_a_protected_route_is_protected_not_tunnelled() {
     let (_server, proxy) = start("").await;
-    let mut ws = connect(&proxy, "/v1/feed").await;
-    echoes(&mut ws, Message::text("no key needed")).await;
-    // With a key it is not protected either: the key is not reserved.
+    // No key: refused like any request on the route (an `Upgrade` header is no way around it).
+    match tokio_tungstenite::connect_async(format!("ws://{}/v1/feed", proxy.addr)).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => assert_eq!(resp.status(), 400),
+        other => panic!("expected a 400 for a keyless handshake, got {other:?}"),
+    }
+    // With a key: reserved and forwarded as a plain request, never a tunnel.
     let url = format!("ws://{}/v1/feed", proxy.addr);
     let mut req =
         tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(url)
             .expect("request");
     req.headers_mut()
         .insert("idempotency-key", "ws-1".parse().unwrap());
-    let (mut keyed, _) = tokio_tungstenite::connect_async(req)
-        .await
-        .expect("a keyed handshake through the proxy");
-    echoes(&mut keyed, Message::text("a key changes nothing")).await;
+    let keyed = tokio_tungstenite::connect_async(req).await;
+    assert!(keyed.is_err(), "no tunnel on a protected route");
     let upgraded = r#"idemproxy_requests_total{route="feed",outcome="upgraded"}"#;
-    assert_eq!(metric(&proxy, upgraded).await, 2.0);
+    assert_eq!(metric(&proxy, upgraded).await, 0.0);
     let reserves = r#"idemproxy_store_duration_seconds_count{op="reserve"}"#;
-    assert_eq!(metric(&proxy, reserves).await, 0.0, "nothing was reserved");
-    // The same series counts a protected request: the zero above is not a misspelt name.
-    // (Whatever the WebSocket server makes of a POST: the key is reserved before it is sent.)
-    let _ = Call::post(&proxy.url("/v1/payments"))
-        .key("p-1")
-        .send()
-        .await;
-    assert_eq!(metric(&proxy, reserves).await, 1.0);
+    assert_eq!(
+        metric(&proxy, reserves).await,
+        1.0,
+        "the keyed handshake was reserved"
+    );
+    // Elsewhere a handshake is still a tunnel.
+    echoes(
+        &mut connect(&proxy, "/chat").await,
+        Message::text("still tunnelled"),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

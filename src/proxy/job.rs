@@ -240,7 +240,7 @@ impl Job {
     /// No answer: a request that never left frees its key; otherwise the
     /// outcome is unknown, and `unknown_outcome` says whether to store the problem.
     async fn failed(&mut self, e: UpstreamError) -> (Response<Body>, Outcome) {
-        let released = matches!(e, UpstreamError::Connect(_))
+        let released = matches!(e, UpstreamError::Connect(_) | UpstreamError::Invalid(_))
             || self.policy.unknown_outcome == UnknownOutcome::Release;
         warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
         let problem = Problem::from_upstream(&e, released);

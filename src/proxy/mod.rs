@@ -3,7 +3,8 @@
 //! forward and complete — and any phase may stop it with a `Stop`, a value
 //! that says what enforcement answers; shadow mode turns every stop into a
 //! plain forward in one place (`stopped`). An upgrade request (a WebSocket)
-//! is never protected: it becomes a tunnel (`tunnel`).
+//! on a path no route protects becomes a tunnel (`tunnel`); on a protected
+//! route its upgrade intent is dropped and it is protected like any other.
 
 mod access;
 mod job;
@@ -124,7 +125,10 @@ async fn any_path(
     // The protected path's phases are awaited here, not in a function of
     // their own: each layer of future is one more copy of its state.
     let handled = match route {
-        Some(route) if !tunnel::is_upgrade(&req) => {
+        // An `Upgrade` header is never a way around the key check (§9): on a
+        // protected route the intent is dropped (the upstream request is built
+        // without hop-by-hop headers) and the request protected like any other.
+        Some(route) => {
             let (parts, body) = req.into_parts();
             let pending = Pending {
                 parts,
@@ -136,10 +140,10 @@ async fn any_path(
                 Err((stop, pending)) => stopped(&ctx, route, stop, pending).await,
             }
         }
-        // Never protected, on any path: a tunnel has no answer to store
-        // (§9). (`handle` sends here only upgrades and routed requests.)
+        // An upgrade on a path no route protects: a tunnel, which has no
+        // answer to store. (`handle` sends here only upgrades and routed requests.)
         // Boxed: its state (~3.5 KiB) is not made part of every request's.
-        _ => Box::pin(tunnel::open(&ctx, req)).await,
+        None => Box::pin(tunnel::open(&ctx, req)).await,
     };
     begun.finish(&app, &ctx, route, handled)
 }

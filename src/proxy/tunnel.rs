@@ -1,4 +1,4 @@
-//! Upgrade tunnels (§9): an HTTP/1.1 `Upgrade` request (a WebSocket handshake) is never protected; on the upstream's 101 the two connections are joined until either side closes.
+//! Upgrade tunnels (§9): an HTTP/1.1 `Upgrade` request (a WebSocket handshake) on a path no route protects; on the upstream's 101 the two connections are joined until either side closes. (On a protected route the upgrade intent is dropped and the request protected.)
 
 use http::header::{self, HeaderMap};
 use http::{Request, StatusCode, Version};

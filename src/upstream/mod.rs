@@ -98,6 +98,10 @@ pub enum UpstreamError {
     Exchange(String),
     #[error("upstream did not answer within {0:?}")]
     Timeout(Duration),
+    /// An answer that cannot be relayed or kept (a 101 to a request that
+    /// did not ask to upgrade): the request was not carried out as asked.
+    #[error("invalid upstream answer: {0}")]
+    Invalid(&'static str),
 }
 
 fn describe(e: &(dyn std::error::Error + 'static)) -> String {

@@ -120,6 +120,13 @@ impl Pool {
             })
             .await;
             match result {
+                // A plain request never switches protocols (§9): the
+                // connection is given up, and the answer is not relayed or kept.
+                Ok(resp) if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS => {
+                    return Err(UpstreamError::Invalid(
+                        "101 Switching Protocols to a request that did not ask to upgrade",
+                    ))
+                }
                 Ok(resp) => return Ok(self.lease(conn, resp)),
                 Err(mut e) => match e.take_message() {
                     Some(unsent) if !fresh => req = unsent,
