@@ -55,7 +55,7 @@ impl Default for Policy {
             fingerprint_headers: Vec::new(),
             concurrent: Concurrent::Reject,
             wait_timeout: Duration::from_secs(10),
-            release_statuses: vec![429, 503],
+            release_statuses: vec![401, 403, 429, 503],
             // RESOURCE_EXHAUSTED, UNAVAILABLE: "try again later".
             release_grpc_statuses: vec![8, 14],
             unknown_outcome: UnknownOutcome::Store,

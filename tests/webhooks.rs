@@ -69,6 +69,7 @@ on_both_backends!(
     json_keys_check_the_size_first_header_keys_the_key_first,
     scope_keeps_senders_apart,
     shadow_mode_counts_json_keys_and_forwards_everything,
+    a_forged_delivery_refused_401_or_403_does_not_take_the_genuine_ones_id,
 );
 
 async fn env(backend: Backend) -> Env {
@@ -413,4 +414,31 @@ async fn shadow_mode_counts_json_keys_and_forwards_everything(backend: Backend) 
             format!("idemproxy_shadow_outcomes_total{{route=\"shadow\",outcome=\"{outcome}\"}}");
         assert_eq!(env.metric(&series).await, n, "{series}");
     }
+}
+
+/// A forger who guesses a delivery id sends it first with a body of its own;
+/// the app refuses it (bad signature: 401, or 403). By default neither is
+/// stored (§4 `release_statuses`), so the genuine delivery with that id runs
+/// and is answered, instead of a 422 for the whole TTL.
+async fn a_forged_delivery_refused_401_or_403_does_not_take_the_genuine_ones_id(
+    backend: Backend,
+) {
+    let env = env(backend).await;
+    for (status, id) in [(401, "evt_forged_401"), (403, "evt_forged_403")] {
+        let genuine = EVENT.replace("evt_1", id);
+        let forged = genuine.replace("succeeded", "refunded");
+        let refused = hook(&env, "/hooks/stripe")
+            .header("x-test-status", &status.to_string())
+            .body(forged)
+            .await;
+        assert_eq!(refused.status, status);
+        let r = hook(&env, "/hooks/stripe").body(genuine.clone()).await;
+        assert_eq!(r.status, 201, "the genuine delivery after a forged {status}");
+        assert!(!r.is_replay());
+        let again = hook(&env, "/hooks/stripe").body(genuine).await;
+        assert!(again.is_replay(), "the genuine one is the one kept");
+    }
+    assert_eq!(env.upstream.hits(), 4);
+    let released = r#"idemproxy_requests_total{route="stripe",outcome="released"}"#;
+    assert_eq!(env.metric(released).await, 2.0);
 }
