@@ -107,14 +107,13 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         let server = match Server::bind(config).await {
             Ok(s) => s,
+            // Logs go to stderr: one line says it (in the chosen log format).
             Err(e) if is_configuration(&e) => {
                 tracing::error!("invalid configuration: {e}");
-                eprintln!("idemproxy: invalid configuration: {e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
             Err(e) => {
                 tracing::error!("cannot start: {e}");
-                eprintln!("idemproxy: cannot start: {e}");
                 return ExitCode::from(EXIT_START);
             }
         };
@@ -170,6 +169,17 @@ fn check(config: &Config) -> ExitCode {
             "records sealed at rest: sealing key id {}, opening key ids {}",
             keys.sealing_id(),
             ids.join(",")
+        );
+    }
+    if config.store.require_sealed {
+        println!(
+            "require_sealed: a finished record in the clear is unreadable (500), never replayed"
+        );
+    } else if config.store.encryption_key_file.is_some() {
+        println!(
+            "require_sealed is off: clear records written before sealing still replay. Once every \
+             replica seals and the clear records have expired (the longest ttl after the last \
+             replica began sealing), set [store] require_sealed = true"
         );
     }
     for w in warnings {

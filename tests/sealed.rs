@@ -414,3 +414,75 @@ fn a_missing_key_file_stops_the_start_but_check_only_warns() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_require_sealed_a_clear_record_is_never_replayed() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    // A clear record, as anyone who can write to the store could plant one.
+    let plain = ConfigBuilder::new(&upstream.url()).redis(&redis);
+    let mut proxy = Proxy::start(&plain.build()).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(
+        Call::post(&url).key("k-planted").body("x").await.status,
+        201
+    );
+    assert_eq!(raw(&redis, &store_key("k-planted")).await[0], 1);
+    proxy.signal("TERM");
+    assert_eq!(proxy.wait_exit().await, Some(0));
+
+    let keys = KeyFile::new(&[K1]);
+    let strict = plain
+        .store(&keys.store_line())
+        .store("require_sealed = true");
+    let proxy = Proxy::start(&strict.build()).await;
+    let url = proxy.url("/v1/payments");
+    let r = Call::post(&url).key("k-planted").body("x").await;
+    assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["type"], "record-unreadable");
+    assert!(!r.is_replay());
+    assert_eq!(upstream.hits(), 1, "never forwarded");
+    let error = proxy.wait_log("cannot be read; not forwarding").await;
+    assert!(
+        error["error"].as_str().unwrap().contains("not sealed"),
+        "{error}"
+    );
+    // Sealed records are written and replayed as usual.
+    assert_eq!(Call::post(&url).key("k-new").body("x").await.status, 201);
+    assert!(Call::post(&url).key("k-new").body("x").await.is_replay());
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[test]
+fn require_sealed_needs_a_key_file_and_check_says_how_to_switch_it_on() {
+    let without = ConfigBuilder::new("http://127.0.0.1:1")
+        .store("require_sealed = true")
+        .build();
+    for check in [true, false] {
+        let out = run_to_exit(&without, check);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "check={check}: {err}");
+        assert!(
+            err.contains("store.require_sealed") && err.contains("encryption_key_file"),
+            "{err}"
+        );
+    }
+    let keys = KeyFile::new(&[K1]);
+    let out = run_to_exit(&config_with(&keys), true);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("set [store] require_sealed = true"),
+        "{stdout}"
+    );
+    let strict = ConfigBuilder::new("http://127.0.0.1:1")
+        .store(&keys.store_line())
+        .store("require_sealed = true")
+        .build();
+    let out = run_to_exit(&strict, true);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("require_sealed: a finished record in the clear is unreadable"),
+        "{stdout}"
+    );
+}

@@ -420,9 +420,7 @@ async fn shadow_mode_counts_json_keys_and_forwards_everything(backend: Backend) 
 /// the app refuses it (bad signature: 401, or 403). By default neither is
 /// stored (§4 `release_statuses`), so the genuine delivery with that id runs
 /// and is answered, instead of a 422 for the whole TTL.
-async fn a_forged_delivery_refused_401_or_403_does_not_take_the_genuine_ones_id(
-    backend: Backend,
-) {
+async fn a_forged_delivery_refused_401_or_403_does_not_take_the_genuine_ones_id(backend: Backend) {
     let env = env(backend).await;
     for (status, id) in [(401, "evt_forged_401"), (403, "evt_forged_403")] {
         let genuine = EVENT.replace("evt_1", id);
@@ -433,7 +431,10 @@ async fn a_forged_delivery_refused_401_or_403_does_not_take_the_genuine_ones_id(
             .await;
         assert_eq!(refused.status, status);
         let r = hook(&env, "/hooks/stripe").body(genuine.clone()).await;
-        assert_eq!(r.status, 201, "the genuine delivery after a forged {status}");
+        assert_eq!(
+            r.status, 201,
+            "the genuine delivery after a forged {status}"
+        );
         assert!(!r.is_replay());
         let again = hook(&env, "/hooks/stripe").body(genuine).await;
         assert!(again.is_replay(), "the genuine one is the one kept");

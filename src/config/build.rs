@@ -296,6 +296,16 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
             "an empty path: name the key file",
         ));
     }
+    let require_sealed = s.require_sealed.as_ref().is_some_and(|r| *r.get_ref());
+    if let Some(r) = s.require_sealed.as_ref().filter(|_| require_sealed) {
+        if s.encryption_key_file.is_none() {
+            return Err(src.entry(
+                &r.span(),
+                "store.require_sealed",
+                "require_sealed = true needs an encryption_key_file to seal and open records",
+            ));
+        }
+    }
     Ok(StoreConfig {
         backend,
         url: url.value,
@@ -312,6 +322,7 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
         wait_timeout: duration(s.wait_timeout, Duration::from_millis(50)),
         memory_limit: s.memory_limit.map_or(256 << 20, |b| b.0),
         encryption_key_file: s.encryption_key_file.map(Spanned::into_inner),
+        require_sealed,
     })
 }
 

@@ -277,6 +277,9 @@ pub struct StoreConfig {
     pub memory_limit: u64,
     /// Keys that seal finished records at rest (§10); read by the store, not here.
     pub encryption_key_file: Option<PathBuf>,
+    /// A finished record that is not sealed is unreadable (§10): nobody with
+    /// write access to the store can plant a clear answer to be replayed.
+    pub require_sealed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]

@@ -73,6 +73,7 @@ pub(super) struct RawStore {
     pub wait_timeout: Option<HumanDuration>,
     pub memory_limit: Option<ByteSize>,
     pub encryption_key_file: Option<Spanned<PathBuf>>,
+    pub require_sealed: Option<Spanned<bool>>,
 }
 
 /// A `[[routes]]` entry or the `[defaults]` table.

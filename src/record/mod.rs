@@ -138,6 +138,8 @@ pub enum DecodeError {
     UnknownKey(String),
     #[error("stored record sealed under key id \"{0}\" does not open: altered, or copied from another record id")]
     NotOpened(String),
+    #[error("stored record is finished but not sealed, and require_sealed is on")]
+    NotSealed,
 }
 
 fn need(b: &Bytes, n: usize) -> Result<(), DecodeError> {

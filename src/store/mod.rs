@@ -252,6 +252,8 @@ pub struct Store {
     metrics: Arc<Metrics>,
     /// The keys that seal finished records, when a key file is configured.
     sealing: Option<Sealing>,
+    /// A finished record that is not sealed is unreadable (`require_sealed`).
+    require_sealed: bool,
 }
 
 impl Store {
@@ -284,6 +286,7 @@ impl Store {
             deadlines: PerWorker::new(slots, |_| Deadlines::new(cfg.op_timeout)),
             metrics,
             sealing,
+            require_sealed: cfg.require_sealed,
         })
     }
 
@@ -308,10 +311,17 @@ impl Store {
         }
     }
 
-    /// A value read from `key`, opened when it is sealed.
+    /// A value read from `key`, opened when it is sealed. With
+    /// `require_sealed`, a finished record in the clear is not an answer:
+    /// someone who can write to the store may have planted it.
     fn decode(&self, key: &str, value: Bytes) -> Result<Record, DecodeError> {
+        let sealed = value.first() == Some(&crate::record::VERSION_SEALED);
         let keys = self.sealing.as_ref().map(Sealing::keys);
-        Record::open(value, keys.as_deref(), self.record_id(key))
+        let record = Record::open(value, keys.as_deref(), self.record_id(key))?;
+        if self.require_sealed && !sealed && matches!(record, Record::Finished(_)) {
+            return Err(DecodeError::NotSealed);
+        }
+        Ok(record)
     }
 
     pub fn is_memory(&self) -> bool {
