@@ -1,5 +1,6 @@
 //! The route table: (method, path pattern) → the policy of the first matching route.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -10,13 +11,29 @@ use crate::policy::Policy;
 /// One segment of a path pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Segment {
+    /// Normalised as request paths are ([`normalise`]).
     Literal(String),
     /// `{name}`: exactly one non-empty segment.
     Param,
 }
 
+impl Segment {
+    /// Does this segment match every value `other` matches?
+    fn covers(&self, other: &Segment) -> bool {
+        match (self, other) {
+            (Segment::Param, _) => true,
+            (Segment::Literal(a), Segment::Literal(b)) => a == b,
+            (Segment::Literal(_), Segment::Param) => false,
+        }
+    }
+}
+
 /// A route path: exact segments, `{param}` for one segment, and an optional
 /// trailing `/*` that matches the prefix followed by anything (even nothing).
+/// It matches the normalised request path (§3): repeated slashes and a
+/// trailing slash do not count, `.` and `..` segments are resolved, and
+/// percent-encoded unreserved characters are decoded, so every spelling
+/// that common upstream frameworks take for the same path is matched alike.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PathPattern {
     text: String,
@@ -43,9 +60,9 @@ impl PathPattern {
             None => (text, false),
         };
         let mut segments = Vec::new();
-        // `body` is "" for "/*", "/" for the root, else "/a/b" (maybe with a trailing slash).
         let mut names = Vec::new();
-        for seg in body.split('/').skip(1) {
+        // Empty segments (repeated or trailing slashes) do not count, as in request paths.
+        for seg in body.split('/').filter(|s| !s.is_empty()) {
             if seg.contains('*') {
                 return Err(bad(
                     "'*' is only allowed as the whole last segment (\"/prefix/*\")",
@@ -69,7 +86,11 @@ impl PathPattern {
                 names.push(name);
                 segments.push(Segment::Param);
             } else {
-                segments.push(Segment::Literal(seg.to_string()));
+                let literal = decode_unreserved(seg);
+                if literal == "." || literal == ".." {
+                    return Err(bad("'.' and '..' segments are resolved in request paths; write the path they lead to"));
+                }
+                segments.push(Segment::Literal(literal.into_owned()));
             }
         }
         Ok(PathPattern {
@@ -79,8 +100,13 @@ impl PathPattern {
         })
     }
 
-    /// Does the request path (without its query) match? Trailing slashes are significant.
+    /// Does the request path (without its query) match, once normalised?
     pub fn matches(&self, path: &str) -> bool {
+        self.matches_normal(&normalise(path))
+    }
+
+    /// Does a path [`normalise`] made match?
+    fn matches_normal(&self, path: &str) -> bool {
         let Some(mut rest) = path.strip_prefix('/') else {
             return false;
         };
@@ -99,20 +125,114 @@ impl PathPattern {
             }
             match tail {
                 Some(t) => rest = t,
-                None => {
-                    // The path ended here: it matches when the pattern ends here too.
-                    return i + 1 == last && !self.prefix;
-                }
+                // The path ended here: it matches when the pattern ends here
+                // too (a prefix also matches nothing after it).
+                None => return i + 1 == last,
             }
         }
         // The pattern's segments are used up and the path goes on after a '/'.
-        // (A pattern with no segments is "/*": every path that starts with '/'.)
-        self.prefix || (last == 0 && rest.is_empty())
+        // (A pattern with no segments is "/" or "/*": the root, or every path.)
+        self.prefix || rest.is_empty()
+    }
+
+    /// Does this pattern match every path `later` matches? (Then a later
+    /// route with it can never match for the methods this one takes.)
+    pub fn covers(&self, later: &PathPattern) -> bool {
+        let n = self.segments.len();
+        let pairs_cover = || {
+            self.segments
+                .iter()
+                .zip(&later.segments)
+                .all(|(a, b)| a.covers(b))
+        };
+        if self.prefix {
+            later.segments.len() >= n && pairs_cover()
+        } else {
+            !later.prefix && later.segments.len() == n && pairs_cover()
+        }
     }
 
     pub fn as_str(&self) -> &str {
         &self.text
     }
+}
+
+/// The path routes match (§3): percent-encoded unreserved characters decoded
+/// (other escapes kept, their hex in upper case), empty segments (repeated
+/// and trailing slashes) dropped, `.` and `..` resolved; the root is "/".
+/// Borrowed when the path is already so, as nearly every request's is.
+pub fn normalise(path: &str) -> Cow<'_, str> {
+    if !path.starts_with('/') || is_normal(path) {
+        return Cow::Borrowed(path);
+    }
+    let mut segments: Vec<Cow<'_, str>> = Vec::new();
+    for raw in path.split('/').filter(|s| !s.is_empty()) {
+        let seg = decode_unreserved(raw);
+        match &*seg {
+            "." => {}
+            ".." => {
+                segments.pop();
+            }
+            _ => segments.push(seg),
+        }
+    }
+    let mut out = String::with_capacity(path.len());
+    for seg in &segments {
+        out.push('/');
+        out.push_str(seg);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    Cow::Owned(out)
+}
+
+/// No '%', no empty segment but the root's, no `.` or `..` segment.
+fn is_normal(path: &str) -> bool {
+    if path == "/" {
+        return true;
+    }
+    !path.contains('%')
+        && path
+            .split('/')
+            .skip(1)
+            .all(|s| !s.is_empty() && s != "." && s != "..")
+}
+
+/// A segment with its percent-encoded unreserved characters (RFC 3986:
+/// letters, digits, `-._~`) decoded; other escapes kept, in upper-case hex.
+fn decode_unreserved(seg: &str) -> Cow<'_, str> {
+    if !seg.contains('%') {
+        return Cow::Borrowed(seg);
+    }
+    let bytes = seg.as_bytes();
+    let mut out = String::with_capacity(seg.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        let escaped = match bytes.get(i..i + 3) {
+            Some([b'%', h, l]) => hex(*h).zip(hex(*l)).map(|(h, l)| (h * 16 + l) as u8),
+            _ => None,
+        };
+        match escaped {
+            Some(b) if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') => {
+                out.push(b as char);
+                i += 3;
+            }
+            Some(b) => {
+                out.push('%');
+                out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
+                out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 15)]));
+                i += 3;
+            }
+            None => {
+                let c = seg[i..].chars().next().unwrap_or('%');
+                out.push(c);
+                i += c.len_utf8();
+            }
+        }
+    }
+    Cow::Owned(out)
 }
 
 impl fmt::Display for PathPattern {
@@ -189,11 +309,37 @@ impl RouteTable {
         self.position(method, path).map(|i| &self.routes[i])
     }
 
-    /// Where in the table the first route for `method` and `path` is.
+    /// Where in the table the first route for `method` and `path` is
+    /// (the path normalised once, for every route).
     pub fn position(&self, method: &Method, path: &str) -> Option<usize> {
+        if self.routes.is_empty() {
+            return None;
+        }
+        let path = normalise(path);
         self.routes
             .iter()
-            .position(|r| r.methods.iter().any(|m| m == method) && r.path.matches(path))
+            .position(|r| r.methods.iter().any(|m| m == method) && r.path.matches_normal(&path))
+    }
+
+    /// The first route that can never match: each of its methods is taken,
+    /// for every path it names, by one earlier route. With the earlier
+    /// route's index.
+    pub fn unreachable(&self) -> Option<(usize, usize)> {
+        for (i, later) in self.routes.iter().enumerate() {
+            let takers: Vec<usize> = later
+                .methods
+                .iter()
+                .filter_map(|m| {
+                    self.routes[..i]
+                        .iter()
+                        .position(|r| r.methods.contains(m) && r.path.covers(&later.path))
+                })
+                .collect();
+            if !later.methods.is_empty() && takers.len() == later.methods.len() {
+                return Some((i, takers[0]));
+            }
+        }
+        None
     }
 
     /// The route at `position` (from [`RouteTable::position`] on this table).
@@ -220,7 +366,9 @@ mod tests {
     use proptest::prelude::*;
 
     fn segments() -> impl Strategy<Value = Vec<String>> {
-        proptest::collection::vec("[a-z0-9_.~-]{1,8}", 1..6)
+        let segment =
+            "[a-z0-9_.~-]{1,8}".prop_filter("not a dot segment", |s| s != "." && s != "..");
+        proptest::collection::vec(segment, 1..6)
     }
 
     proptest! {
@@ -230,9 +378,12 @@ mod tests {
             let pat = PathPattern::parse(&path).unwrap();
             prop_assert!(pat.matches(&path));
             let with_slash = format!("{path}/");
+            let doubled = format!("/{}", segs.join("//"));
             let longer = format!("{path}/{extra}");
             let shorter = format!("/{}", segs[..segs.len() - 1].join("/"));
-            prop_assert!(!pat.matches(&with_slash));
+            // Other spellings of the same path (§3) match; other paths do not.
+            prop_assert!(pat.matches(&with_slash));
+            prop_assert!(pat.matches(&doubled));
             prop_assert!(!pat.matches(&longer));
             prop_assert!(!pat.matches(&shorter) || shorter == path);
         }
@@ -259,7 +410,7 @@ mod tests {
             let below = format!("{base}/{rest}");
             let sibling = format!("{base}x/{rest}");
             prop_assert!(pat.matches(&below));
-            prop_assert!(!pat.matches(&base));
+            prop_assert!(pat.matches(&base), "a prefix also matches nothing after it");
             prop_assert!(!pat.matches(&sibling));
         }
 
@@ -268,6 +419,40 @@ mod tests {
             if let Ok(p) = PathPattern::parse(&text) {
                 let _ = p.matches(&path);
             }
+            let _ = normalise(&path);
+        }
+
+        #[test]
+        fn normalising_is_idempotent_and_keeps_no_empty_or_dot_segment(path in "/[a-zA-Z0-9%./~_-]{0,40}") {
+            let once = normalise(&path).into_owned();
+            prop_assert_eq!(normalise(&once).into_owned(), once.clone());
+            prop_assert!(once.starts_with('/'));
+            prop_assert!(once == "/" || once.split('/').skip(1).all(|s| !s.is_empty() && s != "." && s != ".."), "{}", once);
+        }
+
+        #[test]
+        fn a_covering_route_matches_every_path_the_covered_one_does(
+            segs in segments(), i in 0usize..6, value in "[a-z0-9]{1,8}", rest in "[a-z0-9/]{0,12}"
+        ) {
+            let i = i % segs.len();
+            let literal = format!("/{}", segs.join("/"));
+            let mut with_param = segs.clone();
+            with_param[i] = "{p}".to_string();
+            let param = p(&format!("/{}", with_param.join("/")));
+            let prefix = p(&format!("/{}/*", segs[..i].join("/")));
+            let mut path = segs.clone();
+            path[i] = value;
+            let path = format!("/{}", path.join("/"));
+            prop_assert!(param.covers(&p(&literal)));
+            prop_assert!(!p(&literal).covers(&param));
+            prop_assert!(prefix.covers(&param) && prefix.covers(&p(&literal)));
+            // What covering promises, on paths.
+            prop_assert!(param.matches(&path) && prefix.matches(&path));
+            // A prefix goes on below where one segment ends: never covered by it.
+            let below = p(&(literal.clone() + "/*"));
+            prop_assert!(!param.covers(&below));
+            let deeper = format!("{}/{}", literal, rest);
+            prop_assert!(below.matches(&deeper));
         }
     }
 
@@ -276,15 +461,67 @@ mod tests {
     }
 
     #[test]
-    fn exact_paths_match_exactly() {
-        assert!(p("/v1/payments").matches("/v1/payments"));
-        assert!(!p("/v1/payments").matches("/v1/payments/"));
-        assert!(!p("/v1/payments").matches("/v1/payment"));
-        assert!(!p("/v1/payments").matches("/v1/payments/x"));
-        assert!(p("/v1/payments/").matches("/v1/payments/"));
-        assert!(!p("/v1/payments/").matches("/v1/payments"));
+    fn exact_paths_match_every_spelling_of_themselves() {
+        let pat = p("/v1/payments");
+        for same in [
+            "/v1/payments",
+            "/v1/payments/",
+            "//v1/payments",
+            "/v1//payments//",
+            "/v1/%70ayments",
+            "/v1/%70%61yments",
+            "/%76%31/payments",
+            "/v1/./payments",
+            "/v1/x/../payments",
+            "/v1/payments/.",
+            "/../v1/payments",
+            "/v1/%2e/payments",
+            "/v1/x/%2E%2E/payments",
+        ] {
+            assert!(pat.matches(same), "{same}");
+        }
+        for other in [
+            "/v1/payment",
+            "/v1/payments/x",
+            "/v1/payments/..",
+            "/v1%2Fpayments",
+            "/v1/payments%2F",
+            "/v1/%50ayments",
+            "/v2/../v1/payments/x",
+        ] {
+            assert!(!pat.matches(other), "{other}");
+        }
+        assert!(p("/v1/payments/").matches("/v1/payments"));
+        assert!(p("/v1//payments").matches("/v1/payments"));
+        assert!(p("/v1/%70ayments").matches("/v1/payments"));
         assert!(p("/").matches("/"));
+        assert!(p("/").matches("//"));
+        assert!(p("/").matches("/a/.."));
         assert!(!p("/").matches("/a"));
+    }
+
+    #[test]
+    fn normalising_borrows_a_normal_path_and_keeps_reserved_escapes() {
+        assert!(matches!(normalise("/v1/payments"), Cow::Borrowed(_)));
+        assert!(matches!(normalise("/"), Cow::Borrowed(_)));
+        assert_eq!(normalise("/a/%2f/%7e%41"), "/a/%2F/~A");
+        assert_eq!(normalise("/a/%zz/%4"), "/a/%zz/%4");
+        assert_eq!(normalise("/a/ü/%c3%bc"), "/a/ü/%C3%BC");
+        assert_eq!(normalise("*"), "*");
+    }
+
+    #[test]
+    fn covering_follows_methods_order_and_shapes() {
+        assert!(p("/v1/payments").covers(&p("/v1/payments/")));
+        assert!(p("/v1/{id}").covers(&p("/v1/payments")));
+        assert!(!p("/v1/payments").covers(&p("/v1/{id}")));
+        assert!(p("/v1/*").covers(&p("/v1/payments")));
+        assert!(p("/v1/*").covers(&p("/v1")));
+        assert!(p("/v1/*").covers(&p("/v1/x/*")));
+        assert!(!p("/v1/x/*").covers(&p("/v1/*")));
+        assert!(!p("/v1/payments").covers(&p("/v1/payments/*")));
+        assert!(!p("/v1/payments").covers(&p("/v1/refunds")));
+        assert!(p("/*").covers(&p("/")));
     }
 
     #[test]
@@ -302,7 +539,7 @@ mod tests {
         assert!(pat.matches("/v1/orders/"));
         assert!(pat.matches("/v1/orders/1"));
         assert!(pat.matches("/v1/orders/1/2"));
-        assert!(!pat.matches("/v1/orders"));
+        assert!(pat.matches("/v1/orders"));
         assert!(!pat.matches("/v1/ordersx"));
         assert!(p("/*").matches("/anything/at/all"));
         assert!(p("/*").matches("/"));
@@ -311,7 +548,18 @@ mod tests {
     #[test]
     fn bad_patterns_are_rejected() {
         for bad in [
-            "v1", "/a/*/b", "/a*", "/{}", "/{a", "/x{a}", "/{a}/{a}", "/a?b=1", "/a b",
+            "v1",
+            "/a/*/b",
+            "/a*",
+            "/{}",
+            "/{a",
+            "/x{a}",
+            "/{a}/{a}",
+            "/a?b=1",
+            "/a b",
+            "/a/../b",
+            "/./a",
+            "/a/%2e%2e",
         ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad} should be rejected");
         }

@@ -636,3 +636,63 @@ fn memory_bounds_are_checked() {
     );
     assert_eq!(d.store.memory_limit, 256 << 20);
 }
+
+#[test]
+fn a_duration_without_a_unit_says_what_to_write() {
+    rejects(
+        &format!("{BASE}[defaults]\nttl = 3600\n"),
+        &[
+            "test.toml:4:7",
+            "defaults.ttl",
+            "\"3600s\"",
+            "units: ms, s, m, h, d",
+        ],
+    );
+    rejects(
+        &format!("{BASE}[defaults]\nlease = 1.5\n"),
+        &["defaults.lease", "a duration is a string with a unit"],
+    );
+    rejects(
+        &format!("{BASE}[store]\nop_timeout = true\n"),
+        &["store.op_timeout", "a duration string such as"],
+    );
+}
+
+#[test]
+fn a_route_that_can_never_match_is_an_error() {
+    let two = |first: &str, second: &str| {
+        format!("{BASE}[[routes]]\nname = \"a\"\n{first}\n\n[[routes]]\nname = \"b\"\n{second}\n")
+    };
+    for (first, second) in [
+        ("path = \"/v1/payments\"", "path = \"/v1/payments\""),
+        ("path = \"/v1/payments\"", "path = \"/v1/payments/\""),
+        ("path = \"/v1/{id}\"", "path = \"/v1/payments\""),
+        ("path = \"/v1/*\"", "path = \"/v1/orders/{id}/pay\""),
+        (
+            "path = \"/v1/payments\"\nmethods = [\"POST\", \"PUT\"]",
+            "path = \"/v1//payments\"\nmethods = [\"PUT\"]",
+        ),
+    ] {
+        rejects(
+            &two(first, second),
+            &[
+                "routes[1].path",
+                "route \"b\"",
+                "can never match",
+                "route \"a\"",
+            ],
+        );
+    }
+    // Overlapping but reachable: another method, a narrower route first, a path the first does not take.
+    for (first, second) in [
+        (
+            "path = \"/v1/payments\"",
+            "path = \"/v1/payments\"\nmethods = [\"PUT\"]",
+        ),
+        ("path = \"/v1/payments\"", "path = \"/v1/{id}\""),
+        ("path = \"/v1/{id}\"", "path = \"/v1/*\""),
+        ("path = \"/v1/payments\"", "path = \"/v1/payments/*\""),
+    ] {
+        load(&two(first, second)).unwrap_or_else(|e| panic!("{first} / {second}: {e}"));
+    }
+}

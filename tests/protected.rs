@@ -27,6 +27,7 @@ on_both_backends!(
     key_is_forwarded_and_forwarding_headers_added,
     problems_are_rfc9457,
     json_fingerprint_is_exact,
+    every_spelling_of_a_protected_path_is_protected,
 );
 
 async fn first_request_is_forwarded_and_relayed(backend: Backend) {
@@ -282,11 +283,11 @@ async fn optional_route_without_key_is_forwarded_unprotected(backend: Backend) {
 
 async fn unprotected_routes_stream_through_untouched(backend: Backend) {
     let env = Env::start(backend).await;
-    // A GET on a POST-only route, and a path no route matches, with a key: not protected.
+    // A GET on a POST-only route, and paths no route matches, with a key: not protected.
     for (method, path) in [
         ("GET", "/v1/payments"),
         ("POST", "/v1/other"),
-        ("POST", "/v1/payments/"),
+        ("POST", "/v1/payments/x"),
     ] {
         let r = Call::new(method, &env.url(path))
             .key("k-pass")
@@ -638,4 +639,43 @@ fingerprint_body = "json"
             .is_replay());
     }
     assert_eq!(env.upstream.hits(), 4);
+}
+
+/// Paths many upstream frameworks take for `/v1/payments` (§3): each is
+/// protected like it, and the upstream still gets the request-target as sent.
+async fn every_spelling_of_a_protected_path_is_protected(backend: Backend) {
+    let env = Env::start(backend).await;
+    let spellings = [
+        "/v1/payments/",
+        "//v1/payments",
+        "/v1//payments",
+        "/v1/%70ayments",
+        "/v1/./payments",
+        "/v1/x/../payments",
+        "/v1/%2e/payments",
+    ];
+    for path in spellings {
+        let r = Call::post(&env.url(path)).body("x").await;
+        assert_eq!(r.status, 400, "{path}: protected, so a key is required");
+    }
+    assert_eq!(env.upstream.hits(), 0);
+    for (i, path) in spellings.iter().enumerate() {
+        let key = format!("k-spelling-{i}");
+        assert_eq!(
+            Call::post(&env.url(path)).key(&key).body("x").await.status,
+            201
+        );
+        let again = Call::post(&env.url(path)).key(&key).body("x").await;
+        assert!(again.is_replay(), "{path}");
+    }
+    assert_eq!(env.upstream.hits(), spellings.len(), "each ran once");
+    let targets: Vec<String> = env.upstream.seen().into_iter().map(|s| s.target).collect();
+    assert_eq!(targets, spellings, "forwarded as the client sent them");
+    // The fingerprint takes the path as sent: one key under two spellings is 422, never a second run.
+    let r = Call::post(&env.url("/v1/payments"))
+        .key("k-spelling-0")
+        .body("x")
+        .await;
+    assert_eq!(r.status, 422);
+    assert_eq!(env.upstream.hits(), spellings.len());
 }

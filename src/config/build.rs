@@ -385,7 +385,26 @@ fn routes(
         let (defaults, inherited) = (&base, defaults.key_from.as_ref());
         routes.push(route(&section, r, defaults, inherited, &mut names, src)?);
     }
-    Ok(RouteTable::new(routes))
+    let table = RouteTable::new(routes);
+    // A route that can never match is a mistake the file would otherwise hide (§3).
+    if let Some((i, earlier)) = table.unreachable() {
+        let (later, first) = (table.at(i), table.at(earlier));
+        let span = raw[i]
+            .get_ref()
+            .path
+            .as_ref()
+            .map_or(raw[i].span(), Spanned::span);
+        return Err(src.invalid(
+            span.start,
+            format!("routes[{i}].path"),
+            format!(
+                "route \"{}\" ({}) can never match: route \"{}\" ({}) comes first and takes \
+                 every method and path it names; put the narrower route first or remove it",
+                later.name, later.path, first.name, first.path
+            ),
+        ));
+    }
+    Ok(table)
 }
 
 fn route(

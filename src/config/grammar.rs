@@ -71,8 +71,40 @@ impl HumanDuration {
 
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        HumanDuration::parse(&s).map_err(de::Error::custom)
+        d.deserialize_any(DurationVisitor)
+    }
+}
+
+/// A duration is a string with units; a bare number is refused with what to write instead.
+struct DurationVisitor;
+
+impl de::Visitor<'_> for DurationVisitor {
+    type Value = HumanDuration;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a duration string such as \"250ms\", \"30s\" or \"24h\"")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<HumanDuration, E> {
+        HumanDuration::parse(s).map_err(E::custom)
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<HumanDuration, E> {
+        Err(E::custom(format!(
+            "invalid duration {n}: a duration is a string with a unit, e.g. \"{n}s\" or \"{n}ms\" (units: ms, s, m, h, d)"
+        )))
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<HumanDuration, E> {
+        Err(E::custom(format!(
+            "invalid duration {n}: a duration is a string with a unit, e.g. \"{n}s\" or \"{n}ms\" (units: ms, s, m, h, d)"
+        )))
+    }
+
+    fn visit_f64<E: de::Error>(self, n: f64) -> Result<HumanDuration, E> {
+        Err(E::custom(format!(
+            "invalid duration {n}: a duration is a string with a unit, e.g. \"1m30s\" or \"1500ms\" (units: ms, s, m, h, d)"
+        )))
     }
 }
 
