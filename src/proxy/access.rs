@@ -77,13 +77,20 @@ impl Begun {
             route = route_name.as_str(),
             outcome = handled.outcome.as_str(),
             status = handled.response.status().as_u16(),
-            duration_ms = self.start.elapsed().as_secs_f64() * 1000.0,
+            duration_ms = millis(self.start.elapsed()),
             record_id = handled.record_id.as_ref().map(RecordKey::id),
             client_request_id = self.client_request_id,
             "request"
         );
         handled.response
     }
+}
+
+/// Milliseconds to the microsecond (`12.345`): a whole count of microseconds
+/// divided once prints as written, where `as_secs_f64() * 1000.0` printed float noise (`12.345000000000001`).
+fn millis(d: std::time::Duration) -> f64 {
+    let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    micros as f64 / 1000.0
 }
 
 /// An incoming `X-Request-Id` that is a UUID names the request; otherwise we
@@ -100,5 +107,29 @@ fn request_ids(headers: &HeaderMap) -> (Uuid, Option<String>) {
             let shown = String::from_utf8_lossy(given.as_bytes()).into_owned();
             (Uuid::new_v4(), Some(shown))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::millis;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_are_logged_as_written() {
+        for (micros, text) in [
+            (12_345, "12.345"),
+            (1, "0.001"),
+            (100_000, "100"),
+            (999_999, "999.999"),
+        ] {
+            assert_eq!(millis(Duration::from_micros(micros)).to_string(), text);
+        }
+        // (The product of as_secs_f64 and 1000 is not: that was the noise in the logs.)
+        assert_ne!(
+            (Duration::from_micros(4_321).as_secs_f64() * 1000.0).to_string(),
+            "4.321"
+        );
+        assert_eq!(millis(Duration::from_micros(4_321)).to_string(), "4.321");
     }
 }
