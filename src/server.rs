@@ -34,6 +34,9 @@ use crate::{admin, grpc, proxy, serve, tls};
 
 /// Admin requests' headers must arrive within this time.
 const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Admin connections open at once (§8): probes, a scrape or two and an
+/// operator need a handful; beyond it new ones wait in the kernel's backlog.
+const ADMIN_MAX_CONNECTIONS: usize = 32;
 /// After `shutdown_grace`, how long requests cut short get to record their outcome.
 const HARD_STOP_WINDOW: Duration = Duration::from_secs(2);
 /// How often the store is pinged once it has answered (faster before that).
@@ -155,7 +158,7 @@ impl Server {
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
         let trimmer = tokio::spawn(serve::give_back_freed_memory());
-        let admin_task = tokio::spawn(serve_admin(app.clone(), admin));
+        let admin_task = tokio::spawn(serve_admin(app.clone(), admin, config.server.clone()));
         let connections = Connections::default();
         let front = Arc::new(Front::new(&app, &config.server, tls, &connections));
         accept(&front, listener, &connections, workers.as_ref(), shutdown).await;
@@ -510,8 +513,15 @@ async fn ping_store(app: Arc<App>) {
     }
 }
 
-async fn serve_admin(app: Arc<App>, listener: TcpListener) {
+/// The admin listener: at most `ADMIN_MAX_CONNECTIONS` at once, each with the
+/// main listener's write and idle deadlines (a scraper that stops reading,
+/// or a connection left open, holds nothing for long).
+async fn serve_admin(app: Arc<App>, listener: TcpListener, server: ServerConfig) {
+    let slots = Arc::new(Semaphore::new(ADMIN_MAX_CONNECTIONS));
     loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
             Err(e) => {
@@ -520,16 +530,30 @@ async fn serve_admin(app: Arc<App>, listener: TcpListener) {
                 continue;
             }
         };
+        let busy = Busy::holding(slot, None);
+        let io = Guarded::new(
+            stream,
+            busy.clone(),
+            server.client_write_timeout,
+            server.idle_timeout,
+        );
         let app = app.clone();
         let service = service_fn(move |req| {
             let app = app.clone();
-            async move { Ok::<_, Infallible>(admin::handle(app, req).await) }
+            // Counted while it is answered, so that only a connection with no
+            // request in progress is idle.
+            let in_progress = busy.enter();
+            async move {
+                let resp = admin::handle(app, req).await;
+                drop(in_progress);
+                Ok::<_, Infallible>(resp)
+            }
         });
         tokio::spawn(async move {
             let _ = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(ADMIN_HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service)
+                .serve_connection(TokioIo::new(io), service)
                 .await;
         });
     }

@@ -406,3 +406,78 @@ async fn a_failed_reload_keeps_the_config_and_a_later_reload_still_applies() {
         "protected after the second reload"
     );
 }
+
+/// Connections to the admin listener that send nothing.
+async fn idle_admin_connections(proxy: &Proxy, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        held.push(tokio::net::TcpStream::connect(proxy.admin).await.unwrap());
+    }
+    held
+}
+
+const HEALTHZ: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_caps_its_connections() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = ConfigBuilder::new("http://127.0.0.1:1")
+        .server("idle_timeout = \"60s\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    // The cap (32) taken by connections that say nothing.
+    let mut held = idle_admin_connections(&proxy, 32).await;
+    let mut probe = tokio::net::TcpStream::connect(proxy.admin).await.unwrap();
+    probe.write_all(HEALTHZ).await.unwrap();
+    let mut answer = Vec::new();
+    let waited = tokio::time::timeout(
+        std::time::Duration::from_millis(500),
+        probe.read_to_end(&mut answer),
+    )
+    .await;
+    assert!(
+        waited.is_err(),
+        "answered past the cap: {:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    // One goes away: the waiting connection is taken and answered.
+    drop(held.pop());
+    tokio::time::timeout(DEADLINE, probe.read_to_end(&mut answer))
+        .await
+        .expect("answered once a place is free")
+        .unwrap();
+    assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_admin_connections_are_closed_after_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = ConfigBuilder::new("http://127.0.0.1:1")
+        .server("idle_timeout = \"1s\"")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    // Kept alive after a scrape, and left open: closed once idle for 1 s
+    // (well before the 10 s the header timeout would take).
+    let mut held = idle_admin_connections(&proxy, 8).await;
+    for conn in &mut held {
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
+            .await
+            .unwrap();
+    }
+    for mut conn in held {
+        let mut seen = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            conn.read_to_end(&mut seen),
+        )
+        .await
+        .expect("an idle admin connection is closed by the proxy");
+        assert!(
+            String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"),
+            "{read:?}"
+        );
+    }
+    // And the listener still answers.
+    let r = get(&proxy.admin_url("/healthz")).await.unwrap();
+    assert_eq!(r.status, 200);
+}
