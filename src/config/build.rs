@@ -438,6 +438,7 @@ fn route(
             src,
         )?),
         series: Default::default(),
+        typical: Default::default(),
     })
 }
 
