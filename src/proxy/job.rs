@@ -253,21 +253,24 @@ impl Job {
             || self.policy.unknown_outcome == UnknownOutcome::Release;
         warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
         let problem = Problem::from_upstream(&e, released);
-        let (status, headers, body, trailers) = if self.grpc {
-            grpc::render(&problem, &self.request_id)
+        // On a gRPC call, Trailers-Only (no body, no trailers), stored so too.
+        let (status, headers, body) = if self.grpc {
+            let (status, headers) = grpc::render(&problem, &self.request_id);
+            (status, headers, Bytes::new())
         } else {
-            let (status, headers, body) = problem.render(&self.request_id);
-            (status, headers, body, HeaderMap::new())
+            problem.render(&self.request_id)
         };
         if released {
             self.release().await;
         } else {
-            let fields = (fields(&headers), fields(&trailers));
+            let fields = (fields(&headers), Vec::new());
             self.complete(status.as_u16(), fields, body.clone(), true)
                 .await;
         }
-        let response = problem::assemble((status, headers, body));
-        (problem::trailed(response, trailers), problem.outcome())
+        (
+            problem::assemble((status, headers, body)),
+            problem.outcome(),
+        )
     }
 
     /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.
