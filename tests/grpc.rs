@@ -1,7 +1,9 @@
 //! gRPC through the proxy (§9), with a real tonic server as the upstream and
 //! a real tonic client: pass-through unary and streaming calls, a protected
 //! unary call executed once and replayed byte for byte with its trailers, a
-//! released UNAVAILABLE, and the proxy's own refusals as gRPC errors.
+//! released UNAVAILABLE, and the proxy's own refusals as gRPC errors: sent
+//! Trailers-Only (seen frame by frame through the `h2` crate), so that
+//! grpcio's retry policy (tests/peers/grpc_call.py) retries them.
 //! (The services are written by hand, as tonic-build would generate them.)
 
 mod support;
