@@ -1,10 +1,10 @@
 //! gRPC on protected routes (§9): a unary call is an HTTP/2 POST whose answer
 //! ends in trailers (`grpc-status`, `grpc-message`). The proxy's own refusals
 //! on a gRPC request are gRPC errors a client library understands, with the
-//! mapping below; an upstream answer whose `grpc-status` is in
+//! mapping below, sent Trailers-Only so that a client's retry policy may
+//! retry them; an upstream answer whose `grpc-status` is in
 //! `release_grpc_statuses` frees the key, like a release status.
 
-use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{HeaderMap, HeaderName, StatusCode};
 
@@ -12,6 +12,9 @@ use crate::problem::Problem;
 
 pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+/// When a client's retry policy should try again (gRPC's A6 retry design):
+/// the `Retry-After` of the HTTP answer, in milliseconds.
+pub const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
 /// gRPC status codes the mapping uses (grpc/doc/statuscodes.md).
 pub mod code {
@@ -56,19 +59,27 @@ pub fn code_of(p: &Problem) -> u32 {
     }
 }
 
-/// A problem as a gRPC error: HTTP 200, `content-type: application/grpc`, no
-/// message, `grpc-status` and `grpc-message` (the problem type and detail) in
-/// the trailers. The same parts are what `unknown_outcome = "store"` records.
-pub fn render(p: &Problem, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap, Bytes, HeaderMap) {
-    let mut headers = HeaderMap::with_capacity(1);
+/// A problem as a gRPC error, Trailers-Only: HTTP 200 and no message; the
+/// headers carry `content-type: application/grpc`, `grpc-status`,
+/// `grpc-message` (the problem type and detail) and, where the HTTP answer has
+/// a `Retry-After`, `grpc-retry-pushback-ms`. With no body, the answer goes
+/// out as one HEADERS frame with END_STREAM: gRPC clients take a call that
+/// received response headers as committed, and their retry policy retries
+/// only a call answered so. (Also what `unknown_outcome = "store"` records,
+/// so that its replay has the same form.)
+pub fn render(p: &Problem, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap) {
+    let mut headers = HeaderMap::with_capacity(4);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    let mut trailers = HeaderMap::with_capacity(2);
-    trailers.insert(GRPC_STATUS, HeaderValue::from(code_of(p)));
+    headers.insert(GRPC_STATUS, HeaderValue::from(code_of(p)));
     let message = format!("{}: {} (request {request_id})", p.kind(), p.detail());
     if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
-        trailers.insert(GRPC_MESSAGE, v);
+        headers.insert(GRPC_MESSAGE, v);
     }
-    (StatusCode::OK, headers, Bytes::new(), trailers)
+    if let Some(after) = p.retry_after() {
+        let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+        headers.insert(GRPC_RETRY_PUSHBACK_MS, HeaderValue::from(ms));
+    }
+    (StatusCode::OK, headers)
 }
 
 /// The `grpc-status` of an answer: from its trailers, or from its headers
@@ -113,18 +124,25 @@ mod tests {
     }
 
     #[test]
-    fn a_problem_renders_as_trailers_with_its_code() {
+    fn a_problem_renders_trailers_only_with_its_code() {
         let id = uuid::Uuid::nil();
-        let (status, headers, body, trailers) = render(&Problem::Mismatch, &id);
+        let (status, headers) = render(&Problem::Mismatch, &id);
         assert_eq!(status, StatusCode::OK);
         assert_eq!(headers[CONTENT_TYPE], "application/grpc");
-        assert!(body.is_empty());
-        assert_eq!(trailers[&GRPC_STATUS], "3");
+        assert_eq!(headers[&GRPC_STATUS], "3");
+        assert!(headers[&GRPC_MESSAGE]
+            .to_str()
+            .unwrap()
+            .starts_with("idempotency-key-reused: "));
+        assert!(!headers.contains_key(&GRPC_RETRY_PUSHBACK_MS));
         let conflict = Problem::Conflict {
-            retry_after: std::time::Duration::from_secs(1),
+            retry_after: std::time::Duration::from_millis(1300),
         };
         assert_eq!(code_of(&conflict), code::ABORTED);
+        assert_eq!(render(&conflict, &id).1[&GRPC_RETRY_PUSHBACK_MS], "1300");
         assert_eq!(code_of(&Problem::StoreUnavailable), code::UNAVAILABLE);
+        let (_, busy) = render(&Problem::ProxyBusy, &id);
+        assert_eq!(busy[&GRPC_RETRY_PUSHBACK_MS], "1000");
     }
 
     #[test]

@@ -50,5 +50,6 @@ pub mod serve;
 pub mod server;
 pub mod store;
 pub mod tls;
+pub mod typical;
 pub mod upstream;
 pub mod workers;

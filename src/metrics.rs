@@ -413,6 +413,7 @@ mod tests {
             path: PathPattern::parse("/v1/payments").unwrap(),
             policy: Arc::new(Policy::default()),
             series: Default::default(),
+            typical: Default::default(),
         }
     }
 

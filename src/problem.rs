@@ -243,10 +243,12 @@ impl Problem {
         }
     }
 
-    fn retry_after(&self) -> Option<u64> {
+    /// When to try again, if the answer says (`Retry-After` in whole
+    /// seconds; `grpc-retry-pushback-ms` on a gRPC request).
+    pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            Problem::Conflict { retry_after } => Some(retry_secs(*retry_after)),
-            Problem::StoreUnavailable | Problem::ProxyBusy => Some(1),
+            Problem::Conflict { retry_after } => Some(*retry_after),
+            Problem::StoreUnavailable | Problem::ProxyBusy => Some(Duration::from_secs(1)),
             _ => None,
         }
     }
@@ -266,7 +268,7 @@ impl Problem {
                 }
             };
         }
-        let (headers, bytes) = rendered(&body, self.retry_after());
+        let (headers, bytes) = rendered(&body, self.retry_after().map(retry_secs));
         (status, headers, bytes)
     }
 
@@ -276,13 +278,13 @@ impl Problem {
     }
 
     /// The answer to a request: a problem document, or on a gRPC request
-    /// the same problem as a gRPC error (§9).
+    /// the same problem as a Trailers-Only gRPC error (§9).
     pub fn response_to(&self, request_id: &uuid::Uuid, grpc: bool) -> Response<Body> {
         if !grpc {
             return self.response(request_id);
         }
-        let (status, headers, body, trailers) = crate::grpc::render(self, request_id);
-        trailed(assemble((status, headers, body)), trailers)
+        let (status, headers) = crate::grpc::render(self, request_id);
+        assemble((status, headers, Bytes::new()))
     }
 }
 
@@ -300,11 +302,6 @@ pub fn assemble((status, headers, body): (StatusCode, HeaderMap, Bytes)) -> Resp
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
     resp
-}
-
-/// A response whose body ends with `trailers` (a gRPC error's status).
-pub fn trailed(response: Response<Body>, trailers: HeaderMap) -> Response<Body> {
-    response.map(|body| body.trailed(Some(trailers)))
 }
 
 /// The RFC 9457 members every problem has.

@@ -292,6 +292,9 @@ pub struct Route {
     pub policy: Arc<Policy>,
     /// Its request counters, once found (`Metrics::request_on`).
     pub series: crate::metrics::RouteSeries,
+    /// Its upstream's typical duration, for a 409's `Retry-After` (shared
+    /// with the jobs that measure it; a reload starts a new one).
+    pub typical: Arc<crate::typical::Typical>,
 }
 
 /// Routes in file order; the first whose method and path match wins.

@@ -1,7 +1,9 @@
 //! gRPC through the proxy (§9), with a real tonic server as the upstream and
 //! a real tonic client: pass-through unary and streaming calls, a protected
 //! unary call executed once and replayed byte for byte with its trailers, a
-//! released UNAVAILABLE, and the proxy's own refusals as gRPC errors.
+//! released UNAVAILABLE, and the proxy's own refusals as gRPC errors: sent
+//! Trailers-Only (seen frame by frame through the `h2` crate), so that
+//! grpcio's retry policy (tests/peers/grpc_call.py) retries them.
 //! (The services are written by hand, as tonic-build would generate them.)
 
 mod support;
@@ -193,11 +195,21 @@ async fn start(route_extra: &str) -> (Arc<Ledger>, Proxy, RedisServer) {
 
 /// As [`start`], with more `[store]` lines.
 async fn start_with(route_extra: &str, store: &str) -> (Arc<Ledger>, Proxy, RedisServer) {
+    start_full(route_extra, "", store).await
+}
+
+/// As [`start`], with more `[server]` and `[store]` lines.
+async fn start_full(
+    route_extra: &str,
+    server: &str,
+    store: &str,
+) -> (Arc<Ledger>, Proxy, RedisServer) {
     let (ledger, upstream) = start_upstream().await;
     let redis = RedisServer::start().await;
     let routes = format!("[[routes]]\nname = \"charge\"\npath = \"{CHARGE}\"\n{route_extra}\n");
     let config = ConfigBuilder::new(&upstream)
         .server("upstream_protocol = \"h2c\"")
+        .server(server)
         .redis(&redis)
         .store(store)
         .routes(&routes)
@@ -462,4 +474,325 @@ async fn a_sealed_grpc_answer_replays_with_its_trailers() {
             String::from_utf8_lossy(clear)
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// The proxy's own errors as gRPC clients retry them (§9): Trailers-Only, one
+// HEADERS frame with END_STREAM. A client's retry policy retries only a call
+// that received no response headers before its status.
+
+/// A `Charge` for `acct_1` as a message's bytes (what `call` sends).
+fn charge_message(amount: i64) -> Vec<u8> {
+    prost::Message::encode_to_vec(&Charge {
+        account: "acct_1".into(),
+        amount,
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// An HTTP/2 connection to the proxy through the `h2` crate, which shows
+/// how an answer came: its frames, not only its parts.
+async fn h2_connect(proxy: &Proxy) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// Sends a unary call (`message` framed as gRPC) and returns its answer to come.
+async fn h2_send(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+    proxy: &Proxy,
+    metadata: &[(&str, &str)],
+    message: &[u8],
+) -> h2::client::ResponseFuture {
+    let mut req = http::Request::post(proxy.url(CHARGE))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (name, value) in metadata {
+        req = req.header(*name, *value);
+    }
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(message);
+    let mut ready = client.clone().ready().await.unwrap();
+    let (response, mut body) = ready.send_request(req.body(()).unwrap(), false).unwrap();
+    body.send_data(framed.into(), true).unwrap();
+    response
+}
+
+/// An answer as it came over HTTP/2.
+struct Frames {
+    head: http::response::Parts,
+    /// The HEADERS frame carried END_STREAM: nothing came after it.
+    ended_with_head: bool,
+    data: Vec<bytes::Bytes>,
+    /// A second HEADERS frame (trailers), if one came.
+    trailers: Option<http::HeaderMap>,
+}
+
+async fn frames(response: h2::client::ResponseFuture) -> Frames {
+    let (head, mut body) = tokio::time::timeout(DEADLINE, response)
+        .await
+        .expect("an answer")
+        .unwrap()
+        .into_parts();
+    let ended_with_head = body.is_end_stream();
+    let mut data = Vec::new();
+    while let Some(chunk) = body.data().await {
+        data.push(chunk.unwrap());
+    }
+    let trailers = body.trailers().await.unwrap();
+    Frames {
+        head,
+        ended_with_head,
+        data,
+        trailers,
+    }
+}
+
+/// One call on a connection of its own, to its answer's frames.
+async fn h2_call(proxy: &Proxy, metadata: &[(&str, &str)], message: &[u8]) -> Frames {
+    let mut client = h2_connect(proxy).await;
+    frames(h2_send(&mut client, proxy, metadata, message).await).await
+}
+
+/// The answer is a Trailers-Only gRPC error with `code`; returns its headers.
+fn assert_trailers_only(f: &Frames, code: Code, kind: &str) -> http::HeaderMap {
+    let h = &f.head.headers;
+    assert_eq!(f.head.status, 200, "{h:?}");
+    assert_eq!(
+        h.get("grpc-status").map(|v| v.to_str().unwrap()),
+        Some((code as i32).to_string().as_str()),
+        "grpc-status in the one HEADERS frame (Trailers-Only): {h:?}, trailers {:?}",
+        f.trailers
+    );
+    assert!(
+        f.ended_with_head,
+        "the HEADERS frame carries END_STREAM: {h:?}"
+    );
+    assert!(f.data.is_empty(), "no DATA frame: {:?}", f.data);
+    assert!(
+        f.trailers.is_none(),
+        "no second HEADERS frame: {:?}",
+        f.trailers
+    );
+    assert_eq!(h["content-type"], "application/grpc");
+    let message = h["grpc-message"].to_str().unwrap();
+    assert!(message.starts_with(kind), "{message}");
+    h.clone()
+}
+
+fn pushback_ms(h: &http::HeaderMap) -> u64 {
+    h.get("grpc-retry-pushback-ms")
+        .unwrap_or_else(|| panic!("grpc-retry-pushback-ms: {h:?}"))
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_grpc_errors_are_one_headers_frame_with_end_stream() {
+    let (ledger, proxy, mut redis) =
+        start_full("lease = \"30s\"", "upstream_timeout = \"1s\"", "").await;
+    let m = charge_message(1);
+
+    let missing = h2_call(&proxy, &[], &m).await;
+    assert_trailers_only(&missing, Code::InvalidArgument, "idempotency-key-missing");
+
+    let first = h2_call(&proxy, &[("idempotency-key", "k-f")], &m).await;
+    assert!(
+        first.trailers.is_some(),
+        "the upstream's own answer has trailers"
+    );
+    let other = h2_call(&proxy, &[("idempotency-key", "k-f")], &charge_message(2)).await;
+    assert_trailers_only(&other, Code::InvalidArgument, "idempotency-key-reused");
+
+    // In flight: ABORTED, with a pushback that is an estimate, not the 30 s lease.
+    let mut held = client(&proxy).await;
+    let holding = tokio::spawn(async move {
+        call(
+            &mut held,
+            CHARGE,
+            1,
+            &[("idempotency-key", "k-h"), ("x-hold", "1")],
+        )
+        .await
+    });
+    let _ = tokio::time::timeout(DEADLINE, ledger.held.acquire())
+        .await
+        .expect("the first call reached the upstream")
+        .unwrap();
+    let aborted = h2_call(&proxy, &[("idempotency-key", "k-h")], &m).await;
+    let h = assert_trailers_only(&aborted, Code::Aborted, "request-in-progress");
+    let pushback = pushback_ms(&h);
+    assert!(
+        (1..=2000).contains(&pushback),
+        "pushback {pushback} ms: when the first is likely done, not the lease"
+    );
+    ledger.gate.add_permits(1);
+    holding.await.unwrap().unwrap();
+
+    // An outcome the proxy stored (the upstream timed out): its replay is
+    // Trailers-Only too, marked as a replay.
+    let mut c = client(&proxy).await;
+    let timed_out = tokio::spawn(async move {
+        let metadata = [("idempotency-key", "k-t"), ("x-hold", "1")];
+        call(&mut c, CHARGE, 1, &metadata).await
+    });
+    let _ = tokio::time::timeout(DEADLINE, ledger.held.acquire())
+        .await
+        .expect("the call reached the upstream")
+        .unwrap();
+    let e = timed_out.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    let stored = h2_call(&proxy, &[("idempotency-key", "k-t")], &m).await;
+    let h = assert_trailers_only(&stored, Code::DeadlineExceeded, "upstream-timeout");
+    assert_eq!(h["idempotent-replayed"], "true");
+    ledger.gate.add_permits(1);
+
+    // The store down: UNAVAILABLE, with a pushback of a second (Retry-After: 1).
+    redis.stop();
+    let down = h2_call(&proxy, &[("idempotency-key", "k-d")], &m).await;
+    let h = assert_trailers_only(&down, Code::Unavailable, "store-unavailable");
+    assert_eq!(pushback_ms(&h), 1000);
+}
+
+/// Over `max_connections` requests in progress, the answer made before any
+/// handler runs (`proxy-busy`) is Trailers-Only too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_call_over_capacity_is_one_headers_frame_with_end_stream() {
+    let (ledger, proxy, _redis) = start_full("", "max_connections = 2", "").await;
+    let mut client = h2_connect(&proxy).await;
+    let m = charge_message(1);
+    let mut held = Vec::new();
+    for key in ["k-c1", "k-c2"] {
+        let metadata = [("idempotency-key", key), ("x-hold", "1")];
+        held.push(h2_send(&mut client, &proxy, &metadata, &m).await);
+    }
+    for _ in 0..2 {
+        let _ = tokio::time::timeout(DEADLINE, ledger.held.acquire())
+            .await
+            .expect("both calls reached the upstream")
+            .unwrap();
+    }
+    let busy = frames(h2_send(&mut client, &proxy, &[("idempotency-key", "k-c3")], &m).await).await;
+    let h = assert_trailers_only(&busy, Code::Unavailable, "proxy-busy");
+    assert_eq!(pushback_ms(&h), 1000);
+    ledger.gate.add_permits(2);
+    for response in held {
+        let f = frames(response).await;
+        assert_eq!(f.trailers.unwrap()["grpc-status"], "0");
+    }
+}
+
+/// grpcio's retry policy (ABORTED retryable) retries the proxy's ABORTED by
+/// itself while the first call runs, and gets the replay once it is done:
+/// the proxy counts the ABORTED attempts and the one replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_retries_an_aborted_call_by_its_policy_and_gets_the_replay() {
+    let (ledger, proxy, _redis) = start("").await;
+    let mut held = client(&proxy).await;
+    let first = tokio::spawn(async move {
+        call(
+            &mut held,
+            CHARGE,
+            5,
+            &[("idempotency-key", "k-r"), ("x-hold", "1")],
+        )
+        .await
+    });
+    let _ = tokio::time::timeout(DEADLINE, ledger.held.acquire())
+        .await
+        .expect("the first call reached the upstream")
+        .unwrap();
+    let target = proxy.addr.to_string();
+    let request = hex(&charge_message(5));
+    let retrying = tokio::spawn(async move {
+        run_peer("grpc_call.py", &[&target, CHARGE, &request, "k-r", "5"]).await
+    });
+    let conflicts = "idemproxy_requests_total{route=\"charge\",outcome=\"conflict\"}";
+    // (A peer that could not run ends the wait at once: its task failed.)
+    eventually(
+        "grpcio's first attempt answered ABORTED",
+        DEADLINE,
+        || async {
+            let aborted = metric(&proxy, conflicts).await >= 1.0;
+            (aborted || retrying.is_finished()).then_some(())
+        },
+    )
+    .await;
+    ledger.gate.add_permits(1);
+    let first = first.await.unwrap().unwrap();
+    let out = retrying.await.unwrap();
+    assert_eq!(
+        out["ok"], true,
+        "grpcio retried ABORTED until the replay: {out}"
+    );
+    let receipt = hex(&prost::Message::encode_to_vec(first.get_ref()));
+    assert_eq!(
+        out["response_hex"],
+        receipt.as_str(),
+        "the first call's answer"
+    );
+    assert_eq!(out["metadata"]["idempotent-replayed"], "true", "{out}");
+    let aborted = metric(&proxy, conflicts).await;
+    let replays = "idemproxy_requests_total{route=\"charge\",outcome=\"replayed\"}";
+    assert_eq!(metric(&proxy, replays).await, 1.0);
+    assert!(aborted >= 1.0);
+    assert_eq!(ledger.runs("k-r"), 1, "executed once");
+    eprintln!(
+        "grpcio: {aborted} ABORTED attempt(s), then the replay, in {:.2} s",
+        out["elapsed"].as_f64().unwrap()
+    );
+}
+
+/// grpcio's retry policy (UNAVAILABLE retryable) retries the proxy's
+/// UNAVAILABLE when the store is down: every attempt reaches the proxy, a
+/// second apart (`grpc-retry-pushback-ms`), and once the store is back an
+/// attempt goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_retries_unavailable_when_the_store_is_down() {
+    let (ledger, proxy, mut redis) = start("").await;
+    redis.stop();
+    let target = proxy.addr.to_string();
+    let request = hex(&charge_message(1));
+    let out = run_peer("grpc_call.py", &[&target, CHARGE, &request, "k-down", "3"]).await;
+    assert_eq!(out["ok"], false, "{out}");
+    assert_eq!(out["code"], "UNAVAILABLE", "{out}");
+    let refused = "idemproxy_requests_total{route=\"charge\",outcome=\"store_error\"}";
+    assert_eq!(
+        metric(&proxy, refused).await,
+        3.0,
+        "grpcio made its 3 attempts: {out}"
+    );
+    assert_eq!(ledger.runs("k-down"), 0);
+    let elapsed = out["elapsed"].as_f64().unwrap();
+    assert!(
+        elapsed >= 1.9,
+        "a second between attempts (pushback): {elapsed:.2} s"
+    );
+
+    // The store comes back while grpcio retries: the call goes through.
+    let target = proxy.addr.to_string();
+    let retrying = tokio::spawn(async move {
+        run_peer("grpc_call.py", &[&target, CHARGE, &request, "k-back", "5"]).await
+    });
+    eventually("a first attempt refused", DEADLINE, || async {
+        (metric(&proxy, refused).await >= 4.0).then_some(())
+    })
+    .await;
+    redis.restart().await;
+    let out = retrying.await.unwrap();
+    assert_eq!(out["ok"], true, "retried until the store was back: {out}");
+    assert_eq!(ledger.runs("k-back"), 1);
+    eprintln!(
+        "grpcio: {} refused attempt(s) while the store was down, then through, in {:.2} s",
+        metric(&proxy, refused).await - 3.0,
+        out["elapsed"].as_f64().unwrap()
+    );
 }

@@ -11,6 +11,7 @@ on_both_backends!(
     first_request_is_forwarded_and_relayed,
     replay_is_byte_exact_with_status_and_headers,
     retry_in_flight_gets_409_with_retry_after,
+    a_409s_retry_after_is_when_the_first_is_likely_done,
     same_key_different_request_is_422,
     missing_empty_long_and_repeated_keys_are_400,
     malformed_keys_are_400_even_on_optional_routes,
@@ -126,6 +127,81 @@ async fn retry_in_flight_gets_409_with_retry_after(backend: Backend) {
     assert!(after.is_replay());
     assert_eq!(after.body, first.body);
     assert_eq!(env.upstream.hits(), 1);
+}
+
+/// A route whose upstream takes about 1.5 s, with a lease far longer.
+const SLOW_ROUTE: &str = r#"
+[[routes]]
+name = "slow"
+path = "/v1/slow"
+lease = "30s"
+"#;
+
+/// How long the slow route's upstream takes.
+const SLOW_MS: &str = "1500";
+
+fn retry_after_secs(r: &Resp) -> u64 {
+    r.header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("a Retry-After in whole seconds: {r:?}"))
+}
+
+/// A 409's `Retry-After` is an estimate of when the first request will be
+/// done — the route's typical upstream duration less what the first has
+/// run — not the remaining 30 s lease, which clients wait to the second.
+async fn a_409s_retry_after_is_when_the_first_is_likely_done(backend: Backend) {
+    let env = Env::with_routes(backend, SLOW_ROUTE).await;
+    let url = env.url("/v1/slow");
+    let slow = |key: &str| Call::post(&url).key(key).header("x-test-delay-ms", SLOW_MS);
+    // Before anything was measured: the shortest, 1 s.
+    let first = slow("k-unmeasured").spawn("x");
+    env.upstream.wait_hits(1).await;
+    let r = slow("k-unmeasured").body("x").await;
+    assert_eq!(r.status, 409);
+    assert_eq!(retry_after_secs(&r), 1, "unmeasured: {r:?}");
+    assert_eq!(first.await.unwrap().status, 201);
+
+    // Measured (1.5 s), a duplicate soon after the first: 2 s (1 if it came late).
+    let first = slow("k-measured").spawn("x");
+    env.upstream.wait_hits(2).await;
+    let r = slow("k-measured").body("x").await;
+    assert_eq!(r.status, 409);
+    let secs = retry_after_secs(&r);
+    assert!(
+        (1..=2).contains(&secs),
+        "Retry-After {secs}: when the 1.5 s first is likely done, not the 30 s lease"
+    );
+    assert!(r.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("retry after {secs} s")));
+    assert_eq!(first.await.unwrap().status, 201);
+}
+
+/// urllib3's `Retry` (409 in `status_forcelist`) waits what `Retry-After`
+/// says: while a 1.5 s first request runs, its retries get the replay within
+/// a few seconds, not after the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn urllib3_retrying_a_409_gets_the_replay_within_seconds() {
+    let env = Env::with_routes(Backend::Redis, SLOW_ROUTE).await;
+    let url = env.url("/v1/slow");
+    let slow = |key: &str| Call::post(&url).key(key).header("x-test-delay-ms", SLOW_MS);
+    assert_eq!(slow("k-measure").body("x").await.status, 201);
+    let first = slow("k-urllib3").spawn("x");
+    env.upstream.wait_hits(2).await;
+    let out = run_peer("urllib3_retry.py", &[&url, "k-urllib3", "x"]).await;
+    let first = first.await.unwrap();
+    assert_eq!(out["status"], 201, "{out}");
+    assert_eq!(out["replayed"], "true", "{out}");
+    assert_eq!(out["body"], String::from_utf8_lossy(&first.body).as_ref());
+    assert!(out["retries"].as_u64().unwrap() >= 1, "{out}");
+    let elapsed = out["elapsed"].as_f64().unwrap();
+    assert!(elapsed < 5.0, "urllib3 waited {elapsed:.2} s: {out}");
+    assert_eq!(env.upstream.hits(), 2);
+    eprintln!(
+        "urllib3: {} retries, the replay after {elapsed:.2} s",
+        out["retries"]
+    );
 }
 
 async fn same_key_different_request_is_422(backend: Backend) {

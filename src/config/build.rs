@@ -468,6 +468,7 @@ fn route(
             src,
         )?),
         series: Default::default(),
+        typical: Default::default(),
     })
 }
 

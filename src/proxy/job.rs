@@ -23,6 +23,7 @@ use crate::problem::{self, Problem};
 use crate::record::{now_ms, Finished, Record, Token};
 use crate::routes::RouteName;
 use crate::store::{self, Completion, RecordKey};
+use crate::typical::Typical;
 use crate::upstream::{Inbound, UpstreamError};
 
 /// Releases: attempts, and the first pause between them.
@@ -90,6 +91,8 @@ pub struct Job {
     pub unsaved: Option<(Bytes, Attempt)>,
     /// The request body's room in the budget, until the upstream has it.
     pub request_room: Option<Room>,
+    /// The route's typical upstream duration, which each whole answer updates.
+    pub typical: Arc<Typical>,
 }
 
 /// How one completion attempt went.
@@ -123,7 +126,13 @@ impl Job {
             // One clock read for the upstream's deadline, its metric and the lease's first renewal.
             let sent = tokio::time::Instant::now();
             let exchange = std::pin::pin!(self.exchange(request, sent));
-            self.holding_lease(exchange, sent).await
+            let exchanged = self.holding_lease(exchange, sent).await;
+            // What a duplicate's 409 estimates from: answers read whole
+            // (a failure's time, a timeout's above all, says nothing of it).
+            if let Ok((_, Capped::Whole(..), _)) = &exchanged {
+                self.typical.observe(sent.elapsed());
+            }
+            exchanged
         };
         self.request_room = None;
         match exchanged {
@@ -244,21 +253,24 @@ impl Job {
             || self.policy.unknown_outcome == UnknownOutcome::Release;
         warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
         let problem = Problem::from_upstream(&e, released);
-        let (status, headers, body, trailers) = if self.grpc {
-            grpc::render(&problem, &self.request_id)
+        // On a gRPC call, Trailers-Only (no body, no trailers), stored so too.
+        let (status, headers, body) = if self.grpc {
+            let (status, headers) = grpc::render(&problem, &self.request_id);
+            (status, headers, Bytes::new())
         } else {
-            let (status, headers, body) = problem.render(&self.request_id);
-            (status, headers, body, HeaderMap::new())
+            problem.render(&self.request_id)
         };
         if released {
             self.release().await;
         } else {
-            let fields = (fields(&headers), fields(&trailers));
+            let fields = (fields(&headers), Vec::new());
             self.complete(status.as_u16(), fields, body.clone(), true)
                 .await;
         }
-        let response = problem::assemble((status, headers, body));
-        (problem::trailed(response, trailers), problem.outcome())
+        (
+            problem::assemble((status, headers, body)),
+            problem.outcome(),
+        )
     }
 
     /// Runs `fut` while renewing the lease every third of it, so a slow upstream keeps the key.

@@ -460,7 +460,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 return Err(stop);
             }
         };
-        if matches!(verdict, Verdict::InFlight) && waits && Instant::now() < wait_until {
+        if matches!(verdict, Verdict::InFlight { .. }) && waits && Instant::now() < wait_until {
             // Back off, so as not to hammer the store; a released key is then reserved by us.
             tokio::time::sleep(pause.min(wait_until.saturating_duration_since(Instant::now())))
                 .await;
@@ -481,7 +481,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             Verdict::NotStored => Err(Stop::Refuse(Problem::NotStored)),
             Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
             Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
-            Verdict::InFlight => {
+            Verdict::InFlight { created_ms } => {
                 // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
                 let left = match ttl {
                     Some(ttl) => ttl,
@@ -489,7 +489,12 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 };
                 // At most the lease: the first may have finished between the two round
                 // trips, and then PTTL is its record's TTL, not a lease.
-                let retry_after = left.min(policy.lease);
+                let lease_left = left.min(policy.lease);
+                // When the first is likely done (§7): the route's typical
+                // duration less what the first has run (its record's clock,
+                // so a first on another proxy counts too), within the lease.
+                let ran = Duration::from_millis(now_ms().saturating_sub(created_ms));
+                let retry_after = route.typical.remaining(ran).min(lease_left);
                 Err(Stop::Refuse(Problem::Conflict { retry_after }))
             }
         };
@@ -612,6 +617,7 @@ async fn forward_reserved(
         lease_until: std::sync::Mutex::new(reserved.sent_at + route.policy.lease),
         unsaved: None,
         request_room: Some(room),
+        typical: route.typical.clone(),
     };
     let (tx, rx) = oneshot::channel();
     // Boxed here, once: the task's state (the exchange and the store's

@@ -16,8 +16,8 @@ pub enum Verdict {
     Replay(Finished),
     /// The same request, finished, but its answer was too large to keep.
     NotStored,
-    /// The same request, still in flight.
-    InFlight,
+    /// The same request, still in flight since `created_ms` (its reservation, Unix ms).
+    InFlight { created_ms: u64 },
     /// Another request under the same key.
     Mismatch,
     /// A record this build cannot read: not ours, not to be replaced or bypassed.
@@ -36,7 +36,9 @@ impl Verdict {
         match record {
             Record::Finished(f) if f.body_stored => Verdict::Replay(f),
             Record::Finished(_) => Verdict::NotStored,
-            Record::Processing(_) => Verdict::InFlight,
+            Record::Processing(p) => Verdict::InFlight {
+                created_ms: p.created_ms,
+            },
         }
     }
 }
@@ -124,7 +126,7 @@ mod tests {
     #[test]
     fn another_owner_with_the_same_request_is_in_flight() {
         let v = Verdict::of(processing(Token::new(), [1; 32]), Token::new(), &[1; 32]);
-        assert!(matches!(v, Verdict::InFlight));
+        assert!(matches!(v, Verdict::InFlight { created_ms: 1 }));
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! - `client`: a small HTTP client (`Call`, `Resp`, raw sockets);
 //! - `config`: `ConfigBuilder`, the configuration text tests start the proxy with;
 //! - `env`: `Env`, a standard set of the above, and `on_both_backends!`;
-//! - `relay`: a fault-injecting TCP relay.
+//! - `relay`: a fault-injecting TCP relay;
+//! - `peers`: client peers in Python (grpcio, urllib3) run as subprocesses.
 //!
 //! Waits are on events with deadlines (`eventually`), never fixed sleeps.
 // Every test binary compiles this module and uses a part of it: what one binary
@@ -23,6 +24,7 @@ mod config;
 mod curl;
 mod env;
 mod inprocess;
+mod peers;
 mod process;
 mod proxy;
 mod redis;
@@ -35,6 +37,7 @@ pub use config::*;
 pub use curl::*;
 pub use env::*;
 pub use inprocess::*;
+pub use peers::*;
 pub use process::*;
 pub use proxy::*;
 pub use redis::*;

@@ -1,0 +1,101 @@
+//! How long a route's upstream typically takes: what a 409's `Retry-After`
+//! estimates from (when the first request will likely be done), rather than
+//! the whole remaining lease, which clients obey to the second.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Until a route has measured an exchange: the shortest `Retry-After` there
+/// is. An early retry costs one cheap 409; a late one costs the client's time.
+pub const UNMEASURED: Duration = Duration::from_secs(1);
+
+/// The shortest wait suggested. A first request that has run past the
+/// typical duration may end any moment; its duplicates are still not
+/// invited to poll faster than this (gRPC clients take the milliseconds).
+pub const MIN_WAIT: Duration = Duration::from_millis(100);
+
+/// A moving average of a route's whole upstream exchanges (sent → answer
+/// read), each new one weighing a quarter: it follows a change within a few
+/// requests. One atomic, in microseconds (0: none yet): no lock and no
+/// allocation per request.
+#[derive(Debug, Default)]
+pub struct Typical(AtomicU64);
+
+impl Typical {
+    /// Counts one exchange that took `took`.
+    pub fn observe(&self, took: Duration) {
+        let sample = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
+        // Racing observers: each update is applied to the value it read.
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                Some(match old {
+                    0 => sample,
+                    old => (old - old / 4).saturating_add(sample / 4),
+                })
+            });
+    }
+
+    /// The typical duration, or [`UNMEASURED`] before the first exchange.
+    pub fn get(&self) -> Duration {
+        match self.0.load(Ordering::Relaxed) {
+            0 => UNMEASURED,
+            us => Duration::from_micros(us),
+        }
+    }
+
+    /// How long until a first request that has run for `ran` is likely done:
+    /// the typical duration less `ran`, at least [`MIN_WAIT`].
+    pub fn remaining(&self, ran: Duration) -> Duration {
+        self.get().saturating_sub(ran).max(MIN_WAIT)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn unmeasured_it_suggests_a_second() {
+        let t = Typical::default();
+        assert_eq!(t.get(), UNMEASURED);
+        assert_eq!(t.remaining(MS(0)), UNMEASURED);
+    }
+
+    #[test]
+    fn the_first_exchange_is_the_estimate_and_later_ones_move_it_by_a_quarter() {
+        let t = Typical::default();
+        t.observe(MS(1500));
+        assert_eq!(t.get(), MS(1500));
+        t.observe(MS(500));
+        assert_eq!(t.get(), MS(1250));
+        for _ in 0..20 {
+            t.observe(MS(200));
+        }
+        assert!(
+            t.get() < MS(210),
+            "follows a faster upstream: {:?}",
+            t.get()
+        );
+    }
+
+    #[test]
+    fn what_remains_is_the_typical_duration_less_what_ran_with_a_floor() {
+        let t = Typical::default();
+        t.observe(MS(1500));
+        assert_eq!(t.remaining(MS(200)), MS(1300));
+        assert_eq!(t.remaining(MS(1450)), MIN_WAIT);
+        assert_eq!(t.remaining(Duration::from_secs(60)), MIN_WAIT);
+    }
+
+    #[test]
+    fn extreme_samples_do_not_overflow() {
+        let t = Typical::default();
+        t.observe(Duration::MAX);
+        t.observe(Duration::MAX);
+        t.observe(Duration::ZERO);
+        assert!(t.get() > Duration::from_secs(1 << 40));
+    }
+}
