@@ -10,6 +10,7 @@ use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::body::Body;
+use crate::grpc::{self, GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS};
 use crate::key::KeyError;
 use crate::metrics::Outcome;
 use crate::policy::KeySource;
@@ -272,6 +273,50 @@ impl Problem {
         (status, headers, bytes)
     }
 
+    /// The gRPC status of a problem the proxy answers itself.
+    pub fn grpc_code(&self) -> u32 {
+        use crate::grpc::code::*;
+        match self {
+            Problem::MissingKey { .. }
+            | Problem::InvalidKey { .. }
+            | Problem::Mismatch
+            | Problem::BodyUnreadable => INVALID_ARGUMENT,
+            Problem::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
+            Problem::Conflict { .. } => ABORTED,
+            Problem::NotStored => FAILED_PRECONDITION,
+            Problem::StoreUnavailable | Problem::ProxyBusy | Problem::UpstreamUnreachable => {
+                UNAVAILABLE
+            }
+            Problem::UpstreamReset { released: true } => UNAVAILABLE,
+            Problem::UpstreamReset { released: false } => UNKNOWN,
+            Problem::UpstreamTimeout { .. } | Problem::BodyTimeout { .. } => DEADLINE_EXCEEDED,
+            Problem::RecordUnreadable => INTERNAL,
+        }
+    }
+
+    /// A problem as a gRPC error, Trailers-Only: HTTP 200 and no message; the
+    /// headers carry `content-type: application/grpc`, `grpc-status`,
+    /// `grpc-message` (the problem type and detail) and, where the HTTP answer has
+    /// a `Retry-After`, `grpc-retry-pushback-ms`. With no body, the answer goes
+    /// out as one HEADERS frame with END_STREAM: gRPC clients take a call that
+    /// received response headers as committed, and their retry policy retries
+    /// only a call answered so. (Also what `unknown_outcome = "store"` records,
+    /// so that its replay has the same form.)
+    pub fn render_grpc(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap) {
+        let mut headers = HeaderMap::with_capacity(4);
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(GRPC_STATUS, HeaderValue::from(self.grpc_code()));
+        let message = format!("{}: {} (request {request_id})", self.kind(), self.detail());
+        if let Ok(v) = HeaderValue::from_str(&grpc::percent_encode(&message)) {
+            headers.insert(GRPC_MESSAGE, v);
+        }
+        if let Some(after) = self.retry_after() {
+            let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+            headers.insert(GRPC_RETRY_PUSHBACK_MS, HeaderValue::from(ms));
+        }
+        (StatusCode::OK, headers)
+    }
+
     /// The answer as a response.
     pub fn response(&self, request_id: &uuid::Uuid) -> Response<Body> {
         assemble(self.render(request_id))
@@ -283,7 +328,7 @@ impl Problem {
         if !grpc {
             return self.response(request_id);
         }
-        let (status, headers) = crate::grpc::render(self, request_id);
+        let (status, headers) = self.render_grpc(request_id);
         assemble((status, headers, Bytes::new()))
     }
 }
@@ -343,6 +388,31 @@ pub fn retry_secs(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_problem_renders_trailers_only_with_its_code() {
+        let id = uuid::Uuid::nil();
+        let (status, headers) = Problem::Mismatch.render_grpc(&id);
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers[CONTENT_TYPE], "application/grpc");
+        assert_eq!(headers[&GRPC_STATUS], "3");
+        assert!(headers[&GRPC_MESSAGE]
+            .to_str()
+            .unwrap()
+            .starts_with("idempotency-key-reused: "));
+        assert!(!headers.contains_key(&GRPC_RETRY_PUSHBACK_MS));
+        let conflict = Problem::Conflict {
+            retry_after: std::time::Duration::from_millis(1300),
+        };
+        assert_eq!(conflict.grpc_code(), grpc::code::ABORTED);
+        assert_eq!(conflict.render_grpc(&id).1[&GRPC_RETRY_PUSHBACK_MS], "1300");
+        assert_eq!(
+            Problem::StoreUnavailable.grpc_code(),
+            grpc::code::UNAVAILABLE
+        );
+        let (_, busy) = Problem::ProxyBusy.render_grpc(&id);
+        assert_eq!(busy[&GRPC_RETRY_PUSHBACK_MS], "1000");
+    }
 
     #[test]
     fn retry_after_is_whole_seconds_rounded_up_at_least_one() {

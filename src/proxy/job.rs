@@ -255,7 +255,7 @@ impl Job {
         let problem = Problem::from_upstream(&e, released);
         // On a gRPC call, Trailers-Only (no body, no trailers), stored so too.
         let (status, headers, body) = if self.grpc {
-            let (status, headers) = grpc::render(&problem, &self.request_id);
+            let (status, headers) = problem.render_grpc(&self.request_id);
             (status, headers, Bytes::new())
         } else {
             problem.render(&self.request_id)
