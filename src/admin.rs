@@ -10,7 +10,6 @@ use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::app::App;
@@ -20,34 +19,8 @@ use crate::problem;
 use crate::record::{now_ms, Head};
 use crate::store::StoreError;
 
-/// The env var that switches the key API on and holds its bearer token.
-pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_ADMIN_TOKEN";
 /// A lookup request body is small; anything larger is refused.
 const MAX_LOOKUP_BODY: usize = 64 * 1024;
-
-/// The admin token, kept only as its SHA-256 so that the comparison takes the
-/// same time whatever the length or content of the guess.
-#[derive(Clone)]
-pub struct AdminToken([u8; 32]);
-
-impl AdminToken {
-    pub fn from_env() -> Option<AdminToken> {
-        std::env::var(ADMIN_TOKEN_ENV)
-            .ok()
-            .filter(|t| !t.is_empty())
-            .map(|t| AdminToken(Sha256::digest(t.as_bytes()).into()))
-    }
-
-    /// Constant-time: every byte of the digests is compared.
-    fn accepts(&self, presented: &[u8]) -> bool {
-        let digest: [u8; 32] = Sha256::digest(presented).into();
-        digest
-            .iter()
-            .zip(self.0.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
-    }
-}
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     let mut r = Response::new(Body::full(body));

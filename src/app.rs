@@ -3,11 +3,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
+use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::admin::AdminToken;
 use crate::budget::Budget;
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -132,5 +132,31 @@ impl App {
         self.accepting.load(Ordering::Acquire)
             && self.store_answered.load(Ordering::Acquire)
             && !self.draining.load(Ordering::Acquire)
+    }
+}
+
+/// The env var that switches the key API on and holds its bearer token.
+pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_ADMIN_TOKEN";
+/// The admin token, kept only as its SHA-256 so that the comparison takes the
+/// same time whatever the length or content of the guess.
+#[derive(Clone)]
+pub struct AdminToken([u8; 32]);
+
+impl AdminToken {
+    pub fn from_env() -> Option<AdminToken> {
+        std::env::var(ADMIN_TOKEN_ENV)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .map(|t| AdminToken(Sha256::digest(t.as_bytes()).into()))
+    }
+
+    /// Constant-time: every byte of the digests is compared.
+    pub fn accepts(&self, presented: &[u8]) -> bool {
+        let digest: [u8; 32] = Sha256::digest(presented).into();
+        digest
+            .iter()
+            .zip(self.0.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
     }
 }
