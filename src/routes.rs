@@ -11,8 +11,9 @@ use crate::policy::Policy;
 /// One segment of a path pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Segment {
-    /// Normalised as request paths are ([`normalise`]).
-    Literal(String),
+    /// Normalised as request paths are ([`normalise`]); and every escape
+    /// decoded, for the broad match (see [`RouteTable::position`]).
+    Literal { exact: String, decoded: String },
     /// `{name}`: exactly one non-empty segment.
     Param,
 }
@@ -22,8 +23,8 @@ impl Segment {
     fn covers(&self, other: &Segment) -> bool {
         match (self, other) {
             (Segment::Param, _) => true,
-            (Segment::Literal(a), Segment::Literal(b)) => a == b,
-            (Segment::Literal(_), Segment::Param) => false,
+            (Segment::Literal { exact: a, .. }, Segment::Literal { exact: b, .. }) => a == b,
+            (Segment::Literal { .. }, Segment::Param) => false,
         }
     }
 }
@@ -90,7 +91,11 @@ impl PathPattern {
                 if literal == "." || literal == ".." {
                     return Err(bad("'.' and '..' segments are resolved in request paths; write the path they lead to"));
                 }
-                segments.push(Segment::Literal(literal.into_owned()));
+                let decoded = String::from_utf8_lossy(&decode_all(&literal)).into_owned();
+                segments.push(Segment::Literal {
+                    exact: literal.into_owned(),
+                    decoded,
+                });
             }
         }
         Ok(PathPattern {
@@ -100,13 +105,17 @@ impl PathPattern {
         })
     }
 
-    /// Does the request path (without its query) match, once normalised?
+    /// Does the request path (without its query) match, once normalised, or
+    /// broadly (see [`RouteTable::position`])?
     pub fn matches(&self, path: &str) -> bool {
-        self.matches_normal(&normalise(path))
+        self.matches_normal(&normalise(path), false)
+            || self.matches_normal(&broaden(path).unwrap_or_default(), true)
+            || self.matches_normal(&normalise(path), true)
     }
 
-    /// Does a path [`normalise`] made match?
-    fn matches_normal(&self, path: &str) -> bool {
+    /// Does a path [`normalise`] made match? `broad`: a path [`broaden`]
+    /// made, compared with the decoded literals, letters in any case.
+    fn matches_normal(&self, path: &str, broad: bool) -> bool {
         let Some(mut rest) = path.strip_prefix('/') else {
             return false;
         };
@@ -117,7 +126,8 @@ impl PathPattern {
                 None => (rest, None),
             };
             let ok = match seg {
-                Segment::Literal(l) => head == l,
+                Segment::Literal { exact, .. } if !broad => head == exact,
+                Segment::Literal { decoded, .. } => head.eq_ignore_ascii_case(decoded),
                 Segment::Param => !head.is_empty(),
             };
             if !ok {
@@ -185,6 +195,49 @@ pub fn normalise(path: &str) -> Cow<'_, str> {
         out.push('/');
     }
     Cow::Owned(out)
+}
+
+/// The broad form of a path, for what some upstream frameworks do beyond
+/// [`normalise`]: every escape decoded (`%2F` included: WSGI servers, Go's
+/// `URL.Path`, nginx's `proxy_pass` with a URI decode before routing), `\`
+/// taken as `/` (IIS), `;parameters` cut from each segment (Servlet
+/// containers, Spring), then normalised. None when the path has none of `%`,
+/// `;` or `\` (then only letter case can differ, which the broad match
+/// ignores). Never forwarded: the upstream gets the request-target as sent.
+pub fn broaden(path: &str) -> Option<String> {
+    if !path.bytes().any(|b| matches!(b, b'%' | b';' | b'\\')) {
+        return None;
+    }
+    let decoded = decode_all(path);
+    let text = String::from_utf8_lossy(&decoded).replace('\\', "/");
+    let mut cut = String::with_capacity(text.len());
+    for (i, seg) in text.split('/').enumerate() {
+        if i > 0 {
+            cut.push('/');
+        }
+        cut.push_str(seg.split(';').next().unwrap_or(""));
+    }
+    Some(normalise(&cut).into_owned())
+}
+
+/// Every `%XX` escape decoded to its byte (a malformed one kept as it came).
+fn decode_all(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    let hex = |b: u8| (b as char).to_digit(16);
+    while i < bytes.len() {
+        if let Some([b'%', h, l]) = bytes.get(i..i + 3) {
+            if let (Some(h), Some(l)) = (hex(*h), hex(*l)) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    out
 }
 
 /// No '%', no empty segment but the root's, no `.` or `..` segment.
@@ -314,14 +367,42 @@ impl RouteTable {
 
     /// Where in the table the first route for `method` and `path` is
     /// (the path normalised once, for every route).
+    ///
+    /// Two passes: the normalised path (§3) against the routes as written;
+    /// then, when that finds none and the path has anything more to undo, its
+    /// broad form ([`broaden`]) with letters in any case, as upstream
+    /// frameworks read paths in ways the proxy cannot know (Express and
+    /// ASP.NET ignore case, WSGI decodes `%2F`, Tomcat cuts `;jsessionid`).
+    /// Protecting a path the upstream takes for another costs a key; missing
+    /// one it takes for a protected path costs a second execution. The
+    /// method matches in any case too (`post`: hyper takes it as an
+    /// extension method, and some frameworks upper-case it).
     pub fn position(&self, method: &Method, path: &str) -> Option<usize> {
         if self.routes.is_empty() {
             return None;
         }
-        let path = normalise(path);
+        let normal = normalise(path);
+        let found = self.first(method, &normal, false);
+        if found.is_some() {
+            return found;
+        }
+        match broaden(path) {
+            Some(broad) => self.first(method, &broad, true),
+            None if normal.bytes().any(|b| b.is_ascii_uppercase()) => {
+                self.first(method, &normal, true)
+            }
+            None if method.as_str().bytes().any(|b| b.is_ascii_lowercase()) => {
+                self.first(method, &normal, false)
+            }
+            None => None,
+        }
+    }
+
+    fn first(&self, method: &Method, path: &str, broad: bool) -> Option<usize> {
+        let same = |m: &Method| m == method || m.as_str().eq_ignore_ascii_case(method.as_str());
         self.routes
             .iter()
-            .position(|r| r.methods.iter().any(|m| m == method) && r.path.matches_normal(&path))
+            .position(|r| r.methods.iter().any(same) && r.path.matches_normal(path, broad))
     }
 
     /// The first route that can never match: each of its methods is taken,
@@ -487,12 +568,23 @@ mod tests {
             "/v1/payment",
             "/v1/payments/x",
             "/v1/payments/..",
-            "/v1%2Fpayments",
-            "/v1/payments%2F",
-            "/v1/%50ayments",
             "/v2/../v1/payments/x",
+            "/v1/payments.json",
         ] {
             assert!(!pat.matches(other), "{other}");
+        }
+        // Broadly: what some frameworks also take for the same path.
+        for broad in [
+            "/v1%2Fpayments",
+            "/v1/payments%2F",
+            "/v1%5Cpayments",
+            "/v1/%50ayments",
+            "/V1/PAYMENTS",
+            "/v1/payments;jsessionid=1",
+            "/v1;x=1/payments",
+            "/v1/payments%3Bx",
+        ] {
+            assert!(pat.matches(broad), "{broad}");
         }
         assert!(p("/v1/payments/").matches("/v1/payments"));
         assert!(p("/v1//payments").matches("/v1/payments"));
@@ -501,6 +593,42 @@ mod tests {
         assert!(p("/").matches("//"));
         assert!(p("/").matches("/a/.."));
         assert!(!p("/").matches("/a"));
+    }
+
+    fn table(routes: &[(&str, &[&str])]) -> RouteTable {
+        RouteTable::new(
+            routes
+                .iter()
+                .map(|(path, methods)| Route {
+                    name: RouteName::new(path),
+                    methods: methods.iter().map(|m| m.parse().unwrap()).collect(),
+                    path: p(path),
+                    policy: Arc::new(Policy::default()),
+                    series: Default::default(),
+                    typical: Default::default(),
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_exact_match_comes_before_the_broad_one_and_methods_match_in_any_case() {
+        let t = table(&[("/v1/Payments", &["POST"]), ("/v1/payments", &["POST"])]);
+        let post = Method::POST;
+        assert_eq!(t.position(&post, "/v1/payments"), Some(1), "exact first");
+        assert_eq!(t.position(&post, "/v1/Payments"), Some(0));
+        assert_eq!(
+            t.position(&post, "/V1/PAYMENTS"),
+            Some(0),
+            "broad: the first in file order"
+        );
+        assert_eq!(t.position(&post, "/v1%2fpayments"), Some(0));
+        let lower: Method = "post".parse().unwrap();
+        assert_eq!(t.position(&lower, "/v1/payments"), Some(1));
+        assert_eq!(t.position(&lower, "/V1%2FPAYMENTS;x"), Some(0));
+        assert_eq!(t.position(&Method::GET, "/v1/payments"), None);
+        assert_eq!(t.position(&post, "/v1/other"), None);
+        assert_eq!(t.position(&post, "/v1/other;%2e"), None);
     }
 
     #[test]

@@ -543,3 +543,22 @@ async fn a_101_to_a_plain_request_is_a_502_and_never_stored() {
     let passed = Call::new("GET", &proxy.url(PASS)).send().await;
     assert_eq!(passed.status, 502);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_case_method_is_protected_like_its_upper_case_spelling() {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy_for(&upstream.url()).await;
+    let post = |key: &str| {
+        format!(
+            "post /v1/payments HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+             Idempotency-Key: {key}\r\nContent-Length: 2\r\n\r\nhi"
+        )
+    };
+    let keyless = b"post /v1/payments HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi";
+    assert_eq!(status_of(&raw_request(proxy.addr, keyless).await), 400);
+    for _ in 0..3 {
+        let answer = raw_request(proxy.addr, post("k-lower").as_bytes()).await;
+        assert_eq!(status_of(&answer), 201);
+    }
+    assert_eq!(upstream.hits(), 1, "the same key ran once");
+}

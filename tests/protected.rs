@@ -729,6 +729,10 @@ async fn every_spelling_of_a_protected_path_is_protected(backend: Backend) {
         "/v1/./payments",
         "/v1/x/../payments",
         "/v1/%2e/payments",
+        // Broadly, as some frameworks read them: %2F decoded, ;params cut, any case.
+        "/v1%2Fpayments",
+        "/v1/payments;jsessionid=7",
+        "/V1/Payments",
     ];
     for path in spellings {
         let r = Call::post(&env.url(path)).body("x").await;
