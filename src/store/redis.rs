@@ -59,7 +59,8 @@ pub(super) enum Conn {
     /// Standalone or Sentinel over TLS or a Unix socket: a multiplexed
     /// connection that reconnects on I/O errors.
     Single(ConnectionManager),
-    /// Cluster: follows MOVED/ASK and the slot map by itself.
+    /// Cluster: follows MOVED/ASK and the slot map by itself (a pipeline's
+    /// with [`super::cluster::pipeline`]'s help).
     Cluster(ClusterConnection),
 }
 
@@ -81,7 +82,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Wire(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => Box::pin(super::cluster::pipeline(c, pipeline, offset, count)),
         }
     }
 
