@@ -17,6 +17,7 @@ mod redis;
 pub mod wire;
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use bytes::Bytes;
 use crate::config::{Backend, StoreConfig};
 use crate::deadline::Deadlines;
 use crate::metrics::Metrics;
-use crate::record::{DecodeError, Head, Record, Token};
+use crate::record::{DecodeError, Head, Record, Token, MAX_BODY, MAX_OVERHEAD};
 use crate::seal::{KeyFileError, SealError, Sealing};
 use crate::workers::PerWorker;
 
@@ -194,8 +195,9 @@ pub(crate) trait Operations {
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError>;
     /// Deletes the reservation if `token` still owns it.
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError>;
-    /// The value and its remaining time.
-    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError>;
+    /// The value and its remaining time; a store that says the value is
+    /// longer than `at_most` bytes is not believed (an error).
+    async fn get(&self, key: &str, at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError>;
     /// Deletes the key whatever it holds.
     async fn delete(&self, key: &str) -> Result<bool, StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
@@ -252,6 +254,10 @@ pub struct Store {
     metrics: Arc<Metrics>,
     /// The keys that seal finished records, when a key file is configured.
     sealing: Option<Sealing>,
+    /// The longest record the proxy writes ([`Store::limit_records`]): the
+    /// store's word for a longer one is not believed (§8, the store's bytes
+    /// are untrusted), so nothing is allocated for it.
+    record_limit: AtomicU64,
 }
 
 impl Store {
@@ -284,7 +290,29 @@ impl Store {
             deadlines: PerWorker::new(slots, |_| Deadlines::new(cfg.op_timeout)),
             metrics,
             sealing,
+            record_limit: AtomicU64::new(MAX_BODY + MAX_OVERHEAD),
         })
+    }
+
+    /// Records are at most `max_body` (the largest `max_response_body` of
+    /// the routes) plus a record's overhead: a store that says a record is
+    /// longer is not believed. Until this is called, the limit is the
+    /// largest body any configuration allows.
+    pub fn limit_records(&self, max_body: u64) {
+        self.record_limit
+            .store(max_body.saturating_add(MAX_OVERHEAD), Ordering::Relaxed);
+    }
+
+    /// After a reload: a larger `max_body` raises the limit, a smaller one
+    /// leaves it, so that the records written before stay readable.
+    pub fn raise_record_limit(&self, max_body: u64) {
+        self.record_limit
+            .fetch_max(max_body.saturating_add(MAX_OVERHEAD), Ordering::Relaxed);
+    }
+
+    /// The longest record believed.
+    pub fn record_limit(&self) -> u64 {
+        self.record_limit.load(Ordering::Relaxed)
     }
 
     /// The keys and their file, when records are sealed (for reloads on SIGHUP).
@@ -429,6 +457,12 @@ impl Store {
             .await?;
         match found {
             None => Ok(Reservation::Reserved),
+            Some(Held::Large { len }) if len > self.record_limit() => {
+                Err(StoreError::Backend(format!(
+                    "the store says the record is {len} bytes long; none is over {}",
+                    self.record_limit()
+                )))
+            }
             Some(Held::Large { len }) => Ok(Reservation::Large { len }),
             Some(Held::Value { value, ttl }) => Ok(match self.decode(key, value) {
                 Ok(record) => Reservation::Existing { record, ttl },
@@ -480,7 +514,10 @@ impl Store {
     /// Reads a record whole, opened when it is sealed (a large record's replay).
     pub async fn get(&self, key: &str) -> Result<Option<Inspected>, StoreError> {
         let found = self
-            .timed("get", backend!(&self.inner, b => b.get(key)))
+            .timed(
+                "get",
+                backend!(&self.inner, b => b.get(key, self.record_limit())),
+            )
             .await?;
         match found {
             None => Ok(None),
@@ -495,7 +532,10 @@ impl Store {
     /// sealed record is not opened, so its answer is never at hand.
     pub async fn peek(&self, key: &str) -> Result<Option<(Head, Duration)>, StoreError> {
         let found = self
-            .timed("get", backend!(&self.inner, b => b.get(key)))
+            .timed(
+                "get",
+                backend!(&self.inner, b => b.get(key, self.record_limit())),
+            )
             .await?;
         match found {
             None => Ok(None),

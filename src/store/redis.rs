@@ -801,7 +801,8 @@ impl Operations for RedisStore {
                 other => return Err(unexpected("SET NX", &other)),
             }
             let head = match head {
-                Value::BulkString(head) => head,
+                // More than asked for is not a record's beginning.
+                Value::BulkString(head) if head.len() as u64 <= inline.max(1) => head,
                 other => return Err(unexpected("GETRANGE", &other)),
             };
             // Gone between the two commands (expired, released, deleted):
@@ -916,9 +917,9 @@ impl Operations for RedisStore {
     }
 
     /// A record and its TTL, in pieces when it is large (see [`pieces`]).
-    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
+    async fn get(&self, key: &str, at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let mut conn = self.conn().await?;
-        pieces::get(&mut conn, key)
+        pieces::get(&mut conn, key, at_most)
             .await
             .map_err(|e| self.backend(e))
     }
