@@ -549,6 +549,9 @@ impl Scan {
             self.line_from = buf.len().saturating_sub(1).max(self.at);
             return Ok(Step::Wait);
         };
+        if cr == self.at {
+            return Err("the store sent an empty line");
+        }
         if cr - self.at > MAX_LINE + 1 {
             return Err("the store sent a line over 64 KiB");
         }
@@ -630,6 +633,7 @@ fn value(buf: &[u8], depth: usize) -> Result<(Value, usize), &'static str> {
     let end = buf
         .windows(2)
         .position(|w| w == b"\r\n")
+        .filter(|&end| end > 0)
         .ok_or("a reply cut short")?;
     let (line, after) = (&buf[1..end], end + 2);
     let value = match buf[0] {
@@ -675,6 +679,7 @@ fn parse(buf: &[u8]) -> Result<Option<(Value, usize)>, &'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn whole(bytes: &[u8]) -> Value {
         let (value, len) = parse(bytes).unwrap().unwrap();
@@ -884,5 +889,94 @@ mod tests {
             parse(&two[4..4 + one]).map(|r| r.map(|(_, n)| n)),
             Ok(Some(one))
         );
+    }
+
+    /// Feeds `bytes` to one scan as reads of the sizes in `reads` would
+    /// bring them (then the rest at once), taking each whole reply off the
+    /// front: the replies built, and whether the stream broke.
+    fn drive(bytes: &[u8], reads: &[usize]) -> (Vec<Value>, bool) {
+        let (mut buf, mut fed, mut got) = (Vec::new(), 0, Vec::new());
+        let mut scan = Scan::default();
+        let sizes = reads.iter().copied().chain(std::iter::once(bytes.len()));
+        for size in sizes {
+            let next = (fed + size.max(1)).min(bytes.len());
+            buf.extend_from_slice(&bytes[fed..next]);
+            fed = next;
+            loop {
+                match scan.reply_len(&buf) {
+                    Ok(Some(len)) => match value(&buf[..len], 0) {
+                        Ok((value, used)) => {
+                            assert_eq!(used, len, "a value is the reply scanned");
+                            got.push(value);
+                            buf.drain(..len);
+                        }
+                        // An error line redis-rs cannot read (not UTF-8).
+                        Err(_) => return (got, true),
+                    },
+                    Ok(None) => break,
+                    Err(_) => return (got, true),
+                }
+            }
+            if fed == bytes.len() {
+                break;
+            }
+        }
+        (got, false)
+    }
+
+    /// RESP2 replies of the kinds the store gets, nested.
+    fn reply() -> impl Strategy<Value = Vec<u8>> {
+        let leaf = prop_oneof![
+            any::<i64>().prop_map(|n| format!(":{n}\r\n").into_bytes()),
+            "[a-zA-Z ]{0,20}".prop_map(|t| format!("+{t}\r\n").into_bytes()),
+            "[A-Z]{1,8} [a-z ]{0,20}".prop_map(|t| format!("-{t}\r\n").into_bytes()),
+            Just(b"$-1\r\n".to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..40).prop_map(|b| {
+                let mut out = format!("${}\r\n", b.len()).into_bytes();
+                out.extend_from_slice(&b);
+                out.extend_from_slice(b"\r\n");
+                out
+            }),
+        ];
+        leaf.prop_recursive(3, 32, 6, |inner| {
+            proptest::collection::vec(inner, 0..6).prop_map(|items| {
+                let mut out = format!("*{}\r\n", items.len()).into_bytes();
+                for item in items {
+                    out.extend_from_slice(&item);
+                }
+                out
+            })
+        })
+    }
+
+    proptest! {
+        /// However the reads split them, valid replies come out as
+        /// redis-rs's parser reads each of them.
+        #[test]
+        fn replies_split_anywhere_parse_as_redis_rs_parses_them(
+            replies in proptest::collection::vec(reply(), 1..5),
+            reads in proptest::collection::vec(1usize..40, 0..40),
+        ) {
+            let bytes = replies.concat();
+            let (got, broke) = drive(&bytes, &reads);
+            prop_assert!(!broke);
+            let expected: Vec<Value> = replies
+                .iter()
+                .map(|r| redis::parse_redis_value(r).unwrap())
+                .collect();
+            prop_assert_eq!(got, expected);
+        }
+
+        /// Any bytes, split anyhow: no panic, and the same outcome as read at once.
+        #[test]
+        fn any_bytes_split_anyhow_are_read_as_at_once(
+            bytes in proptest::collection::vec(
+                prop_oneof![Just(b'\r'), Just(b'\n'), Just(b'*'), Just(b'$'), Just(b':'), Just(b'1'), Just(b'-'), any::<u8>()],
+                0..200,
+            ),
+            reads in proptest::collection::vec(1usize..20, 0..30),
+        ) {
+            prop_assert_eq!(drive(&bytes, &reads), drive(&bytes, &[]));
+        }
     }
 }
