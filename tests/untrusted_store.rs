@@ -234,10 +234,18 @@ async fn survives(lie: Lie) {
     let real = RedisServer::start().await;
     let fake = FakeRedis::start(lie, format!("127.0.0.1:{}", real.port).parse().unwrap()).await;
     let upstream = TestUpstream::start().await;
-    let config = ConfigBuilder::new(&upstream.url())
+    let mut config = ConfigBuilder::new(&upstream.url())
         .redis_url(&fake.url())
-        .store(&format!("op_timeout = \"{}ms\"", OP_TIMEOUT.as_millis()))
-        .build();
+        .store(&format!("op_timeout = \"{}ms\"", OP_TIMEOUT.as_millis()));
+    if matches!(lie, Lie::Length | Lie::TakenByHugeRecord) {
+        // The key is taken, the store says: whatever it says of the record,
+        // the request is not forwarded, even where a store that is down lets
+        // requests through unprotected.
+        config = config.routes(
+            "[defaults]\non_store_error = \"pass\"\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n",
+        );
+    }
+    let config = config.build();
     let proxy = Proxy::spawn(&config, &[]).await;
     let rss_at_start = vm_rss(proxy.pid()).expect("the proxy runs");
 

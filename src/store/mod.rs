@@ -49,6 +49,11 @@ pub enum StoreError {
     /// it must be released by its token and the request not forwarded.
     #[error("reservation written, but its replication could not be confirmed: {0}")]
     Unconfirmed(String),
+    /// The store answered something no record the proxy wrote could give
+    /// (a length over any record, more bytes than asked for): the key may be
+    /// taken, so the request is never forwarded unprotected.
+    #[error("the store's answer is not believed: {0}")]
+    Untrue(String),
     #[error(transparent)]
     Decode(#[from] DecodeError),
     /// The memory store holds `memory_limit` bytes of records: no new keys until some expire.
@@ -416,7 +421,10 @@ impl Store {
         // A decode error is an answer from a live store.
         let store_ok = !matches!(
             res,
-            Err(StoreError::Timeout(_) | StoreError::Backend(_) | StoreError::Unavailable(_))
+            Err(StoreError::Timeout(_)
+                | StoreError::Backend(_)
+                | StoreError::Unavailable(_)
+                | StoreError::Untrue(_))
         );
         if let Inner::Redis(r) = &self.inner {
             r.note_result(matches!(
@@ -458,8 +466,8 @@ impl Store {
         match found {
             None => Ok(Reservation::Reserved),
             Some(Held::Large { len }) if len > self.record_limit() => {
-                Err(StoreError::Backend(format!(
-                    "the store says the record is {len} bytes long; none is over {}",
+                Err(StoreError::Untrue(format!(
+                    "a record of {len} bytes; none is over {}",
                     self.record_limit()
                 )))
             }

@@ -42,7 +42,7 @@ pub async fn get<C: ConnectionLike>(
     conn: &mut C,
     key: &str,
     at_most: u64,
-) -> redis::RedisResult<Option<(Bytes, Duration)>> {
+) -> Result<Option<(Bytes, Duration)>, GetError> {
     let (len, pttl, first): (u64, i64, Vec<u8>) = redis::pipe()
         .strlen(key)
         .pttl(key)
@@ -50,8 +50,8 @@ pub async fn get<C: ConnectionLike>(
         .query_async(conn)
         .await?;
     if len > at_most {
-        return Err(untrue(format!(
-            "it says the record is {len} bytes long; none is over {at_most}"
+        return Err(GetError::Untrue(format!(
+            "a record of {len} bytes; none is over {at_most}"
         )));
     }
     let ttl = Duration::from_millis(pttl.max(0) as u64);
@@ -65,8 +65,8 @@ pub async fn get<C: ConnectionLike>(
     let mut piece = first;
     loop {
         if piece.len() > PIECE {
-            return Err(untrue(format!(
-                "it sent {} bytes for a piece of at most {PIECE}",
+            return Err(GetError::Untrue(format!(
+                "{} bytes for a piece of at most {PIECE}",
                 piece.len()
             )));
         }
@@ -101,13 +101,18 @@ pub async fn get<C: ConnectionLike>(
     Ok(same.then(|| (whole.freeze(), ttl)))
 }
 
-/// An answer from the store that cannot be true of a record the proxy wrote.
-fn untrue(detail: String) -> redis::RedisError {
-    redis::RedisError::from((
-        redis::ErrorKind::Parse,
-        "the store's answer is not believed",
-        detail,
-    ))
+/// Why a record could not be read.
+#[derive(Debug)]
+pub enum GetError {
+    Redis(redis::RedisError),
+    /// An answer no record the proxy wrote could give.
+    Untrue(String),
+}
+
+impl From<redis::RedisError> for GetError {
+    fn from(e: redis::RedisError) -> Self {
+        GetError::Redis(e)
+    }
 }
 
 /// Stores a large finished record in place of the reservation `token` owns.

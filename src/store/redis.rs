@@ -285,6 +285,19 @@ pub(super) fn connection_info(
     Ok(info.set_redis_settings(settings))
 }
 
+/// A reply, for an error message: its kind and size, never its bytes (a
+/// store that lies can send megabytes, and the message is logged).
+fn described(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => format!("a bulk string of {} bytes", b.len()),
+        Value::SimpleString(s) => format!("a status of {} bytes", s.len()),
+        Value::Array(a) => format!("an array of {} values", a.len()),
+        Value::ServerError(e) => format!("an error ({})", e.code()),
+        Value::Nil | Value::Okay | Value::Int(_) => format!("{v:?}"),
+        _ => "a reply of an unexpected kind".to_string(),
+    }
+}
+
 /// How often a reserve is sent when the key it found taken is gone by the
 /// time it is read, before what is there is taken as the answer.
 const RESERVE_TRIES: u32 = 3;
@@ -793,16 +806,22 @@ impl Operations for RedisStore {
             let (set, head) = send_reserve(&mut conn, key, &value, lease, inline)
                 .await
                 .map_err(|e| self.backend(e))?;
-            let unexpected =
-                |what, v: &Value| StoreError::Backend(format!("unexpected {what} answer {v:?}"));
+            let unexpected = |what, v: &Value| {
+                StoreError::Backend(format!("unexpected {what} answer: {}", described(v)))
+            };
             match set {
                 Value::Okay => break None,
                 Value::Nil => {}
                 other => return Err(unexpected("SET NX", &other)),
             }
             let head = match head {
-                // More than asked for is not a record's beginning.
-                Value::BulkString(head) if head.len() as u64 <= inline.max(1) => head,
+                Value::BulkString(head) if head.len() as u64 > inline.max(1) => {
+                    return Err(StoreError::Untrue(format!(
+                        "{} bytes for a GETRANGE of at most {inline}",
+                        head.len()
+                    )))
+                }
+                Value::BulkString(head) => head,
                 other => return Err(unexpected("GETRANGE", &other)),
             };
             // Gone between the two commands (expired, released, deleted):
@@ -921,7 +940,10 @@ impl Operations for RedisStore {
         let mut conn = self.conn().await?;
         pieces::get(&mut conn, key, at_most)
             .await
-            .map_err(|e| self.backend(e))
+            .map_err(|e| match e {
+                pieces::GetError::Redis(e) => self.backend(e),
+                pieces::GetError::Untrue(why) => StoreError::Untrue(why),
+            })
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
