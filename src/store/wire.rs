@@ -12,6 +12,10 @@
 //! waiter. It speaks RESP2 and implements redis-rs's `ConnectionLike`, so the
 //! store's code (commands, scripts, pipelines) is the same on every connection.
 //!
+//! The store's bytes are not trusted: a reply is checked as its bytes arrive
+//! ([`Scan`]: each byte once, every length and count against a bound before
+//! anything is read or reserved for it), and built only once it is whole.
+//!
 //! What it does not do, redis-rs's `ConnectionManager` still does: TLS, Unix
 //! sockets and RESP3 connect through it (see `RedisStore`). A broken
 //! connection stays broken: every call on it fails at once, and the store
@@ -539,7 +543,7 @@ impl Scan {
             .and_then(|rest| rest.windows(2).position(|w| w == b"\r\n"));
         #[cfg(test)]
         {
-            self.looked += buf.len().saturating_sub(from);
+            self.looked += found.map_or(buf.len().saturating_sub(from), |i| i + 2);
         }
         let Some(cr) = found.map(|i| from + i) else {
             if buf.len() - self.at > MAX_LINE + 2 {
