@@ -49,6 +49,7 @@ impl App {
         let metrics = Arc::new(Metrics::new());
         let slots = config.server.worker_slots();
         let store = Store::new(&config.store, metrics.clone(), slots)?;
+        store.limit_records(config.routes.largest_response_body());
         let upstream = Upstream::new(&config.server, slots);
         Ok(Arc::new(App {
             routes: RwLock::new(config.routes.clone()),
@@ -114,6 +115,8 @@ impl App {
         if old.store != new.store {
             restart_needed.push("[store]");
         }
+        self.store
+            .raise_record_limit(new.routes.largest_response_body());
         self.set_routes(new.routes.clone());
         tracing::info!(
             routes = new.routes.len(),

@@ -431,6 +431,16 @@ impl RouteTable {
         &self.routes[position]
     }
 
+    /// The largest `max_response_body` of the routes: no record is longer
+    /// than it plus a record's overhead.
+    pub fn largest_response_body(&self) -> u64 {
+        self.routes
+            .iter()
+            .map(|r| r.policy.max_response_body)
+            .max()
+            .unwrap_or(0)
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Route> {
         self.routes.iter()
     }

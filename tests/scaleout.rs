@@ -122,6 +122,217 @@ async fn core_behaviour_on_a_three_master_cluster() {
     }
 }
 
+/// The hash slot of a store key (CRC16/XMODEM mod 16384; ours carry no hash tag).
+fn slot_of(key: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in key.as_bytes() {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+fn store_key(key: &str) -> String {
+    format!("idemproxy:{}", idemproxy::key::record_id([], key))
+}
+
+/// The first `n` client keys `{prefix}-{i}` whose records live in `slot`.
+fn keys_in_slot(prefix: &str, slot: u16, n: usize) -> Vec<String> {
+    (0..)
+        .map(|i| format!("{prefix}-{i}"))
+        .filter(|k| slot_of(&store_key(k)) == slot)
+        .take(n)
+        .collect()
+}
+
+/// A live resharding (§5): a slot holding finished records is moved from one
+/// master to another (`SETSLOT IMPORTING`/`MIGRATING`, `MIGRATE` key by key,
+/// `SETSLOT NODE`) while requests run. A reserve is a pipeline, and a
+/// pipeline is redirected like a single command: every replay and every new
+/// key in the moving slot succeeds before, during and after the move, and no
+/// key runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_resharding_fails_no_request() {
+    let cluster = Cluster::start().await;
+    let upstream = TestUpstream::start().await;
+    let seed = format!(
+        "mode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{}\"]",
+        cluster.nodes[0].port
+    );
+    let proxy = Proxy::start(
+        &ConfigBuilder::new(&upstream.url())
+            .redis_store(&seed)
+            .build(),
+    )
+    .await;
+    let slot = slot_of(&store_key("move-0"));
+    let stored = keys_in_slot("move", slot, 3);
+    let fresh = keys_in_slot("fresh", slot, 24);
+    let url = proxy.url("/v1/payments");
+    for key in &stored {
+        let r = Call::post(&url).key(key).body("x").await;
+        assert_eq!(r.status, 201, "{key}");
+    }
+
+    // Who serves the slot, and who takes it over.
+    let mut ids = Vec::new();
+    for n in &cluster.nodes {
+        ids.push(reply_text(
+            redis_cmd(n.port, &["CLUSTER", "MYID"]).await.unwrap(),
+        ));
+    }
+    let slot_text = slot.to_string();
+    let mut source = None;
+    for (i, n) in cluster.nodes.iter().enumerate() {
+        let count = redis_cmd(n.port, &["CLUSTER", "COUNTKEYSINSLOT", &slot_text])
+            .await
+            .unwrap();
+        if count == redis::Value::Int(stored.len() as i64) {
+            source = Some(i);
+        }
+    }
+    let source = source.expect("the node that holds the slot's records");
+    let target = (source + 1) % 3;
+    let (src, dst) = (cluster.nodes[source].port, cluster.nodes[target].port);
+
+    // Traffic: each round replays the stored keys and sends one of the new
+    // keys (new the first time, a replay after).
+    let rounds = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (rounds, stop, url) = (rounds.clone(), stop.clone(), url.clone());
+        let (stored, fresh) = (stored.clone(), fresh.clone());
+        tokio::spawn(async move {
+            let mut failures = Vec::new();
+            let mut sent = std::collections::HashSet::new();
+            let mut round = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for key in &stored {
+                    let r = Call::post(&url).key(key).body("x").await;
+                    if r.status != 201 || !r.is_replay() {
+                        failures.push(format!("round {round}: replay of {key}: {}", r.status));
+                    }
+                }
+                let key = &fresh[round % fresh.len()];
+                let first = sent.insert(key.clone());
+                let r = Call::post(&url).key(key).body("x").await;
+                if r.status != 201 || r.is_replay() == first {
+                    failures.push(format!(
+                        "round {round}: {key} ({}): {} {}",
+                        if first { "new" } else { "replay" },
+                        r.status,
+                        String::from_utf8_lossy(&r.body)
+                    ));
+                }
+                round += 1;
+                rounds.store(round, std::sync::atomic::Ordering::Relaxed);
+            }
+            failures
+        })
+    };
+    let some_rounds = || {
+        let rounds = rounds.clone();
+        async move {
+            let from = rounds.load(std::sync::atomic::Ordering::Relaxed);
+            eventually("traffic to go on", DEADLINE, || {
+                let rounds = rounds.clone();
+                async move {
+                    (rounds.load(std::sync::atomic::Ordering::Relaxed) >= from + 4).then_some(())
+                }
+            })
+            .await;
+        }
+    };
+    let ok = |v: redis::RedisResult<redis::Value>, what: &str| {
+        assert!(v.is_ok(), "{what}: {v:?}");
+    };
+
+    some_rounds().await;
+    ok(
+        redis_cmd(
+            dst,
+            &["CLUSTER", "SETSLOT", &slot_text, "IMPORTING", &ids[source]],
+        )
+        .await,
+        "importing",
+    );
+    ok(
+        redis_cmd(
+            src,
+            &["CLUSTER", "SETSLOT", &slot_text, "MIGRATING", &ids[target]],
+        )
+        .await,
+        "migrating",
+    );
+    // New keys now go to the importing node (ASK); stored ones are still here.
+    some_rounds().await;
+    // The records move one at a time, traffic running between them.
+    let dst_text = dst.to_string();
+    loop {
+        let keys: Vec<String> = redis::from_redis_value(
+            redis_cmd(src, &["CLUSTER", "GETKEYSINSLOT", &slot_text, "1"])
+                .await
+                .unwrap(),
+        )
+        .unwrap();
+        let Some(key) = keys.first() else { break };
+        ok(
+            redis_cmd(src, &["MIGRATE", "127.0.0.1", &dst_text, key, "0", "5000"]).await,
+            "migrate",
+        );
+        some_rounds().await;
+    }
+    for n in [target, source, (source + 2) % 3] {
+        ok(
+            redis_cmd(
+                cluster.nodes[n].port,
+                &["CLUSTER", "SETSLOT", &slot_text, "NODE", &ids[target]],
+            )
+            .await,
+            "setslot node",
+        );
+    }
+    // After the move: MOVED, then the new owner straight away.
+    some_rounds().await;
+    some_rounds().await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let failures = traffic.await.unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} failed requests in {} rounds: {failures:#?}",
+        failures.len(),
+        rounds.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert_eq!(
+        redis_cmd(dst, &["CLUSTER", "COUNTKEYSINSLOT", &slot_text])
+            .await
+            .unwrap(),
+        redis::Value::Int((stored.len() + fresh.len()) as i64),
+        "every record on the new owner"
+    );
+    // Each key ran once.
+    let mut runs = std::collections::HashMap::<String, usize>::new();
+    for seen in upstream.seen() {
+        if let Some(k) = seen.headers.get("idempotency-key") {
+            *runs.entry(k.to_str().unwrap().to_string()).or_default() += 1;
+        }
+    }
+    for key in stored.iter().chain(&fresh) {
+        assert_eq!(
+            runs.get(key),
+            Some(&1),
+            "{key} ran {:?} times",
+            runs.get(key)
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Sentinel
 

@@ -106,7 +106,7 @@ const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// As Node.js's default; room for large bearer tokens and cookies.
 const DEFAULT_MAX_HEADER_BYTES: usize = 16 * 1024;
 /// Redis's largest value: a record body beyond it could never be stored.
-const MAX_RECORD_BODY: u64 = 512 << 20;
+const MAX_RECORD_BODY: u64 = crate::record::MAX_BODY;
 
 fn duration(value: Option<HumanDuration>, default: Duration) -> Duration {
     value.map_or(default, |d| d.0)

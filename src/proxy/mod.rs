@@ -571,13 +571,17 @@ type Judged = Result<Option<(Verdict, Option<Duration>, Option<Room>)>, Stop>;
 /// the reserve may have written. A reservation that was written but not
 /// confirmed on the replicas, or a memory store that is full, is never
 /// forwarded, whatever `on_store_error` says: the store is there, and
-/// forwarding would drop protection silently.
+/// forwarding would drop protection silently. Nor is one whose answer is not
+/// believed (a record longer than any the proxy writes): the key may be taken.
 fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
     warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "store unavailable while reserving");
     Stop::StoreDown {
         may_pass: !matches!(
             e,
-            StoreError::NotReplicated { .. } | StoreError::Unconfirmed(_) | StoreError::Full
+            StoreError::NotReplicated { .. }
+                | StoreError::Unconfirmed(_)
+                | StoreError::Full
+                | StoreError::Untrue(_)
         ),
     }
 }

@@ -55,6 +55,18 @@ pub const TOKEN_RANGE: std::ops::Range<usize> = 2..18;
 /// The bytes of the head before the route name.
 const FIXED_HEAD: usize = 58;
 
+/// The largest body a record can hold: Redis's largest value (a larger
+/// `max_response_body` is a configuration error).
+pub const MAX_BODY: u64 = 512 << 20;
+
+/// What a record holds besides its body, at most: the stored response head
+/// (hyper's client takes at most ~408 KiB of it over HTTP/1.1, 16 KiB of
+/// header list over HTTP/2), trailers (16 KiB), the route name (under 64
+/// KiB), the head's fixed fields, and a seal's key id, nonce and tag. So no
+/// record this proxy writes is longer than the largest `max_response_body`
+/// plus this, and a store that says otherwise is not believed (§8).
+pub const MAX_OVERHEAD: u64 = 1 << 20;
+
 /// Identifies one reservation; a late finisher with an old token changes nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token(pub [u8; 16]);

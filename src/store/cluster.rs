@@ -5,8 +5,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
-use redis::{ConnectionAddr, ConnectionInfo, TlsCertificates, Value};
+use redis::{ConnectionAddr, ConnectionInfo, Pipeline, ServerErrorKind, TlsCertificates, Value};
 use tracing::debug;
 
 /// Cluster mode: the nodes a connection starts from. The configured seeds
@@ -79,6 +80,48 @@ impl ClusterNodes {
             *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = learned;
         }
     }
+}
+
+/// Sends a pipeline (commands on one key) in one write, as redis-rs does;
+/// when the key's slot is moving and the pipeline ends refused by a
+/// redirection, sends its commands again one at a time, through redis-rs's
+/// path for single commands, which follows `MOVED` and `ASK` properly.
+///
+/// redis-rs follows a pipeline's redirection as one request: on `ASK` it
+/// sends `ASKING` once, then the whole pipeline to the importing node, which
+/// honours `ASKING` for the first command only and answers the second with
+/// `MOVED` back to the migrating node, which answers `ASK` again, until the
+/// tries run out. So while a slot migrated, every reserve of a key already
+/// moved failed (503) until the migration ended. Sending the commands again
+/// is safe: each of the store's pipelines reserves or reads one key, and a
+/// reserve that finds its own reservation knows it as its own.
+pub(super) async fn pipeline(
+    conn: &mut ClusterConnection,
+    pipeline: &Pipeline,
+    offset: usize,
+    count: usize,
+) -> redis::RedisResult<Vec<Value>> {
+    let first = conn.req_packed_commands(pipeline, offset, count).await;
+    match first {
+        Err(e) if redirected(&e) && !pipeline.is_transaction() => {
+            let mut got = Vec::with_capacity(count);
+            for cmd in pipeline.cmd_iter().skip(offset).take(count) {
+                got.push(conn.req_packed_command(cmd).await?);
+            }
+            Ok(got)
+        }
+        answer => answer,
+    }
+}
+
+/// An error that says the key's slot is served elsewhere, or is moving.
+fn redirected(e: &redis::RedisError) -> bool {
+    matches!(
+        e.kind(),
+        redis::ErrorKind::Server(
+            ServerErrorKind::Moved | ServerErrorKind::Ask | ServerErrorKind::TryAgain
+        )
+    )
 }
 
 /// Every node a `CLUSTER SLOTS` answer names, once each, with the user,

@@ -17,6 +17,7 @@ mod redis;
 pub mod wire;
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use bytes::Bytes;
 use crate::config::{Backend, StoreConfig};
 use crate::deadline::Deadlines;
 use crate::metrics::Metrics;
-use crate::record::{DecodeError, Head, Record, Token};
+use crate::record::{DecodeError, Head, Record, Token, MAX_BODY, MAX_OVERHEAD};
 use crate::seal::{KeyFileError, SealError, Sealing};
 use crate::workers::PerWorker;
 
@@ -48,6 +49,11 @@ pub enum StoreError {
     /// it must be released by its token and the request not forwarded.
     #[error("reservation written, but its replication could not be confirmed: {0}")]
     Unconfirmed(String),
+    /// The store answered something no record the proxy wrote could give
+    /// (a length over any record, more bytes than asked for): the key may be
+    /// taken, so the request is never forwarded unprotected.
+    #[error("the store's answer is not believed: {0}")]
+    Untrue(String),
     #[error(transparent)]
     Decode(#[from] DecodeError),
     /// The memory store holds `memory_limit` bytes of records: no new keys until some expire.
@@ -194,8 +200,9 @@ pub(crate) trait Operations {
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError>;
     /// Deletes the reservation if `token` still owns it.
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError>;
-    /// The value and its remaining time.
-    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError>;
+    /// The value and its remaining time; a store that says the value is
+    /// longer than `at_most` bytes is not believed (an error).
+    async fn get(&self, key: &str, at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError>;
     /// Deletes the key whatever it holds.
     async fn delete(&self, key: &str) -> Result<bool, StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
@@ -254,6 +261,10 @@ pub struct Store {
     sealing: Option<Sealing>,
     /// A finished record that is not sealed is unreadable (`require_sealed`).
     require_sealed: bool,
+    /// The longest record the proxy writes ([`Store::limit_records`]): the
+    /// store's word for a longer one is not believed (§8, the store's bytes
+    /// are untrusted), so nothing is allocated for it.
+    record_limit: AtomicU64,
 }
 
 impl Store {
@@ -287,7 +298,29 @@ impl Store {
             metrics,
             sealing,
             require_sealed: cfg.require_sealed,
+            record_limit: AtomicU64::new(MAX_BODY + MAX_OVERHEAD),
         })
+    }
+
+    /// Records are at most `max_body` (the largest `max_response_body` of
+    /// the routes) plus a record's overhead: a store that says a record is
+    /// longer is not believed. Until this is called, the limit is the
+    /// largest body any configuration allows.
+    pub fn limit_records(&self, max_body: u64) {
+        self.record_limit
+            .store(max_body.saturating_add(MAX_OVERHEAD), Ordering::Relaxed);
+    }
+
+    /// After a reload: a larger `max_body` raises the limit, a smaller one
+    /// leaves it, so that the records written before stay readable.
+    pub fn raise_record_limit(&self, max_body: u64) {
+        self.record_limit
+            .fetch_max(max_body.saturating_add(MAX_OVERHEAD), Ordering::Relaxed);
+    }
+
+    /// The longest record believed.
+    pub fn record_limit(&self) -> u64 {
+        self.record_limit.load(Ordering::Relaxed)
     }
 
     /// The keys and their file, when records are sealed (for reloads on SIGHUP).
@@ -398,7 +431,10 @@ impl Store {
         // A decode error is an answer from a live store.
         let store_ok = !matches!(
             res,
-            Err(StoreError::Timeout(_) | StoreError::Backend(_) | StoreError::Unavailable(_))
+            Err(StoreError::Timeout(_)
+                | StoreError::Backend(_)
+                | StoreError::Unavailable(_)
+                | StoreError::Untrue(_))
         );
         if let Inner::Redis(r) = &self.inner {
             r.note_result(matches!(
@@ -439,6 +475,12 @@ impl Store {
             .await?;
         match found {
             None => Ok(Reservation::Reserved),
+            Some(Held::Large { len }) if len > self.record_limit() => {
+                Err(StoreError::Untrue(format!(
+                    "a record of {len} bytes; none is over {}",
+                    self.record_limit()
+                )))
+            }
             Some(Held::Large { len }) => Ok(Reservation::Large { len }),
             Some(Held::Value { value, ttl }) => Ok(match self.decode(key, value) {
                 Ok(record) => Reservation::Existing { record, ttl },
@@ -490,7 +532,10 @@ impl Store {
     /// Reads a record whole, opened when it is sealed (a large record's replay).
     pub async fn get(&self, key: &str) -> Result<Option<Inspected>, StoreError> {
         let found = self
-            .timed("get", backend!(&self.inner, b => b.get(key)))
+            .timed(
+                "get",
+                backend!(&self.inner, b => b.get(key, self.record_limit())),
+            )
             .await?;
         match found {
             None => Ok(None),
@@ -505,7 +550,10 @@ impl Store {
     /// sealed record is not opened, so its answer is never at hand.
     pub async fn peek(&self, key: &str) -> Result<Option<(Head, Duration)>, StoreError> {
         let found = self
-            .timed("get", backend!(&self.inner, b => b.get(key)))
+            .timed(
+                "get",
+                backend!(&self.inner, b => b.get(key, self.record_limit())),
+            )
             .await?;
         match found {
             None => Ok(None),

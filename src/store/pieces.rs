@@ -35,16 +35,25 @@ pub static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!(
 /// A record and its TTL. Up to [`PIECE`] bytes it is one round trip
 /// (STRLEN, PTTL and the first piece); a larger one is read piece by piece.
 /// `None` when the key is gone, or was written anew while it was being read.
+/// The store's word is checked before it is acted on: a length over
+/// `at_most` (longer than any record the proxy writes) or a piece longer
+/// than asked for is an error, and nothing is allocated for it.
 pub async fn get<C: ConnectionLike>(
     conn: &mut C,
     key: &str,
-) -> redis::RedisResult<Option<(Bytes, Duration)>> {
+    at_most: u64,
+) -> Result<Option<(Bytes, Duration)>, GetError> {
     let (len, pttl, first): (u64, i64, Vec<u8>) = redis::pipe()
         .strlen(key)
         .pttl(key)
         .getrange(key, 0, PIECE as isize - 1)
         .query_async(conn)
         .await?;
+    if len > at_most {
+        return Err(GetError::Untrue(format!(
+            "a record of {len} bytes; none is over {at_most}"
+        )));
+    }
     let ttl = Duration::from_millis(pttl.max(0) as u64);
     if pttl == -2 || first.is_empty() {
         return Ok(None);
@@ -53,20 +62,29 @@ pub async fn get<C: ConnectionLike>(
         return Ok((first.len() as u64 == len).then(|| (Bytes::from(first), ttl)));
     }
     let mut whole = BytesMut::with_capacity(len as usize);
-    whole.extend_from_slice(&first);
-    drop(first);
-    while (whole.len() as u64) < len {
+    let mut piece = first;
+    loop {
+        if piece.len() > PIECE {
+            return Err(GetError::Untrue(format!(
+                "{} bytes for a piece of at most {PIECE}",
+                piece.len()
+            )));
+        }
+        if piece.is_empty() || whole.len() + piece.len() > len as usize {
+            // Shorter or longer than it was: written anew meanwhile.
+            return Ok(None);
+        }
+        whole.extend_from_slice(&piece);
+        if whole.len() as u64 == len {
+            break;
+        }
         let from = whole.len() as isize;
-        let piece: Vec<u8> = redis::cmd("GETRANGE")
+        piece = redis::cmd("GETRANGE")
             .arg(key)
             .arg(from)
             .arg(from + PIECE as isize - 1)
             .query_async(conn)
             .await?;
-        if piece.is_empty() {
-            return Ok(None);
-        }
-        whole.extend_from_slice(&piece);
     }
     // Written anew meanwhile? A new write has a new owner token (or length).
     let (len_now, token): (u64, Vec<u8>) = redis::pipe()
@@ -81,6 +99,20 @@ pub async fn get<C: ConnectionLike>(
     let same =
         whole.len() as u64 == len && len_now == len && whole.get(TOKEN_RANGE) == Some(&token[..]);
     Ok(same.then(|| (whole.freeze(), ttl)))
+}
+
+/// Why a record could not be read.
+#[derive(Debug)]
+pub enum GetError {
+    Redis(redis::RedisError),
+    /// An answer no record the proxy wrote could give.
+    Untrue(String),
+}
+
+impl From<redis::RedisError> for GetError {
+    fn from(e: redis::RedisError) -> Self {
+        GetError::Redis(e)
+    }
 }
 
 /// Stores a large finished record in place of the reservation `token` owns.

@@ -59,7 +59,8 @@ pub(super) enum Conn {
     /// Standalone or Sentinel over TLS or a Unix socket: a multiplexed
     /// connection that reconnects on I/O errors.
     Single(ConnectionManager),
-    /// Cluster: follows MOVED/ASK and the slot map by itself.
+    /// Cluster: follows MOVED/ASK and the slot map by itself (a pipeline's
+    /// with [`super::cluster::pipeline`]'s help).
     Cluster(ClusterConnection),
 }
 
@@ -81,7 +82,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Wire(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => Box::pin(super::cluster::pipeline(c, pipeline, offset, count)),
         }
     }
 
@@ -282,6 +283,19 @@ pub(super) fn connection_info(
         settings = settings.set_password(p);
     }
     Ok(info.set_redis_settings(settings))
+}
+
+/// A reply, for an error message: its kind and size, never its bytes (a
+/// store that lies can send megabytes, and the message is logged).
+fn described(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => format!("a bulk string of {} bytes", b.len()),
+        Value::SimpleString(s) => format!("a status of {} bytes", s.len()),
+        Value::Array(a) => format!("an array of {} values", a.len()),
+        Value::ServerError(e) => format!("an error ({})", e.code()),
+        Value::Nil | Value::Okay | Value::Int(_) => format!("{v:?}"),
+        _ => "a reply of an unexpected kind".to_string(),
+    }
 }
 
 /// How often a reserve is sent when the key it found taken is gone by the
@@ -792,14 +806,21 @@ impl Operations for RedisStore {
             let (set, head) = send_reserve(&mut conn, key, &value, lease, inline)
                 .await
                 .map_err(|e| self.backend(e))?;
-            let unexpected =
-                |what, v: &Value| StoreError::Backend(format!("unexpected {what} answer {v:?}"));
+            let unexpected = |what, v: &Value| {
+                StoreError::Backend(format!("unexpected {what} answer: {}", described(v)))
+            };
             match set {
                 Value::Okay => break None,
                 Value::Nil => {}
                 other => return Err(unexpected("SET NX", &other)),
             }
             let head = match head {
+                Value::BulkString(head) if head.len() as u64 > inline.max(1) => {
+                    return Err(StoreError::Untrue(format!(
+                        "{} bytes for a GETRANGE of at most {inline}",
+                        head.len()
+                    )))
+                }
                 Value::BulkString(head) => head,
                 other => return Err(unexpected("GETRANGE", &other)),
             };
@@ -915,11 +936,14 @@ impl Operations for RedisStore {
     }
 
     /// A record and its TTL, in pieces when it is large (see [`pieces`]).
-    async fn get(&self, key: &str) -> Result<Option<(Bytes, Duration)>, StoreError> {
+    async fn get(&self, key: &str, at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let mut conn = self.conn().await?;
-        pieces::get(&mut conn, key)
+        pieces::get(&mut conn, key, at_most)
             .await
-            .map_err(|e| self.backend(e))
+            .map_err(|e| match e {
+                pieces::GetError::Redis(e) => self.backend(e),
+                pieces::GetError::Untrue(why) => StoreError::Untrue(why),
+            })
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
