@@ -5,7 +5,7 @@ use http::header::{HeaderValue, CONTENT_LENGTH, DATE, SET_COOKIE};
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 
 use crate::body::Body;
-use crate::record::{Finished, Record, Token};
+use crate::record::{Finished, Head, Record, Token};
 
 /// The meaning of the record that holds a key.
 #[derive(Debug)]
@@ -37,6 +37,21 @@ impl Verdict {
             Record::Finished(f) if f.body_stored => Verdict::Replay(f),
             Record::Finished(_) => Verdict::NotStored,
             Record::Processing(_) => Verdict::InFlight,
+        }
+    }
+}
+
+impl Verdict {
+    /// Judges a record by its clear head alone, as [`Verdict::of`] would
+    /// judge it whole; `None` when the verdict is a replay, the one verdict
+    /// that needs the answer itself (a large record is then fetched whole).
+    pub fn of_head(head: &Head, token: Token, fingerprint: &[u8; 32]) -> Option<Verdict> {
+        match head.finished {
+            None if head.token == token => Some(Verdict::Ours),
+            _ if head.fingerprint != *fingerprint => Some(Verdict::Mismatch),
+            None => Some(Verdict::InFlight),
+            Some(answered) if !answered.body_stored => Some(Verdict::NotStored),
+            Some(_) => None,
         }
     }
 }
