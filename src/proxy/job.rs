@@ -528,7 +528,8 @@ impl Job {
     }
 
     /// Sends `record` again after `last` until it is settled, `how.tries`
-    /// attempts are spent or `how.until` would pass; how the last went. After
+    /// attempts are spent or `how.until` would pass; how the last went
+    /// (`Unreplicated` when any attempt reached a master). After
     /// a failure the lease is renewed where it can be, unless a write has
     /// reached a master already (an unreplicated one): that master holds the
     /// finished record, which a renewal would take for a lost lease.
@@ -568,6 +569,10 @@ impl Job {
             if cut {
                 break;
             }
+        }
+        // A master took the record once: it is not to be replaced by less.
+        if written && last == Attempt::Failed {
+            return Attempt::Unreplicated;
         }
         last
     }
