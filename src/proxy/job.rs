@@ -491,9 +491,11 @@ impl Job {
                 );
             }
             (Attempt::Failed, Some(small)) => {
+                // One attempt at least, however the whole record's retries ended.
+                let until = (u.since + lease).max(tokio::time::Instant::now() + FIRST_PAUSE);
                 let instead = Retry {
                     tries: NOT_KEPT_TRIES,
-                    until: u.since + lease,
+                    until,
                     yields_to_drain: false,
                     pause: Duration::ZERO,
                 };
