@@ -106,6 +106,37 @@ struct RouteLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DegradedLabel {
+    route: RouteName,
+    result: &'static str,
+}
+
+/// A completion that did not end as the whole record, acknowledged where
+/// `wait_replicas` asks for it; the `result` label of
+/// `idemproxy_completions_degraded_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Degraded {
+    /// Written on the master, fewer than `wait_replicas` replicas acknowledged
+    /// it (counted for each `WAIT` that fell short).
+    Unreplicated,
+    /// The whole record could not be stored; the small record that says so
+    /// was (retries get the 410 `response-not-stored`).
+    NotKept,
+    /// Nothing could be stored: the key is freed when its lease runs out.
+    Lost,
+}
+
+impl Degraded {
+    fn as_str(self) -> &'static str {
+        match self {
+            Degraded::Unreplicated => "unreplicated",
+            Degraded::NotKept => "not_kept",
+            Degraded::Lost => "lost",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerLabel {
     worker: String,
 }
@@ -148,6 +179,7 @@ pub struct Metrics {
     /// Whose a route's `RouteSeries` are.
     id: u64,
     lease_lost: Family<RouteLabel, Counter>,
+    degraded: Family<DegradedLabel, Counter>,
     worker_connections: Family<WorkerLabel, Gauge>,
     pub inflight: Gauge,
     pub parked: Gauge,
@@ -275,6 +307,12 @@ impl Metrics {
             "Completions refused because another owner held the key",
             Family::<RouteLabel, Counter>::default(),
         );
+        let degraded = registered(
+            &mut registry,
+            "completions_degraded",
+            "Completions that did not end as the whole record on enough replicas, by route and result (unreplicated, not_kept, lost)",
+            Family::<DegradedLabel, Counter>::default(),
+        );
         let Gauges {
             worker_connections,
             inflight,
@@ -295,6 +333,7 @@ impl Metrics {
             unprotected: Default::default(),
             id: METRICS_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             lease_lost,
+            degraded,
             worker_connections,
             inflight,
             parked,
@@ -386,6 +425,15 @@ impl Metrics {
         self.lease_lost
             .get_or_create(&RouteLabel {
                 route: route.clone(),
+            })
+            .inc();
+    }
+
+    pub fn degraded(&self, route: &RouteName, result: Degraded) {
+        self.degraded
+            .get_or_create(&DegradedLabel {
+                route: route.clone(),
+                result: result.as_str(),
             })
             .inc();
     }

@@ -548,6 +548,18 @@ async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
     assert_eq!(mid_way.status, 409, "half written: in progress");
     let script = redis::Script::new(include_str!("../src/store/piece.lua"));
     let token = &whole[2..18];
+    // Out of step (a piece for an offset the record has not reached): refused.
+    let n: i64 = script
+        .key(&key)
+        .arg(token)
+        .arg(7)
+        .arg("x")
+        .arg(60_000)
+        .arg("")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(n, -1);
     for (from, last) in [(256 * 1024, false), (512 * 1024, true)] {
         let to = (from + 256 * 1024).min(whole.len());
         let n: i64 = script
@@ -565,18 +577,26 @@ async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
     let replay = big().await;
     assert!(replay.is_replay(), "status {}", replay.status);
     assert_eq!(replay.body, binary(size));
-    // Out of step (a piece for an offset the record has not reached), or another owner: refused.
+    // A piece delivered late (its attempt given up), even from offset 0,
+    // never turns the finished record back into a reservation.
     let n: i64 = script
         .key(&key)
         .arg(token)
-        .arg(7)
-        .arg("x")
+        .arg(0)
+        .arg(&whole[..256 * 1024])
         .arg(60_000)
         .arg("")
         .invoke_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(n, -1);
+    assert_eq!(n, 3, "finished already: nothing written");
+    let after: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(after == whole, "the finished record is left as it is");
+    // Another owner: refused.
     let n: i64 = script
         .key(&key)
         .arg(&[0u8; 16][..])
@@ -629,7 +649,8 @@ async fn store_connections(redis: &RedisServer) -> usize {
 /// A reserve brings back at most `INLINE_RECORD` bytes of what holds the
 /// key, the room its caller took for the answer: a value of exactly that
 /// size comes whole (its length says it is all), one byte more comes only
-/// as its length, to be fetched once there is room for it.
+/// as its length and its head (all that a 409 or a 422 needs), the rest to
+/// be fetched once there is room for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserve_brings_back_at_most_its_inline_size() {
     use idemproxy::record::Token;
@@ -639,21 +660,35 @@ async fn a_reserve_brings_back_at_most_its_inline_size() {
     let store = store_on(&redis, "");
     let lease = std::time::Duration::from_secs(30);
     let inline = INLINE_RECORD as usize;
+    let mut c = redis.conn().await.unwrap();
     for (name, size) in [("under", inline - 1), ("at", inline), ("over", inline + 1)] {
         let key = store.key_for(name);
-        let () = redis.cmd(&["SET", key.as_str(), &"x".repeat(size)]).await;
+        // Another's reservation, padded to `size` bytes.
+        let theirs = Token::new();
+        let mut value = processing(theirs).to_vec();
+        value.resize(size, b'x');
+        let () = redis::cmd("SET")
+            .arg(key.as_str())
+            .arg(&value)
+            .query_async(&mut c)
+            .await
+            .unwrap();
         let found = store
             .reserve(&key, processing(Token::new()), lease)
             .await
             .unwrap();
         match (size > inline, found) {
             // Came whole, and is no record of ours.
+            (false, Reservation::Existing { record, .. }) => assert_eq!(record.token(), theirs),
             (false, Reservation::Unreadable(_)) => {}
-            (true, Reservation::Large { len }) => assert_eq!(len, size as u64),
+            (true, Reservation::Large { len, head }) => {
+                assert_eq!(len, size as u64);
+                assert_eq!(head.token, theirs);
+            }
             (_, other) => panic!("{name} ({size} bytes): {other:?}"),
         }
-        let left: String = redis.cmd(&["GET", key.as_str()]).await;
-        assert_eq!(left.len(), size, "{name}: left as it was");
+        let left: Vec<u8> = redis.cmd(&["GET", key.as_str()]).await;
+        assert_eq!(left, value, "{name}: left as it was");
     }
 }
 

@@ -17,12 +17,12 @@ use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
 use crate::grpc;
-use crate::metrics::Outcome;
+use crate::metrics::{Degraded, Outcome};
 use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::{self, Problem};
 use crate::record::{now_ms, Finished, Record, Token};
 use crate::routes::RouteName;
-use crate::store::{self, Completion, RecordKey};
+use crate::store::{self, Completion, RecordKey, INLINE_RECORD};
 use crate::typical::Typical;
 use crate::upstream::{Inbound, UpstreamError};
 
@@ -31,6 +31,18 @@ const STORE_ATTEMPTS: u32 = 3;
 const FIRST_PAUSE: Duration = Duration::from_millis(25);
 /// The longest pause between background completion attempts.
 const MAX_PAUSE: Duration = Duration::from_secs(1);
+/// Attempts at most to store the whole record (the first, made before the
+/// client is answered, included); with pauses doubling from 25 ms to 1 s,
+/// about 20 s of a store that does not take it.
+const WHOLE_TRIES: u32 = 24;
+/// Attempts at most to store the small record that says the answer was not
+/// kept, once the whole record could not be stored.
+const NOT_KEPT_TRIES: u32 = 24;
+/// A record larger than this that cannot be stored whole is kept without its
+/// body (410 `response-not-stored`) rather than retried to the end: its
+/// pieces may be what the store cannot take in time. A smaller one is as
+/// cheap to send as that small record, and is retried for the whole window.
+const NOT_KEPT_ABOVE: usize = INLINE_RECORD as usize;
 
 /// A reservation that is ours, or may be (a reserve whose answer was lost).
 /// Until it is disarmed — by the job that completed or released it, or on
@@ -86,13 +98,26 @@ pub struct Job {
     pub grpc: bool,
     /// When the lease runs out unless renewed (from before the reserve was sent, to be safe).
     pub lease_until: std::sync::Mutex<tokio::time::Instant>,
-    /// The finished record the store has not taken yet (or not replicated),
-    /// and how its last attempt went.
-    pub unsaved: Option<(Bytes, Attempt)>,
+    /// The finished record the store has not taken yet (or not replicated).
+    pub unsaved: Option<Unsaved>,
     /// The request body's room in the budget, until the upstream has it.
     pub request_room: Option<Room>,
     /// The route's typical upstream duration, which each whole answer updates.
     pub typical: Arc<Typical>,
+}
+
+/// A completion the store has not taken yet (or not replicated), for [`Job::settle`].
+pub struct Unsaved {
+    /// The finished record, encoded (sealed) once: every attempt sends the same bytes.
+    whole: Bytes,
+    /// The small record stored when the whole one cannot be: status and
+    /// headers, no body (retries get the 410 `response-not-stored`). `None`
+    /// when the whole record is that small already.
+    not_kept: Option<Bytes>,
+    /// How the first attempt went.
+    last: Attempt,
+    /// When the first attempt was sent: the retries' window counts from it.
+    since: tokio::time::Instant,
 }
 
 /// How one completion attempt went.
@@ -104,6 +129,18 @@ pub enum Attempt {
     Unreplicated,
     /// The store did not take it.
     Failed,
+}
+
+/// How long, and how often, [`Job::retry`] sends a record again.
+struct Retry {
+    tries: u32,
+    /// No attempt begins after this.
+    until: tokio::time::Instant,
+    /// Draining (SIGTERM) ends it too: the whole record's retries, which a
+    /// small record can replace.
+    yields_to_drain: bool,
+    /// Before the first attempt (then doubling, 25 ms to 1 s).
+    pause: Duration,
 }
 
 /// Header or trailer fields as a record keeps them.
@@ -149,16 +186,13 @@ impl Job {
         }
     }
 
-    /// After the client has its answer: a record the store refused to take is
-    /// retried until the lease would run out (a store failover shorter than the
-    /// lease loses nothing, §8); then the key's fate is settled either way.
+    /// After the client has its answer: a record the store did not take is
+    /// retried in the background, a bounded number of times within the
+    /// lease (see [`Job::complete_in_background`]); then the key's fate is
+    /// settled either way.
     pub async fn settle(mut self) {
-        if let Some((record, last)) = self.unsaved.take() {
-            tokio::select! {
-                () = self.complete_in_background(record, last) => {}
-                // The end of the shutdown grace: the lease frees the key.
-                () = self.claim.app.hard_stop.cancelled() => {}
-            }
+        if let Some(unsaved) = self.unsaved.take() {
+            self.complete_in_background(unsaved).await;
         }
         self.claim.disarm();
     }
@@ -330,7 +364,7 @@ impl Job {
         body: Bytes,
         body_stored: bool,
     ) {
-        let record = Record::Finished(Finished {
+        let finished = Finished {
             token: self.claim.token,
             fingerprint: self.fingerprint,
             created_ms: self.created_ms,
@@ -341,15 +375,40 @@ impl Job {
             headers,
             body,
             trailers,
-        });
+        };
         // Sealed here, once: a retried completion sends the same bytes.
-        let record = match self
-            .claim
-            .app
-            .store
-            .encode(self.claim.store_key.as_str(), &record)
-        {
-            Ok(record) => record,
+        let Some(whole) = self.encode(&Record::Finished(finished.clone())) else {
+            return;
+        };
+        let since = tokio::time::Instant::now();
+        let last = self.try_complete(whole.clone(), true).await;
+        if last == Attempt::Settled {
+            return;
+        }
+        let not_kept = (body_stored && whole.len() > NOT_KEPT_ABOVE)
+            .then(|| {
+                self.encode(&Record::Finished(Finished {
+                    body_stored: false,
+                    body: Bytes::new(),
+                    trailers: Vec::new(),
+                    ..finished
+                }))
+            })
+            .flatten();
+        self.unsaved = Some(Unsaved {
+            whole,
+            not_kept,
+            last,
+            since,
+        });
+    }
+
+    /// A record as the store keeps it (sealed when a key file is configured);
+    /// `None`, logged, when it cannot be sealed.
+    fn encode(&self, record: &Record) -> Option<Bytes> {
+        let app = &self.claim.app;
+        match app.store.encode(self.claim.store_key.as_str(), record) {
+            Ok(encoded) => Some(encoded),
             Err(e) => {
                 error!(
                     request_id = %self.request_id,
@@ -357,24 +416,34 @@ impl Job {
                     error = %e,
                     "the record could not be sealed and is not stored; a retry with this key will execute again once the lease runs out"
                 );
-                return;
+                None
             }
-        };
-        match self.try_complete(record.clone()).await {
-            Attempt::Settled => {}
-            last => self.unsaved = Some((record, last)),
         }
     }
 
     /// One completion attempt: settled (stored, or someone else's), to be
-    /// written again, or to be retried after a failure.
-    async fn try_complete(&self, record: Bytes) -> Attempt {
+    /// written again, or to be retried after a failure. `whole`: the whole
+    /// record, whose attempt the end of the shutdown grace cuts short (a
+    /// large one takes a round trip per piece), so that the small record
+    /// still has its turn.
+    async fn try_complete(&self, record: Bytes, whole: bool) -> Attempt {
         let (claim, ttl) = (&self.claim, self.policy.ttl);
         let stored = claim
             .app
             .store
             .complete(claim.store_key.as_str(), claim.token, record, ttl);
         let (id, route) = (&self.request_id, &self.route_name);
+        let stored = async {
+            if !whole {
+                return stored.await;
+            }
+            tokio::select! {
+                stored = stored => stored,
+                () = claim.app.hard_stop.cancelled() => Err(store::StoreError::Backend(
+                    "cut short at the end of the shutdown grace".into(),
+                )),
+            }
+        };
         match stored.await {
             Ok(Completion::Stored) => Attempt::Settled,
             Ok(Completion::StoredAfterExpiry) => {
@@ -387,6 +456,7 @@ impl Job {
                 Attempt::Settled
             }
             Ok(Completion::Unreplicated { wanted, acked }) => {
+                claim.app.metrics.degraded(route, Degraded::Unreplicated);
                 warn!(request_id = %id, route = %route, wanted, acked, "record stored, but too few replicas acknowledged it; writing it again while the lease lasts");
                 Attempt::Unreplicated
             }
@@ -397,46 +467,128 @@ impl Job {
         }
     }
 
-    /// Retries a completion until it is settled or the lease would run out.
-    /// After a failure the lease is renewed where it can be, unless a write
-    /// has reached a master already (an unreplicated one): that master holds
-    /// the finished record, which a renewal would take for a lost lease.
-    async fn complete_in_background(&self, record: Bytes, mut last: Attempt) {
-        let mut pause = FIRST_PAUSE;
-        let mut written = last == Attempt::Unreplicated;
-        loop {
-            let until = *self.lease_until.lock().unwrap_or_else(|e| e.into_inner());
-            if tokio::time::Instant::now() + pause >= until {
-                if last == Attempt::Unreplicated {
-                    warn!(
-                        request_id = %self.request_id,
-                        route = %self.route_name,
-                        "record stored, but not acknowledged by enough replicas before the lease ran out; a failover now could execute a retry again"
-                    );
-                } else {
-                    error!(
-                        request_id = %self.request_id,
-                        route = %self.route_name,
-                        "record could not be stored before the lease ran out; a retry with this key will execute again"
-                    );
-                }
-                return;
+    /// Retries a completion, bounded in time and in tries (§8): the whole
+    /// record for at most [`WHOLE_TRIES`] attempts within the lease counted
+    /// from the first (half of it when a small record can stand in for it),
+    /// renewing the lease after each failure so that the key stays held. A
+    /// large record that the store did not take by then — or when draining
+    /// begins (SIGTERM) — is replaced by the small record that says the
+    /// answer was not kept ([`NOT_KEPT_TRIES`] attempts, until the lease
+    /// counted from the first runs out; the end of the shutdown grace leaves
+    /// it one last attempt): once the upstream has answered, the key is not
+    /// freed before its TTL unless the store takes nothing at all.
+    async fn complete_in_background(&self, u: Unsaved) {
+        let app = &self.claim.app;
+        let lease = self.policy.lease;
+        let whole_until = match u.not_kept {
+            Some(_) => u.since + lease / 2,
+            None => u.since + lease,
+        };
+        let whole = Retry {
+            tries: WHOLE_TRIES - 1,
+            until: whole_until,
+            yields_to_drain: u.not_kept.is_some(),
+            pause: FIRST_PAUSE,
+        };
+        let (id, route) = (&self.request_id, &self.route_name);
+        match (self.retry(&u.whole, u.last, whole).await, u.not_kept) {
+            (Attempt::Settled, _) => {
+                info!(request_id = %id, route = %route, "record stored after the store recovered");
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(MAX_PAUSE);
-            last = self.try_complete(record.clone()).await;
-            match last {
-                Attempt::Settled => {
-                    info!(request_id = %self.request_id, route = %self.route_name, "record stored after the store recovered");
-                    return;
+            (Attempt::Unreplicated, _) => {
+                warn!(
+                    request_id = %id,
+                    route = %route,
+                    "record stored, but not acknowledged by enough replicas before its retries ran out; a failover now could execute a retry again"
+                );
+            }
+            (Attempt::Failed, Some(small)) => {
+                // One attempt at least, however the whole record's retries ended.
+                let until = (u.since + lease).max(tokio::time::Instant::now() + FIRST_PAUSE);
+                let instead = Retry {
+                    tries: NOT_KEPT_TRIES,
+                    until,
+                    yields_to_drain: false,
+                    pause: Duration::ZERO,
+                };
+                match self.retry(&small, Attempt::Failed, instead).await {
+                    Attempt::Failed => self.lost(),
+                    _ => {
+                        app.metrics.degraded(route, Degraded::NotKept);
+                        warn!(
+                            request_id = %id,
+                            route = %route,
+                            bytes = u.whole.len(),
+                            "the answer could not be stored whole; stored without its body, so retries get 410 and never execute again"
+                        );
+                    }
                 }
+            }
+            (Attempt::Failed, None) => self.lost(),
+        }
+    }
+
+    /// Nothing could be stored: the lease frees the key.
+    fn lost(&self) {
+        self.claim
+            .app
+            .metrics
+            .degraded(&self.route_name, Degraded::Lost);
+        error!(
+            request_id = %self.request_id,
+            route = %self.route_name,
+            "record could not be stored before the lease ran out; a retry with this key will execute again"
+        );
+    }
+
+    /// Sends `record` again after `last` until it is settled, `how.tries`
+    /// attempts are spent or `how.until` would pass; how the last went
+    /// (`Unreplicated` when any attempt reached a master). After
+    /// a failure the lease is renewed where it can be, unless a write has
+    /// reached a master already (an unreplicated one): that master holds the
+    /// finished record, which a renewal would take for a lost lease.
+    async fn retry(&self, record: &Bytes, mut last: Attempt, how: Retry) -> Attempt {
+        let app = &self.claim.app;
+        let Retry {
+            mut tries,
+            until,
+            yields_to_drain,
+            mut pause,
+        } = how;
+        let mut written = last == Attempt::Unreplicated;
+        while tries > 0 {
+            let draining = app.draining.load(std::sync::atomic::Ordering::Acquire);
+            if (yields_to_drain && draining) || tokio::time::Instant::now() + pause >= until {
+                break;
+            }
+            // The end of the shutdown grace cuts the pause short: one last attempt.
+            let cut = tokio::select! {
+                () = tokio::time::sleep(pause) => false,
+                () = app.hard_stop.cancelled() => true,
+            };
+            if cut && yields_to_drain {
+                break;
+            }
+            tries -= 1;
+            pause = (pause * 2).clamp(FIRST_PAUSE, MAX_PAUSE);
+            last = self.try_complete(record.clone(), yields_to_drain).await;
+            match last {
+                Attempt::Settled => break,
                 Attempt::Failed if !written => {
                     self.renew().await;
                 }
                 Attempt::Failed => {}
                 Attempt::Unreplicated => written = true,
             }
+            if cut {
+                break;
+            }
         }
+        // A master took the record once: it is not to be replaced by less.
+        if written && last == Attempt::Failed {
+            return Attempt::Unreplicated;
+        }
+        last
     }
 
     async fn release(&self) {

@@ -441,7 +441,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let mut waits_until = None;
     let mut pause = Duration::from_millis(5);
     loop {
-        let store_down = |e| store_down(ctx, id, e);
+        let store_down = |e| store_down(ctx, id, e, Taken::No);
         let sent_at = Instant::now();
         let wait_until = *waits_until.get_or_insert(sent_at + policy.wait_timeout);
         let found =
@@ -485,7 +485,11 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
                 let left = match ttl {
                     Some(ttl) => ttl,
-                    None => app.store.pttl(id.key.as_str()).await.map_err(store_down)?,
+                    None => app
+                        .store
+                        .pttl(id.key.as_str())
+                        .await
+                        .map_err(|e| self::store_down(ctx, id, e, Taken::Yes))?,
                 };
                 // At most the lease: the first may have finished between the two round
                 // trips, and then PTTL is its record's TTL, not a lease.
@@ -513,9 +517,10 @@ fn processing(route: &Route, id: &Identity, token: Token, created_ms: u64) -> By
 }
 
 /// What holds the key, judged, with its remaining TTL when known. A record
-/// too large to come with the reserve's answer is fetched only with room for
-/// it in the budget, and that room comes back with the verdict (a replay
-/// keeps it); `None` when the record went away in between.
+/// too large to come with the reserve's answer is judged by its head, which
+/// came with it; only a replay fetches it whole, with room for it in the
+/// budget, and that room comes back with the verdict (the replay keeps it);
+/// `None` when the record went away in between.
 async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -> Judged {
     let unreadable = |e: &dyn std::fmt::Display| {
         error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "the record under this key cannot be read; not forwarding");
@@ -526,10 +531,15 @@ async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -
         Reservation::Existing { record, ttl } => (record, ttl, None),
         Reservation::Unreadable(e) => return unreadable(&e),
         // Boxed: the large read's state is not carried by every replay's.
-        Reservation::Large { len } => match Box::pin(fetch_large(ctx, id, len)).await? {
-            Fetched::Gone => return Ok(None),
-            Fetched::Unreadable(e) => return unreadable(&e),
-            Fetched::Record(record, ttl, room) => (record, Some(ttl), Some(room)),
+        // Only a replay needs more than the head (boxed: the large read's
+        // state is not carried by every replay's).
+        Reservation::Large { len, head } => match Verdict::of_head(&head, token, &id.fingerprint) {
+            Some(verdict) => return Ok(Some((verdict, None, None))),
+            None => match Box::pin(fetch_large(ctx, id, len)).await? {
+                Fetched::Gone => return Ok(None),
+                Fetched::Unreadable(e) => return unreadable(&e),
+                Fetched::Record(record, ttl, room) => (record, Some(ttl), Some(room)),
+            },
         },
     };
     Ok(Some((
@@ -560,29 +570,40 @@ async fn fetch_large(ctx: &Ctx<'_>, id: &Identity, len: u64) -> Result<Fetched, 
         Ok(None) => Ok(Fetched::Gone),
         Ok(Some(Inspected { record, ttl })) => Ok(Fetched::Record(record, ttl, room)),
         Err(StoreError::Decode(e)) => Ok(Fetched::Unreadable(e)),
-        Err(e) => Err(store_down(ctx, id, e)),
+        Err(e) => Err(store_down(ctx, id, e, Taken::Yes)),
     }
 }
 
 /// A verdict, the record's TTL when known, and the room a fetched record holds.
 type Judged = Result<Option<(Verdict, Option<Duration>, Option<Room>)>, Stop>;
 
+/// Whether the store had said the key is taken before it failed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Taken {
+    No,
+    /// A record holds the key (its read, or its remaining lease, failed).
+    Yes,
+}
+
 /// The store failed while reserving. The claim (still armed) releases whatever
-/// the reserve may have written. A reservation that was written but not
-/// confirmed on the replicas, or a memory store that is full, is never
-/// forwarded, whatever `on_store_error` says: the store is there, and
-/// forwarding would drop protection silently. Nor is one whose answer is not
-/// believed (a record longer than any the proxy writes): the key may be taken.
-fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
-    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "store unavailable while reserving");
+/// the reserve may have written. Never forwarded, whatever `on_store_error`
+/// says: a reservation that was written but not confirmed on the replicas, a
+/// memory store that is full (the store is there, and forwarding would drop
+/// protection silently), an answer that is not believed (a record longer than
+/// any the proxy writes: the key may be taken), and a key the reserve found
+/// taken whose record could not then be read in time (the operation may have
+/// run, or be running).
+fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError, taken: Taken) -> Stop {
+    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, taken = taken == Taken::Yes, "store unavailable while reserving");
     Stop::StoreDown {
-        may_pass: !matches!(
-            e,
-            StoreError::NotReplicated { .. }
-                | StoreError::Unconfirmed(_)
-                | StoreError::Full
-                | StoreError::Untrue(_)
-        ),
+        may_pass: taken == Taken::No
+            && !matches!(
+                e,
+                StoreError::NotReplicated { .. }
+                    | StoreError::Unconfirmed(_)
+                    | StoreError::Full
+                    | StoreError::Untrue(_)
+            ),
     }
 }
 

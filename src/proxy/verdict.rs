@@ -5,7 +5,7 @@ use http::header::{HeaderValue, CONTENT_LENGTH, DATE, SET_COOKIE};
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 
 use crate::body::Body;
-use crate::record::{Finished, Record, Token};
+use crate::record::{Finished, Head, Record, Token};
 
 /// The meaning of the record that holds a key.
 #[derive(Debug)]
@@ -39,6 +39,23 @@ impl Verdict {
             Record::Processing(p) => Verdict::InFlight {
                 created_ms: p.created_ms,
             },
+        }
+    }
+}
+
+impl Verdict {
+    /// Judges a record by its clear head alone, as [`Verdict::of`] would
+    /// judge it whole; `None` when the verdict is a replay, the one verdict
+    /// that needs the answer itself (a large record is then fetched whole).
+    pub fn of_head(head: &Head, token: Token, fingerprint: &[u8; 32]) -> Option<Verdict> {
+        match head.finished {
+            None if head.token == token => Some(Verdict::Ours),
+            _ if head.fingerprint != *fingerprint => Some(Verdict::Mismatch),
+            None => Some(Verdict::InFlight {
+                created_ms: head.created_ms,
+            }),
+            Some(answered) if !answered.body_stored => Some(Verdict::NotStored),
+            Some(_) => None,
         }
     }
 }

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{Completion, Held, Operations, StoreError};
+use crate::deadline::Deadlines;
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
 struct Entry {
@@ -167,6 +168,7 @@ impl Operations for MemoryStore {
         token: Token,
         value: Bytes,
         ttl: Duration,
+        _steps: &Deadlines,
     ) -> Result<Completion, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
@@ -210,7 +212,12 @@ impl Operations for MemoryStore {
     }
 
     /// Its own memory holds only what the proxy put there: nothing to check `_at_most` against.
-    async fn get(&self, key: &str, _at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError> {
+    async fn get(
+        &self,
+        key: &str,
+        _at_most: u64,
+        _steps: &Deadlines,
+    ) -> Result<Option<(Bytes, Duration)>, StoreError> {
         let now = Instant::now();
         Ok(self
             .lock()
@@ -279,7 +286,11 @@ mod tests {
                 .await;
         }
         assert!(
-            store.get("k", u64::MAX).await.unwrap().is_some(),
+            store
+                .get("k", u64::MAX, &Deadlines::new(Duration::from_secs(1)))
+                .await
+                .unwrap()
+                .is_some(),
             "the stale expiry entry must not remove the renewed record"
         );
     }
@@ -336,8 +347,9 @@ mod tests {
         assert!(matches!(full, Err(StoreError::Full)), "84 + 42 > 100");
         // A completion may take the store over its limit: the operation ran.
         let big = Bytes::from(vec![0u8; 90]);
+        let steps = Deadlines::new(Duration::from_secs(1));
         let done = store
-            .complete("k1", token, big, Duration::from_secs(60))
+            .complete("k1", token, big, Duration::from_secs(60), &steps)
             .await;
         assert_eq!(done.unwrap(), Completion::Stored);
         assert_eq!(store.lock().bytes, 2 + 90 + 2 + 40);

@@ -101,9 +101,11 @@ pub enum Reservation {
     /// A value holds the key that this build cannot decode: not ours, and not
     /// to be overwritten or bypassed (the operation may have run).
     Unreadable(DecodeError),
-    /// A record larger than [`INLINE_RECORD`] holds the key: fetch it with
-    /// [`Store::get`] once there is room for `len` bytes.
-    Large { len: u64 },
+    /// A record larger than [`INLINE_RECORD`] holds the key: its clear
+    /// head came with the reserve's answer, which is all a 409, 410 or 422
+    /// needs; a replay fetches it whole with [`Store::get`] once there is
+    /// room for `len` bytes.
+    Large { len: u64, head: Head },
 }
 
 /// A record's store key (`prefix:id`) and where its id begins; clones share it.
@@ -156,8 +158,9 @@ pub(crate) enum Held {
         /// What is left of the key's lease or TTL, when the backend knows it without another round trip.
         ttl: Option<Duration>,
     },
-    /// A value larger than the caller wanted inline: only its length.
-    Large { len: u64 },
+    /// A value larger than the caller wanted inline: its length and its
+    /// first bytes (the record's head among them).
+    Large { len: u64, start: Bytes },
 }
 
 /// The largest record a reserve brings back with its answer; a larger one is
@@ -188,21 +191,30 @@ pub(crate) trait Operations {
     ) -> Result<Option<Held>, StoreError>;
     /// What is left of the key's lease or TTL; zero when it is gone.
     async fn pttl(&self, key: &str) -> Result<Duration, StoreError>;
-    /// Writes the finished record if `token` still owns the key (or nobody does).
+    /// Writes the finished record if `token` still owns the key (or nobody
+    /// does); each round trip (each piece of a large record, the `WAIT`)
+    /// within its own `op_timeout` from `steps`.
     async fn complete(
         &self,
         key: &str,
         token: Token,
         value: Bytes,
         ttl: Duration,
+        steps: &Deadlines,
     ) -> Result<Completion, StoreError>;
     /// Extends the lease if `token` still owns the key.
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError>;
     /// Deletes the reservation if `token` still owns it.
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError>;
-    /// The value and its remaining time; a store that says the value is
-    /// longer than `at_most` bytes is not believed (an error).
-    async fn get(&self, key: &str, at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError>;
+    /// The value and its remaining time; each round trip (each piece of a
+    /// large record) within its own `op_timeout` from `steps`. A store that
+    /// says the value is longer than `at_most` bytes is not believed (an error).
+    async fn get(
+        &self,
+        key: &str,
+        at_most: u64,
+        steps: &Deadlines,
+    ) -> Result<Option<(Bytes, Duration)>, StoreError>;
     /// Deletes the key whatever it holds.
     async fn delete(&self, key: &str) -> Result<bool, StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
@@ -412,7 +424,23 @@ impl Store {
     {
         let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
             Box::pin(fut);
-        self.timed_boxed(start, op, fut)
+        self.timed_boxed(start, op, fut, true)
+    }
+
+    /// An operation of several round trips, each bounded by `op_timeout` in
+    /// the backend (a large record's pieces, `WAIT`): its metric and the
+    /// reconnect count, no bound on the whole.
+    fn in_steps<'a, T: 'a, F>(
+        &'a self,
+        op: &'static str,
+        fut: F,
+    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a
+    where
+        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
+    {
+        let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
+            Box::pin(fut);
+        self.timed_boxed(None, op, fut, false)
     }
 
     async fn timed_boxed<T>(
@@ -420,13 +448,18 @@ impl Store {
         start: Option<tokio::time::Instant>,
         op: &'static str,
         fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
+        bounded: bool,
     ) -> Result<T, StoreError> {
         let start = start.unwrap_or_else(tokio::time::Instant::now);
-        let deadlines = self.deadlines.get();
-        let timeout = deadlines.after();
-        let res = match deadlines.within(start, fut).await {
-            Some(r) => r,
-            None => Err(StoreError::Timeout(timeout)),
+        let res = if bounded {
+            let deadlines = self.deadlines.get();
+            let timeout = deadlines.after();
+            match deadlines.within(start, fut).await {
+                Some(r) => r,
+                None => Err(StoreError::Timeout(timeout)),
+            }
+        } else {
+            fut.await
         };
         // A decode error is an answer from a live store.
         let store_ok = !matches!(
@@ -475,13 +508,25 @@ impl Store {
             .await?;
         match found {
             None => Ok(Reservation::Reserved),
-            Some(Held::Large { len }) if len > self.record_limit() => {
+            Some(Held::Large { len, .. }) if len > self.record_limit() => {
                 Err(StoreError::Untrue(format!(
                     "a record of {len} bytes; none is over {}",
                     self.record_limit()
                 )))
             }
-            Some(Held::Large { len }) => Ok(Reservation::Large { len }),
+            Some(Held::Large { len, start }) => Ok(match Head::decode(start) {
+                // Judged from its head (409, 410, 422): with `require_sealed`,
+                // a finished one in the clear is unreadable there too.
+                Ok(head)
+                    if self.require_sealed
+                        && head.finished.is_some()
+                        && head.sealed_with.is_none() =>
+                {
+                    Reservation::Unreadable(DecodeError::NotSealed)
+                }
+                Ok(head) => Reservation::Large { len, head },
+                Err(e) => Reservation::Unreadable(e),
+            }),
             Some(Held::Value { value, ttl }) => Ok(match self.decode(key, value) {
                 Ok(record) => Reservation::Existing { record, ttl },
                 Err(e) => Reservation::Unreadable(e),
@@ -502,9 +547,10 @@ impl Store {
         finished: Bytes,
         ttl: Duration,
     ) -> Result<Completion, StoreError> {
-        self.timed(
+        let steps = self.deadlines.get();
+        self.in_steps(
             "complete",
-            backend!(&self.inner, b => b.complete(key, token, finished, ttl)),
+            backend!(&self.inner, b => b.complete(key, token, finished, ttl, steps)),
         )
         .await
     }
@@ -529,12 +575,14 @@ impl Store {
             .await
     }
 
-    /// Reads a record whole, opened when it is sealed (a large record's replay).
+    /// Reads a record whole, opened when it is sealed (a large record's
+    /// replay); each round trip within its own `op_timeout`.
     pub async fn get(&self, key: &str) -> Result<Option<Inspected>, StoreError> {
+        let steps = self.deadlines.get();
         let found = self
-            .timed(
+            .in_steps(
                 "get",
-                backend!(&self.inner, b => b.get(key, self.record_limit())),
+                backend!(&self.inner, b => b.get(key, self.record_limit(), steps)),
             )
             .await?;
         match found {
@@ -549,10 +597,11 @@ impl Store {
     /// Reads a record's clear head and its remaining time (admin API): a
     /// sealed record is not opened, so its answer is never at hand.
     pub async fn peek(&self, key: &str) -> Result<Option<(Head, Duration)>, StoreError> {
+        let steps = self.deadlines.get();
         let found = self
-            .timed(
+            .in_steps(
                 "get",
-                backend!(&self.inner, b => b.get(key, self.record_limit())),
+                backend!(&self.inner, b => b.get(key, self.record_limit(), steps)),
             )
             .await?;
         match found {

@@ -8,9 +8,13 @@
 -- reservation in progress, never half an answer. The last piece turns it
 -- into 'F' and gives it its ttl.
 -- Returns 1 written, 2 written where the key had gone (first piece only),
--- 0 refused (another owner holds the key), -1 out of step (the key went or
--- changed length mid-way: the caller starts again from offset 0).
--- Safe to send twice: a repeat from offset 0 rewrites the caller's own record.
+-- 0 refused (another owner holds the key), 3 nothing written: the caller's
+-- record is finished already (an earlier attempt whose answer was lost, or
+-- the small record that says the answer was not kept), -1 out of step (the
+-- key went or changed length mid-way: the caller starts again from offset 0).
+-- Safe to send twice: a repeat from offset 0 rewrites the caller's own
+-- record while it is in progress, and never turns a finished one back into
+-- a reservation (a piece delivered late, after its attempt was given up).
 local head = redis.call('GETRANGE', KEYS[1], 0, 17)
 local offset = tonumber(ARGV[2])
 local result = 1
@@ -22,6 +26,8 @@ if head == '' then
   result = 2
 elseif string.sub(head, 3, 18) ~= ARGV[1] then
   return 0
+elseif string.sub(head, 2, 2) == 'F' then
+  return 3
 elseif offset == 0 then
   redis.call('SET', KEYS[1], ARGV[3], 'KEEPTTL')
   if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then

@@ -9,8 +9,15 @@
 //! `GETRANGE` pieces into a buffer of the record's exact size, then the length
 //! and owner token again: a record written anew meanwhile (new token, or new
 //! length) is not returned.
+//!
+//! Every round trip has its own `op_timeout` ([`Step`]): a 16 MiB record is
+//! 64 pieces, and a store a few milliseconds away needs longer than one
+//! `op_timeout` for all of them, though each piece takes a few milliseconds.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::LazyLock;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -19,7 +26,8 @@ use redis::Script;
 
 use super::redis::{ms, run_script, Conn};
 use super::wire::digits;
-use super::Completion;
+use super::{Completion, StoreError};
+use crate::deadline::{Deadlines, Within};
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
 /// The most of a record one command or reply carries.
@@ -32,25 +40,94 @@ const WRITE_LEASE: Duration = Duration::from_secs(60);
 
 pub static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));
 
+/// One round trip's bound and how its client errors read as store errors.
+pub struct Step<'a> {
+    /// `op_timeout`, counted from each round trip's start.
+    pub deadlines: &'a Deadlines,
+    pub error: &'a ErrorOf<'a>,
+}
+
+impl<'a> Step<'a> {
+    /// Runs one round trip within its own `op_timeout`. (A future of its
+    /// own, not an `async fn`: that would hold `fut` twice, as its argument
+    /// and inside the bound, and the completion's future is copied whole.)
+    pub fn run<T, F>(&self, fut: F) -> Bounded<'a, F, &'a ErrorOf<'a>>
+    where
+        F: Future<Output = redis::RedisResult<T>>,
+    {
+        Bounded {
+            within: self.deadlines.within(tokio::time::Instant::now(), fut),
+            convert: self.error,
+            after: self.deadlines.after(),
+        }
+    }
+
+    /// [`Step::run`] for a step whose errors are store errors already (connecting).
+    pub fn bound<T, F>(&self, fut: F) -> Bounded<'a, F, fn(StoreError) -> StoreError>
+    where
+        F: Future<Output = Result<T, StoreError>>,
+    {
+        Bounded {
+            within: self.deadlines.within(tokio::time::Instant::now(), fut),
+            convert: std::convert::identity,
+            after: self.deadlines.after(),
+        }
+    }
+}
+
+/// How a client error reads as a store error.
+pub type ErrorOf<'a> = dyn Fn(redis::RedisError) -> StoreError + Sync + 'a;
+
+pin_project_lite::pin_project! {
+    /// One round trip cut off at its `op_timeout`, its error a store error.
+    pub struct Bounded<'a, F, C> {
+        #[pin]
+        within: Within<'a, F>,
+        convert: C,
+        after: Duration,
+    }
+}
+
+impl<T, E, F, C> Future for Bounded<'_, F, C>
+where
+    F: Future<Output = Result<T, E>>,
+    C: Fn(E) -> StoreError,
+{
+    type Output = Result<T, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        Poll::Ready(match std::task::ready!(this.within.poll(cx)) {
+            Some(answer) => answer.map_err(this.convert),
+            None => Err(StoreError::Timeout(*this.after)),
+        })
+    }
+}
+
 /// A record and its TTL. Up to [`PIECE`] bytes it is one round trip
-/// (STRLEN, PTTL and the first piece); a larger one is read piece by piece.
-/// `None` when the key is gone, or was written anew while it was being read.
-/// The store's word is checked before it is acted on: a length over
-/// `at_most` (longer than any record the proxy writes) or a piece longer
-/// than asked for is an error, and nothing is allocated for it.
+/// (STRLEN, PTTL and the first piece); a larger one is read piece by piece,
+/// each round trip within its own `op_timeout`. `None` when the key is gone,
+/// or was written anew while it was being read. The store's word is checked
+/// before it is acted on: a length over `at_most` (longer than any record
+/// the proxy writes) or a piece longer than asked for is an error
+/// ([`StoreError::Untrue`]), and nothing is allocated for it.
 pub async fn get<C: ConnectionLike>(
     conn: &mut C,
     key: &str,
     at_most: u64,
-) -> Result<Option<(Bytes, Duration)>, GetError> {
-    let (len, pttl, first): (u64, i64, Vec<u8>) = redis::pipe()
-        .strlen(key)
-        .pttl(key)
-        .getrange(key, 0, PIECE as isize - 1)
-        .query_async(conn)
+    step: &Step<'_>,
+) -> Result<Option<(Bytes, Duration)>, StoreError> {
+    let (len, pttl, first): (u64, i64, Vec<u8>) = step
+        .run(
+            redis::pipe()
+                .strlen(key)
+                .pttl(key)
+                .getrange(key, 0, PIECE as isize - 1)
+                .query_async(conn),
+        )
         .await?;
     if len > at_most {
-        return Err(GetError::Untrue(format!(
+        return Err(StoreError::Untrue(format!(
             "a record of {len} bytes; none is over {at_most}"
         )));
     }
@@ -65,7 +142,7 @@ pub async fn get<C: ConnectionLike>(
     let mut piece = first;
     loop {
         if piece.len() > PIECE {
-            return Err(GetError::Untrue(format!(
+            return Err(StoreError::Untrue(format!(
                 "{} bytes for a piece of at most {PIECE}",
                 piece.len()
             )));
@@ -79,51 +156,44 @@ pub async fn get<C: ConnectionLike>(
             break;
         }
         let from = whole.len() as isize;
-        piece = redis::cmd("GETRANGE")
-            .arg(key)
-            .arg(from)
-            .arg(from + PIECE as isize - 1)
-            .query_async(conn)
+        piece = step
+            .run(
+                redis::cmd("GETRANGE")
+                    .arg(key)
+                    .arg(from)
+                    .arg(from + PIECE as isize - 1)
+                    .query_async(conn),
+            )
             .await?;
     }
     // Written anew meanwhile? A new write has a new owner token (or length).
-    let (len_now, token): (u64, Vec<u8>) = redis::pipe()
-        .strlen(key)
-        .getrange(
-            key,
-            TOKEN_RANGE.start as isize,
-            TOKEN_RANGE.end as isize - 1,
+    let (len_now, token): (u64, Vec<u8>) = step
+        .run(
+            redis::pipe()
+                .strlen(key)
+                .getrange(
+                    key,
+                    TOKEN_RANGE.start as isize,
+                    TOKEN_RANGE.end as isize - 1,
+                )
+                .query_async(conn),
         )
-        .query_async(conn)
         .await?;
     let same =
         whole.len() as u64 == len && len_now == len && whole.get(TOKEN_RANGE) == Some(&token[..]);
     Ok(same.then(|| (whole.freeze(), ttl)))
 }
 
-/// Why a record could not be read.
-#[derive(Debug)]
-pub enum GetError {
-    Redis(redis::RedisError),
-    /// An answer no record the proxy wrote could give.
-    Untrue(String),
-}
-
-impl From<redis::RedisError> for GetError {
-    fn from(e: redis::RedisError) -> Self {
-        GetError::Redis(e)
-    }
-}
-
-/// Stores a large finished record in place of the reservation `token` owns.
-/// `None` when the key went or changed mid-way (the caller starts again).
+/// Stores a large finished record in place of the reservation `token` owns,
+/// each piece within its own `op_timeout`. `None` when the key went or
+/// changed mid-way (the caller starts again).
 pub async fn complete(
     conn: &mut Conn,
     key: &str,
     token: Token,
-    value: &Bytes,
-    ttl: Duration,
-) -> redis::RedisResult<Option<Completion>> {
+    (value, ttl): (&Bytes, Duration),
+    step: &Step<'_>,
+) -> Result<Option<Completion>, StoreError> {
     let (mut gone, mut offset) = (false, 0);
     while offset < value.len() {
         let end = (offset + PIECE).min(value.len());
@@ -147,11 +217,13 @@ pub async fn complete(
                 b""
             },
         ];
-        let n: i64 = run_script(conn, &SCRIPT, key, &args).await?;
+        let n: i64 = step.run(run_script(conn, &SCRIPT, key, &args)).await?;
         match n {
             1 => {}
             2 => gone = true,
             0 => return Ok(Some(Completion::Refused)),
+            // Finished already: this attempt's earlier twin got there.
+            3 => return Ok(Some(Completion::Stored)),
             _ => return Ok(None),
         }
         offset = end;

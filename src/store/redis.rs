@@ -18,10 +18,11 @@ use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Script, TlsCertifica
 use tracing::{info, warn};
 
 use super::cluster::ClusterNodes;
-use super::pieces;
+use super::pieces::{self, Step};
 use super::wire::{digits, pack, Wire};
 use super::{Completion, Held, Operations, StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
+use crate::deadline::Deadlines;
 use crate::record::Token;
 use crate::workers::PerWorker;
 
@@ -697,19 +698,19 @@ impl RedisStore {
         acked
     }
 
-    /// A record over one piece, written in pieces (see [`pieces`]); once more
-    /// if the key changed under the first attempt.
+    /// A record over one piece, written in pieces (see [`pieces`]), each
+    /// within its own `op_timeout`; once more if the key changed under the
+    /// first attempt.
     async fn complete_in_pieces(
         &self,
         conn: &mut Conn,
         key: &str,
         token: Token,
-        value: &Bytes,
-        ttl: Duration,
+        value: (&Bytes, Duration),
+        step: &Step<'_>,
     ) -> Result<Completion, StoreError> {
         for _ in 0..2 {
-            let written = pieces::complete(conn, key, token, value, ttl).await;
-            if let Some(done) = written.map_err(|e| self.backend(e))? {
+            if let Some(done) = pieces::complete(conn, key, token, value, step).await? {
                 return Ok(done);
             }
         }
@@ -848,7 +849,10 @@ impl Operations for RedisStore {
                 });
             }
             if len > 0 || tries >= RESERVE_TRIES {
-                break Some(Held::Large { len });
+                break Some(Held::Large {
+                    len,
+                    start: Bytes::from(head),
+                });
             }
         };
         if held.is_none() && self.wait_replicas > 0 {
@@ -873,23 +877,32 @@ impl Operations for RedisStore {
         Ok(Duration::from_millis(ms.max(0) as u64))
     }
 
+    /// Each round trip within its own `op_timeout`: connecting, the record
+    /// (each of its pieces when it is large), and `WAIT` (`op_timeout` beyond
+    /// `wait_timeout`, which the server waits itself).
     async fn complete(
         &self,
         key: &str,
         token: Token,
         value: Bytes,
         ttl: Duration,
+        steps: &Deadlines,
     ) -> Result<Completion, StoreError> {
-        let mut conn = self.conn().await?;
+        let error = |e| self.backend(e);
+        let step = Step {
+            deadlines: steps,
+            error: &error,
+        };
+        let mut conn = step.bound(self.conn()).await?;
         let done = if value.len() > pieces::PIECE {
-            Box::pin(self.complete_in_pieces(&mut conn, key, token, &value, ttl)).await?
+            Box::pin(self.complete_in_pieces(&mut conn, key, token, (&value, ttl), &step)).await?
         } else {
             let mut ttl_digits = [0; 20];
             let ttl = digits(ms(ttl), &mut ttl_digits);
             let args: [&[u8]; 3] = [&token.0, &value, ttl];
-            let n: i64 = run_script(&mut conn, &COMPLETE, key, &args)
-                .await
-                .map_err(|e| self.backend(e))?;
+            let n: i64 = step
+                .run(run_script(&mut conn, &COMPLETE, key, &args))
+                .await?;
             match n {
                 1 => Completion::Stored,
                 2 => Completion::StoredAfterExpiry,
@@ -901,7 +914,13 @@ impl Operations for RedisStore {
         }
         // The finished record is replicated like the reservation was: without
         // this, a failover right after the answer would bring `processing` back.
-        Ok(match Box::pin(self.wait(&mut conn, key)).await {
+        let waited = tokio::time::timeout(
+            self.op_timeout + self.wait_timeout,
+            Box::pin(self.wait(&mut conn, key)),
+        )
+        .await
+        .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "WAIT timed out").into()));
+        Ok(match waited {
             Ok(acked) if acked >= i64::from(self.wait_replicas) => done,
             Ok(acked) => Completion::Unreplicated {
                 wanted: self.wait_replicas,
@@ -935,15 +954,22 @@ impl Operations for RedisStore {
         Ok(n == 1)
     }
 
-    /// A record and its TTL, in pieces when it is large (see [`pieces`]).
-    async fn get(&self, key: &str, at_most: u64) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let mut conn = self.conn().await?;
-        pieces::get(&mut conn, key, at_most)
-            .await
-            .map_err(|e| match e {
-                pieces::GetError::Redis(e) => self.backend(e),
-                pieces::GetError::Untrue(why) => StoreError::Untrue(why),
-            })
+    /// A record and its TTL, in pieces when it is large (see [`pieces`]),
+    /// each round trip within its own `op_timeout`; one said to be longer
+    /// than `at_most` is not believed.
+    async fn get(
+        &self,
+        key: &str,
+        at_most: u64,
+        steps: &Deadlines,
+    ) -> Result<Option<(Bytes, Duration)>, StoreError> {
+        let error = |e| self.backend(e);
+        let step = Step {
+            deadlines: steps,
+            error: &error,
+        };
+        let mut conn = step.bound(self.conn()).await?;
+        Box::pin(pieces::get(&mut conn, key, at_most, &step)).await
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
@@ -1016,6 +1042,7 @@ mod tests {
         let config = Config::from_toml(toml, "<test>", &Overrides::default()).unwrap();
         let store = RedisStore::new(&config.store, 1).unwrap();
         let (lease, token) = (Duration::from_secs(1), Token([7; 16]));
+        let steps = Deadlines::new(lease);
         let sizes = [
             (
                 "reserve",
@@ -1023,7 +1050,7 @@ mod tests {
             ),
             (
                 "complete",
-                size_of_val(&store.complete("k", token, Bytes::new(), lease)),
+                size_of_val(&store.complete("k", token, Bytes::new(), lease, &steps)),
             ),
             ("renew", size_of_val(&store.renew("k", token, lease))),
             ("release", size_of_val(&store.release("k", token))),

@@ -1,12 +1,16 @@
 //! A fault-injecting TCP relay: put it between the proxy and Redis, or the
 //! proxy and the upstream, and switch its behaviour while traffic runs.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -18,14 +22,26 @@ pub enum Fault {
     Reset,
     /// Relay the request; when the far side starts to answer, reset the near side.
     ResetOnReply,
-    /// Delay each chunk by this many milliseconds.
+    /// Delay each chunk by this many milliseconds (one chunk after the
+    /// other: a bandwidth limit of 16 KiB per that time, each way).
     Delay(u64),
+    /// Deliver every byte this many milliseconds after it was read, bytes in
+    /// flight not holding up the next ones: a peer that far away, each way.
+    Latency(u64),
+}
+
+/// Bytes relayed so far, each way.
+#[derive(Default)]
+struct Counts {
+    to_far: AtomicU64,
+    to_near: AtomicU64,
 }
 
 pub struct Relay {
     pub addr: SocketAddr,
     mode: watch::Sender<Fault>,
     task: tokio::task::JoinHandle<()>,
+    counts: Arc<Counts>,
 }
 
 impl Relay {
@@ -34,20 +50,37 @@ impl Relay {
         let addr = listener.local_addr().unwrap();
         let (mode, _) = watch::channel(Fault::Pass);
         let m = mode.clone();
+        let counts = Arc::new(Counts::default());
+        let c = counts.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
                 let rx = m.subscribe();
-                tokio::spawn(handle(client, target, rx));
+                tokio::spawn(handle(client, target, rx, c.clone()));
             }
         });
-        Relay { addr, mode, task }
+        Relay {
+            addr,
+            mode,
+            task,
+            counts,
+        }
     }
 
     pub fn set(&self, fault: Fault) {
         self.mode.send_replace(fault);
+    }
+
+    /// Bytes delivered so far to the far side (Redis, the upstream).
+    pub fn bytes_to_far(&self) -> u64 {
+        self.counts.to_far.load(Ordering::SeqCst)
+    }
+
+    /// Bytes delivered so far back to the near side (the proxy).
+    pub fn bytes_to_near(&self) -> u64 {
+        self.counts.to_near.load(Ordering::SeqCst)
     }
 }
 
@@ -63,7 +96,41 @@ fn reset(s: TcpStream) {
     drop(s);
 }
 
-async fn handle(mut client: TcpStream, target: SocketAddr, mut mode: watch::Receiver<Fault>) {
+/// Bytes read from one side and not yet delivered to the other, with when
+/// each chunk is due (`Fault::Latency`); other modes deliver at once, after
+/// whatever is queued.
+#[derive(Default)]
+struct InFlight {
+    chunks: VecDeque<(Instant, Vec<u8>)>,
+    bytes: usize,
+}
+
+/// The most bytes held in flight each way: beyond it, reading that side waits.
+const MAX_IN_FLIGHT: usize = 32 << 20;
+
+impl InFlight {
+    fn due(&self) -> Option<Instant> {
+        self.chunks.front().map(|(at, _)| *at)
+    }
+
+    fn push(&mut self, at: Instant, bytes: &[u8]) {
+        self.bytes += bytes.len();
+        self.chunks.push_back((at, bytes.to_vec()));
+    }
+
+    fn pop(&mut self) -> Option<Vec<u8>> {
+        let (_, bytes) = self.chunks.pop_front()?;
+        self.bytes -= bytes.len();
+        Some(bytes)
+    }
+}
+
+async fn handle(
+    mut client: TcpStream,
+    target: SocketAddr,
+    mut mode: watch::Receiver<Fault>,
+    counts: Arc<Counts>,
+) {
     let current = *mode.borrow();
     match current {
         Fault::Reset => return reset(client),
@@ -77,24 +144,62 @@ async fn handle(mut client: TcpStream, target: SocketAddr, mut mode: watch::Rece
     let _ = server.set_nodelay(true);
     let mut from_client = vec![0u8; 16 * 1024];
     let mut from_server = vec![0u8; 16 * 1024];
+    let (mut to_server, mut to_client) = (InFlight::default(), InFlight::default());
+    let far = Instant::now() + Duration::from_secs(86400);
     loop {
+        let (server_due, client_due) = (to_server.due(), to_client.due());
         // Reads are cancel-safe: the branch not taken loses nothing.
         tokio::select! {
-            r = client.read(&mut from_client) => {
+            r = client.read(&mut from_client), if to_server.bytes < MAX_IN_FLIGHT => {
                 let n = match r { Ok(0) | Err(_) => break, Ok(n) => n };
+                let latency = match *mode.borrow() { Fault::Latency(ms) => Some(ms), _ => None };
+                if let Some(ms) = latency {
+                    to_server.push(Instant::now() + Duration::from_millis(ms), &from_client[..n]);
+                    continue;
+                }
+                if server_due.is_some() {
+                    // Behind what is still in flight, in order.
+                    to_server.push(Instant::now(), &from_client[..n]);
+                    continue;
+                }
                 if !gate(&mut mode).await || server.write_all(&from_client[..n]).await.is_err() {
                     break;
                 }
+                counts.to_far.fetch_add(n as u64, Ordering::SeqCst);
             }
-            r = server.read(&mut from_server) => {
+            r = server.read(&mut from_server), if to_client.bytes < MAX_IN_FLIGHT => {
                 let n = match r { Ok(0) | Err(_) => break, Ok(n) => n };
-                if *mode.borrow() == Fault::ResetOnReply {
+                let current = *mode.borrow();
+                if current == Fault::ResetOnReply {
                     // The far side has acted and answers: cut the near side off.
                     return reset(client);
+                }
+                if let Fault::Latency(ms) = current {
+                    to_client.push(Instant::now() + Duration::from_millis(ms), &from_server[..n]);
+                    continue;
+                }
+                if client_due.is_some() {
+                    to_client.push(Instant::now(), &from_server[..n]);
+                    continue;
                 }
                 if !gate(&mut mode).await || client.write_all(&from_server[..n]).await.is_err() {
                     break;
                 }
+                counts.to_near.fetch_add(n as u64, Ordering::SeqCst);
+            }
+            () = tokio::time::sleep_until(server_due.unwrap_or(far)), if server_due.is_some() => {
+                let Some(bytes) = to_server.pop() else { continue };
+                if server.write_all(&bytes).await.is_err() {
+                    break;
+                }
+                counts.to_far.fetch_add(bytes.len() as u64, Ordering::SeqCst);
+            }
+            () = tokio::time::sleep_until(client_due.unwrap_or(far)), if client_due.is_some() => {
+                let Some(bytes) = to_client.pop() else { continue };
+                if client.write_all(&bytes).await.is_err() {
+                    break;
+                }
+                counts.to_near.fetch_add(bytes.len() as u64, Ordering::SeqCst);
             }
         }
     }
@@ -111,7 +216,7 @@ async fn gate(mode: &mut watch::Receiver<Fault>) -> bool {
         }
         Fault::Blackhole => std::future::pending().await,
         Fault::Reset => false,
-        Fault::Pass | Fault::ResetOnReply => true,
+        Fault::Pass | Fault::ResetOnReply | Fault::Latency(_) => true,
     }
 }
 
