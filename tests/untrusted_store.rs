@@ -127,6 +127,46 @@ fn next_command(buf: &mut Vec<u8>) -> Option<Vec<Vec<u8>>> {
     Some(args)
 }
 
+/// The finished record of the tests' request (`POST /v1/payments`, body
+/// `x`) with a 1 MiB answer, as the proxy writes it: the head a reserve
+/// reads from it asks for a replay, so the proxy goes on to fetch the record.
+static RECORD: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    use idemproxy::record::{Finished, Record, Token};
+    let fingerprint = idemproxy::key::fingerprint(
+        &http::Method::POST,
+        "/v1/payments",
+        None,
+        &http::HeaderMap::new(),
+        &[],
+        b"x",
+        idemproxy::policy::FingerprintBody::Raw,
+    );
+    let f = Finished {
+        token: Token::new(),
+        fingerprint,
+        created_ms: 1,
+        route: "payments".into(),
+        completed_ms: 2,
+        status: 201,
+        body_stored: true,
+        headers: Vec::new(),
+        body: vec![b'x'; 1 << 20].into(),
+        trailers: Vec::new(),
+    };
+    Record::Finished(f).encode().to_vec()
+});
+
+/// `GETRANGE key from to` of [`RECORD`], as a bulk reply.
+fn record_range(from: usize, to: usize) -> Vec<u8> {
+    let piece = RECORD
+        .get(from..=to.min(RECORD.len() - 1))
+        .unwrap_or_default();
+    let mut out = format!("${}\r\n", piece.len()).into_bytes();
+    out.extend_from_slice(piece);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
 fn bulk(n: usize) -> Vec<u8> {
     let mut out = format!("${n}\r\n").into_bytes();
     out.resize(out.len() + n, b'x');
@@ -156,7 +196,7 @@ async fn lie_to(stream: TcpStream, lie: Lie, strlen_calls: Arc<AtomicUsize>) {
                     let arg = |i: usize| -> usize {
                         String::from_utf8_lossy(&cmd[i]).parse().unwrap_or(0)
                     };
-                    bulk(arg(3) - arg(2) + 1)
+                    record_range(arg(2), arg(3))
                 }
                 // The reserve's length first, then the fetch's.
                 "STRLEN"
