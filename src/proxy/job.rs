@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
+use super::access::Held;
 use super::verdict::storable_headers;
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
@@ -90,6 +91,9 @@ pub struct Job {
     pub unsaved: Option<(Bytes, Attempt)>,
     /// The request body's room in the budget, until the upstream has it.
     pub request_room: Option<Room>,
+    /// The request's place in `idemproxy_inflight` and among the requests
+    /// in progress, until the job ends (the client may be gone).
+    pub _held: Held,
 }
 
 /// How one completion attempt went.
