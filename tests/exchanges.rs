@@ -1,10 +1,10 @@
 //! Every exchange counts until it ends, and sending has a deadline per stream
-//! (§8): clients that reset their HTTP/2 streams or hang up right after
-//! sending cannot multiply the upstream exchanges beyond the cap on requests
-//! in progress, and an HTTP/2 stream whose window stays shut is reset within
-//! `client_write_timeout`, giving back what it held, while HTTP/1.1 clients
-//! are served all along. The HTTP/2 peer is the `h2` crate's client, told to
-//! misbehave.
+//! (§8): clients that reset their HTTP/2 streams or hang up once their
+//! requests are under way cannot multiply the upstream exchanges beyond the
+//! cap on requests in progress, and an HTTP/2 stream whose window stays shut
+//! is reset (its connection closed) within `client_write_timeout` and a
+//! margin, giving back what it held, while HTTP/1.1 clients are served all
+//! along. The HTTP/2 peer is the `h2` crate's client, told to misbehave.
 
 mod support;
 
