@@ -13,7 +13,17 @@ protected routes). Scenarios:
       once; (b') the same 200 arriving 10 every 200 ms;
   (c) 10,000 idle keep-alive connections (each sent one GET), or as many as
       RLIMIT_NOFILE allows;
-  (d) (a) + (b) + 2,000 idle connections at once.
+  (d) (a) + (b) + 2,000 idle connections at once;
+  (e) HTTP/2: 100 non-reading connections × 200 streams;
+  (f) HTTP/2: 10 connections send waves of 100 protected requests each to
+      a slow route (the upstream takes 3 s) and reset every stream
+      (RST_STREAM) 0.3 s later, five waves;
+  (g) HTTP/2: 20 connections whose streams have a window of 0
+      (SETTINGS_INITIAL_WINDOW_SIZE 0), each asking for the 8 MiB replay on
+      100 streams and never opening a window, a PING every second keeping
+      the connection lively (client_write_timeout 5 s in this scenario);
+  (h) HTTP/1.1: waves of 300 connections that send a protected request to
+      the slow route and hang up 0.3 s later, five waves.
 
 In every scenario, once the attack has built up, a legitimate client sends
 protected requests (a new key, then a retry of it) in a loop, twice over:
@@ -27,7 +37,7 @@ whether the proxy died.
 Prints a table of measured values against the issue's targets and writes
 bench/results/hostile.json. Figures only; nothing here asserts.
 
-    bench/hostile.py [--only abpcd] [--idle 10000] [--mixed-idle 2000] [--no-build]
+    bench/hostile.py [--only abpcdefgh] [--idle 10000] [--mixed-idle 2000] [--no-build | --bin PATH]
 
 HOSTILE_RUST_LOG=info keeps the proxy's access log; HOSTILE_KEEP=1 keeps the
 temp dir (configs and proxy logs).
@@ -64,6 +74,8 @@ STALL_SHORT = 64 * 1024  # bytes of the upload never sent
 LEGIT_TIMEOUT = 3.0  # the legitimate client's per-request timeout, seconds
 LEGIT_SECONDS = 6.0  # how long the legitimate client runs during an attack
 RECOVERY_DEADLINE = 20.0
+SLOW_S = 3.0  # how long the upstream takes over POST /v1/slow
+MAX_CONNECTIONS = 256  # the default of [server] max_connections: places per protocol
 
 
 # ---------------------------------------------------------------------------
@@ -75,6 +87,9 @@ class Upstream(BaseHTTPRequestHandler):
     counts = collections.Counter()
     lock = threading.Lock()
     pad = b"x" * BIG
+    # POST /v1/slow exchanges under way, and the most at once since the last reset.
+    active = 0
+    peak = 0
 
     def log_message(self, *args):
         pass
@@ -94,6 +109,12 @@ class Upstream(BaseHTTPRequestHandler):
             with self.lock:
                 data = json.dumps(dict(self.counts)).encode()
             self._answer(200, [data])
+        elif self.path.startswith("/active"):
+            with self.lock:
+                data = json.dumps({"active": Upstream.active, "peak": Upstream.peak}).encode()
+                if self.path.endswith("?reset=1"):
+                    Upstream.peak = Upstream.active
+            self._answer(200, [data])
         else:
             self._answer(200, [b'{"ok":true}'])
 
@@ -105,7 +126,17 @@ class Upstream(BaseHTTPRequestHandler):
             self.counts[key] += 1
             n = self.counts[key]
         head = json.dumps({"key": key, "execution": n})[:-1].encode()
-        if self.path == "/v1/big":
+        if self.path == "/v1/slow":
+            with self.lock:
+                Upstream.active += 1
+                Upstream.peak = max(Upstream.peak, Upstream.active)
+            try:
+                time.sleep(SLOW_S)
+                self._answer(201, [head + b"}"])
+            finally:
+                with self.lock:
+                    Upstream.active -= 1
+        elif self.path == "/v1/big":
             # {"key":..,"execution":n,"pad":"xxx..."}: exactly BIG bytes.
             prefix = head + b',"pad":"'
             self._answer(201, [prefix, memoryview(self.pad)[: BIG - len(prefix) - 2], b'"}'])
@@ -191,8 +222,9 @@ class RssSampler(threading.Thread):
 class Proxy:
     """A fresh idemproxy for one scenario."""
 
-    def __init__(self, workdir, name, idem_bin, upstream_port, redis_port):
+    def __init__(self, workdir, name, idem_bin, upstream_port, redis_port, extra=""):
         self.port, self.admin_port = free_port(), free_port()
+        self.upstream_port = upstream_port
         cfg = os.path.join(workdir, f"{name}.toml")
         with open(cfg, "w") as f:
             f.write(f"""[server]
@@ -200,6 +232,7 @@ listen = "127.0.0.1:{self.port}"
 admin_listen = "127.0.0.1:{self.admin_port}"
 upstream = "http://127.0.0.1:{upstream_port}"
 {os.environ.get("HOSTILE_SERVER_EXTRA", "")}
+{extra}
 
 [store]
 backend = "redis"
@@ -214,6 +247,10 @@ path = "/v1/payments"
 name = "big"
 path = "/v1/big"
 max_response_body = "16MiB"
+
+[[routes]]
+name = "slow"
+path = "/v1/slow"
 """)
         self.stderr_path = os.path.join(workdir, f"{name}.stderr")
         self.stderr = open(self.stderr_path, "wb")
@@ -271,11 +308,12 @@ max_response_body = "16MiB"
 # Raw sockets for the attacks: non-blocking, driven by one epoll loop.
 
 class Conn:
-    __slots__ = ("sock", "segments", "seg", "off", "connected", "read", "inbuf", "closed", "error")
+    __slots__ = ("sock", "segments", "seg", "off", "connected", "read", "inbuf", "closed", "error", "closed_at")
 
     def __init__(self, sock, segments, read):
         self.sock, self.segments, self.seg, self.off = sock, segments, 0, 0
         self.connected, self.read, self.inbuf, self.closed, self.error = False, read, b"", False, None
+        self.closed_at = None  # time.monotonic() when the proxy closed it
 
     def pending(self):
         return self.seg < len(self.segments)
@@ -305,10 +343,10 @@ def open_conns(port, n, segments_of, read=True, rcvbuf=None):
     return conns
 
 
-def drive(conns, seconds, done=lambda: False):
+def drive(conns, seconds, done=lambda: False, tick=None):
     """Connects, sends every connection's segments as the peer accepts them and
     (where `read`) keeps at most 4 KiB of what comes back, for `seconds` or
-    until `done()`."""
+    until `done()`; `tick()` (which may append segments) every round."""
     sel = selectors.DefaultSelector()
     want = {}
 
@@ -337,6 +375,10 @@ def drive(conns, seconds, done=lambda: False):
         update(c)
     end = time.monotonic() + seconds
     while time.monotonic() < end and not done():
+        if tick:
+            tick()
+            for c in conns:
+                update(c)
         for key, ev in sel.select(timeout=0.05):
             c = key.data
             if ev & selectors.EVENT_WRITE:
@@ -369,8 +411,9 @@ def drive(conns, seconds, done=lambda: False):
                     data = None
                 except OSError as e:
                     c.error, data = errno.errorcode.get(e.errno, str(e)), None
-                if data == b"":
+                if data == b"" or (data is None and c.error):
                     c.closed = True
+                    c.closed_at = c.closed_at or time.monotonic()
                 elif data and len(c.inbuf) < 4096:
                     c.inbuf += data[: 4096 - len(c.inbuf)]
             update(c)
@@ -517,6 +560,12 @@ def wait_plateau(proxy, seconds=8.0):
     return last
 
 
+def slow_exchanges(port, reset=False):
+    """The upstream's POST /v1/slow exchanges under way and the most at once (since the last reset)."""
+    url = f"http://127.0.0.1:{port}/active" + ("?reset=1" if reset else "")
+    return json.loads(urllib.request.urlopen(url, timeout=5).read())
+
+
 def upstream_counts(port):
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/counts", timeout=5).read())
 
@@ -588,6 +637,20 @@ def h2_attackers(port, n, streams, tag, big_key):
     return open_conns(port, n, segments, read=False, rcvbuf=4096)
 
 
+H2_RESET_CANCEL = (0x8).to_bytes(4, "big")
+SLOW_BODY = b'{"amount":1}'
+
+
+def h2_slow(sid, key):
+    """HEADERS and DATA (END_STREAM) of a protected POST /v1/slow on stream `sid`."""
+    return (h2_frame(0x1, 0x4, sid, h2_post("/v1/slow", key, len(SLOW_BODY)))
+            + h2_frame(0x0, 0x1, sid, SLOW_BODY))
+
+
+def all_sent(conns):
+    return lambda: all(c.error or c.closed or (c.connected and not c.pending()) for c in conns)
+
+
 def store_big(port, key):
     status, replayed, body = one_post(port, key, "/v1/big", timeout=30)
     return status, len(body)
@@ -605,24 +668,33 @@ def run_scenario(name, label, ctx, build):
     connections and notes), runs the legitimate clients, closes the attack,
     measures recovery, checks executions."""
     print(f"[{name}] {label}", file=sys.stderr, flush=True)
-    proxy = Proxy(ctx["workdir"], name, ctx["idem_bin"], ctx["upstream_port"], ctx["redis_port"])
+    proxy = Proxy(ctx["workdir"], name, ctx["idem_bin"], ctx["upstream_port"], ctx["redis_port"],
+                  getattr(build, "extra", ""))
+    slow_exchanges(ctx["upstream_port"], reset=True)
     tag = f"{name}{time.time_ns()}"
     idle_rss = proc_status(proxy.proc.pid, "VmRSS")
     early = Legit(proxy.port, f"{tag}-legit-early", early=True)
     t_start = time.monotonic()
     conns, notes = build(proxy, tag)
-    notes["attack_build_s"] = round(time.monotonic() - t_start, 2)
+    tick = notes.pop("tick", None)
+    t_ready = time.monotonic()
+    notes["attack_build_s"] = round(t_ready - t_start, 2)
+    notes["gauge_after_build"] = proxy.gauge()
     notes["gauge_under_attack"] = wait_plateau(proxy)
     late = Legit(proxy.port, f"{tag}-legit-late", early=False)
     early.start()
     late.start()
     # The attack holds while the legitimate clients run; its sockets stay
     # serviced (reads drained where the scenario reads) so nothing else moves.
-    drive(conns, LEGIT_SECONDS)
+    drive(conns, LEGIT_SECONDS, tick=tick)
     early.stop()
     late.stop()
     notes["gauge_at_end_of_attack"] = proxy.gauge()
     notes["attack_connections"] = summarize(conns)
+    closed = sorted(round(c.closed_at - t_ready, 2) for c in conns if c.closed_at)
+    if closed:
+        notes["closed_by_proxy_after_build_s"] = {"count": len(closed), "first": closed[0], "last": closed[-1]}
+    notes["upstream_slow_exchanges"] = slow_exchanges(ctx["upstream_port"])
     alive_before_close = proxy.alive()
     close_all(conns)
     rec = recovery(proxy, tag) if proxy.alive() else {"full_service_s": None}
@@ -650,6 +722,83 @@ def run_scenario(name, label, ctx, build):
           f"recovery {rec.get('full_service_s')}, crashed {fate['crashed']}, executed twice {len(twice)}",
           file=sys.stderr, flush=True)
     return result
+
+
+def scenario_f(n=10, per_wave=100, waves=5, gap=0.3):
+    """HTTP/2 streams reset once their requests are under way, wave after wave."""
+    def build(proxy, tag):
+        conns = open_conns(proxy.port, n, lambda i: [H2_PREFACE + h2_frame(0x4, 0, 0)])
+        sids = [1] * n
+        for _ in range(waves):
+            opened = []
+            for i, c in enumerate(conns):
+                ids = list(range(sids[i], sids[i] + 2 * per_wave, 2))
+                sids[i] += 2 * per_wave
+                c.segments.append(b"".join(h2_slow(sid, f"{tag}-rst-{i}-{sid}") for sid in ids))
+                opened.append(ids)
+            drive(conns, 5, done=all_sent(conns))
+            drive(conns, gap)  # under way at the upstream (answers drained)
+            for c, ids in zip(conns, opened):
+                c.segments.append(b"".join(h2_frame(0x3, 0, sid, H2_RESET_CANCEL) for sid in ids))
+            drive(conns, 5, done=all_sent(conns))
+        return conns, {"attack": f"HTTP/2: {n} connections, {waves} waves of {per_wave} streams each to a "
+                                 f"{SLOW_S:.0f} s route, every stream reset {gap} s after it was sent",
+                       "upstream_exchanges_right_after": slow_exchanges(proxy.upstream_port)}
+    return build
+
+
+def scenario_g(n=20, streams=100, ping_every=1.0, write_timeout="5s"):
+    """HTTP/2 streams whose window stays shut, on connections kept lively by pings."""
+    def build(proxy, tag):
+        key = f"{tag}-big"
+        status, length = store_big(proxy.port, key)
+        window_zero = h2_frame(0x4, 0, 0, (0x4).to_bytes(2, "big") + (0).to_bytes(4, "big"))
+        retry = b'{"amount":1}'
+
+        def segments(i):
+            out = H2_PREFACE + window_zero
+            for j in range(streams):
+                sid = 2 * j + 1
+                out += h2_frame(0x1, 0x4, sid, h2_post("/v1/big", key, len(retry)))
+                out += h2_frame(0x0, 0x1, sid, retry)
+            return [out]
+        conns = open_conns(proxy.port, n, segments)
+        last_ping = [time.monotonic()]
+
+        def ping():
+            if time.monotonic() - last_ping[0] >= ping_every:
+                last_ping[0] = time.monotonic()
+                for c in conns:
+                    if not (c.closed or c.error):
+                        c.segments.append(h2_frame(0x6, 0, 0, bytes(8)))
+        drive(conns, 10, done=all_sent(conns), tick=ping)
+        return conns, {"attack": f"HTTP/2: {n} connections × {streams} retries of an 8 MiB answer, stream "
+                                 f"window 0, a PING every {ping_every} s; client_write_timeout {write_timeout}",
+                       "big_store": [status, length], "tick": ping}
+    build.extra = f'client_write_timeout = "{write_timeout}"'
+    return build
+
+
+def scenario_h(n=300, waves=5, gap=0.3):
+    """HTTP/1.1 clients that hang up once their requests are under way, wave after wave."""
+    def build(proxy, tag):
+        def segments_of(w):
+            return lambda i: [(f"POST /v1/slow HTTP/1.1\r\nHost: hostile\r\nIdempotency-Key: {tag}-gone-{w}-{i}\r\n"
+                               f"Content-Type: application/json\r\nContent-Length: {len(SLOW_BODY)}\r\n\r\n").encode()
+                              + SLOW_BODY]
+        answered = collections.Counter()
+        for w in range(waves):
+            conns = open_conns(proxy.port, n, segments_of(w))
+            drive(conns, 5, done=all_sent(conns))
+            drive(conns, gap)
+            for c in conns:
+                answered[c.status() or "none"] += 1
+            close_all(conns)
+        return [], {"attack": f"HTTP/1.1: {waves} waves of {n} connections to a {SLOW_S:.0f} s route, "
+                              f"each hanging up {gap} s after sending",
+                    "answered_before_hang_up": dict(answered),
+                    "upstream_exchanges_right_after": slow_exchanges(proxy.upstream_port)}
+    return build
 
 
 def scenario_a(n=500):
@@ -736,10 +885,12 @@ def legit_line(outcomes):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="abpcde", help="which scenarios, e.g. 'ac' (p: (b) paced; e: HTTP/2)")
+    ap.add_argument("--only", default="abpcdefgh",
+                    help="which scenarios, e.g. 'ac' (p: (b) paced; e, f, g: HTTP/2; h: HTTP/1.1 hang-ups)")
     ap.add_argument("--idle", type=int, default=10000, help="connections in (c)")
     ap.add_argument("--mixed-idle", type=int, default=2000, help="idle connections in (d)")
     ap.add_argument("--no-build", action="store_true", help="use target/release/idemproxy as it is")
+    ap.add_argument("--bin", help="run this idemproxy binary (implies --no-build), e.g. another commit's build")
     ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "hostile.json"))
     args = ap.parse_args()
@@ -760,9 +911,9 @@ def main():
     for tool in ("redis-server", "cargo"):
         if not shutil.which(tool):
             sys.exit(f"missing {tool}")
-    if not args.no_build:
+    if not args.no_build and not args.bin:
         subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
-    idem_bin = os.path.join(ROOT, "target", "release", "idemproxy")
+    idem_bin = args.bin or os.path.join(ROOT, "target", "release", "idemproxy")
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-hostile-")
     ctx = {"workdir": workdir, "idem_bin": idem_bin, "upstream_port": free_port(), "redis_port": free_port()}
@@ -778,6 +929,9 @@ def main():
         "c": (f"(c) {idle_n:,} idle keep-alive connections", scenario_c(idle_n)),
         "d": (f"(d) mixed: (a) + (b) + {args.mixed_idle:,} idle", scenario_d(idle=args.mixed_idle)),
         "e": ("(e) HTTP/2: 100 conns × 200 streams, no reads", scenario_e()),
+        "f": ("(f) HTTP/2: streams reset once under way", scenario_f()),
+        "g": ("(g) HTTP/2: windows kept shut, pings", scenario_g()),
+        "h": ("(h) HTTP/1.1: hang-ups once under way", scenario_h()),
     }
     results = {}
     started = time.time()
@@ -801,7 +955,8 @@ def main():
             shutil.rmtree(workdir, ignore_errors=True)
 
     target_rss = {"a": MAX_BUFFERED + 32 * MIB, "b": MAX_BUFFERED + 32 * MIB, "p": MAX_BUFFERED + 32 * MIB, "c": 128 * MIB,
-                  "d": MAX_BUFFERED + 32 * MIB, "e": MAX_BUFFERED + 32 * MIB}
+                  "d": MAX_BUFFERED + 32 * MIB, "e": MAX_BUFFERED + 32 * MIB, "f": MAX_BUFFERED + 32 * MIB,
+                  "g": MAX_BUFFERED + 32 * MIB, "h": MAX_BUFFERED + 32 * MIB}
     print()
     print(f"{'scenario':44} {'peak RSS MiB':>12} {'VmHWM':>7} {'target':>8} {'met':>4}  {'crash':>5} {'2nd exec':>8} "
           f"{'recovery s':>10} {'target':>6} {'met':>4}")
@@ -827,8 +982,15 @@ def main():
               f"{len(r['keys_executed_twice'])}; recovery {r['recovery']}")
         print(f"  proxy log: {r['log_warn']} WARN, {r['log_error']} ERROR, {r['panics']} panics; "
               f"exit after SIGTERM {r['exit_code_after_sigterm']}")
+        slow = r.get("upstream_slow_exchanges", {})
+        if slow.get("peak"):
+            print(f"  upstream exchanges on the slow route: at most {slow['peak']} at once "
+                  f"(places per protocol: {MAX_CONNECTIONS})")
+        if "closed_by_proxy_after_build_s" in r:
+            print(f"  attack connections closed by the proxy: {r['closed_by_proxy_after_build_s']}")
     head = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "nproc": os.cpu_count(), "commit": head.stdout.strip(),
+            "binary": idem_bin,
             "rlimit_nofile": [want, hard], "duration_s": round(time.time() - started, 1),
             "max_buffered": MAX_BUFFERED, "legit_seconds": LEGIT_SECONDS, "legit_timeout_s": LEGIT_TIMEOUT}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

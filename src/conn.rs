@@ -23,6 +23,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
 use crate::metrics::Counted;
+use crate::stall::Stalls;
 
 /// Requests in progress on one connection, from the handler's start to the
 /// end of its response body (or of its upgrade tunnel).
@@ -51,6 +52,8 @@ struct Counter {
     /// While no request has begun since, a head is in progress.
     head_handed: AtomicUsize,
     _slot: Option<OwnedSemaphorePermit>,
+    /// HTTP/2: the answers waiting for the client's window (their send deadline).
+    stalls: Stalls,
     /// The connection's place in its worker's count (`idemproxy_worker_connections`).
     _load: Option<Counted>,
 }
@@ -75,6 +78,11 @@ impl Busy {
 
     pub fn idle(&self) -> bool {
         self.0.requests.load(Ordering::Acquire) == 0
+    }
+
+    /// The connection's answers waiting for the client's window.
+    pub fn stalls(&self) -> &Stalls {
+        &self.0.stalls
     }
 
     fn begun(&self) -> usize {
@@ -114,6 +122,13 @@ impl Busy {
 }
 
 pub struct BusyGuard(Arc<Counter>);
+
+impl BusyGuard {
+    /// The connection's answers waiting for the client's window.
+    pub fn stalls(&self) -> &Stalls {
+        &self.0.stalls
+    }
+}
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {

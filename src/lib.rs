@@ -22,7 +22,9 @@
 //! answer the proxy makes itself is a `problem`. Every other request streams
 //! through untouched (`upstream`); an HTTP/1.1 `Upgrade` (a WebSocket) on a
 //! path no route protects becomes a tunnel (`proxy::tunnel`); `server` accepts and
-//! drains, with the per-connection deadlines of `conn`, and speaks TLS when
+//! drains, with the per-connection deadlines of `conn` and the per-stream
+//! send deadline of `stall`, counts each request's place among the requests
+//! in progress (`permit`) until its upstream exchange ends, and speaks TLS when
 //! configured (`tls`); each worker thread runs a runtime of its own and
 //! serves whole connections (`workers`).
 // `deny`, not `forbid`: one call into glibc (`serve::trim`, `malloc_trim`)
@@ -40,6 +42,7 @@ pub mod deadline;
 pub mod grpc;
 pub mod key;
 pub mod metrics;
+pub mod permit;
 pub mod policy;
 pub mod problem;
 pub mod proxy;
@@ -48,6 +51,7 @@ pub mod routes;
 pub mod seal;
 pub mod serve;
 pub mod server;
+pub mod stall;
 pub mod store;
 pub mod tls;
 pub mod typical;

@@ -48,7 +48,14 @@ const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 pub struct Builders {
     pub http1: http1::Builder,
     pub http2: http2::Builder<TokioExecutor>,
+    /// How long an HTTP/2 answer's data may wait for the client's window
+    /// (`client_write_timeout`) before the connection is closed (`crate::stall`).
+    pub stream_send_timeout: Duration,
 }
+
+/// After an HTTP/2 answer's send deadline: how long the connection's other
+/// streams get to finish (and the GOAWAY to reach the client) before it is closed.
+const STALLED_CLOSE_GRACE: Duration = Duration::from_millis(500);
 
 /// Serves `io` until the client is done, the connection fails, or `stop` is
 /// cancelled (then it closes once the request in progress is answered). If
@@ -94,16 +101,31 @@ pub async fn serve<IO, S>(
     if h2 {
         let conn = builders.http2.serve_connection(TokioIo::new(io), service);
         tokio::pin!(conn);
+        // An answer stuck on a window the client keeps shut (`crate::stall`),
+        // also while draining: hyper cannot reset that one stream, so the
+        // connection is closed (which resets all of its streams).
+        let overdue = busy.stalls().overdue(builders.stream_send_timeout);
+        tokio::pin!(overdue);
+        let mut overdue = Woken::new(overdue);
+        let mut closing = false;
         loop {
             tokio::select! {
                 biased;
                 _ = &mut conn => return,
-                () = &mut stopped => break,
+                () = &mut overdue => break,
+                () = &mut stopped, if !closing => {
+                    closing = true;
+                    conn.as_mut().graceful_shutdown();
+                }
                 ok = &mut first, if !begun => if ok { begun = true } else { return },
             }
         }
+        tracing::warn!(
+            timeout_ms = builders.stream_send_timeout.as_millis() as u64,
+            "an HTTP/2 answer waited client_write_timeout for the client's window; closing the connection"
+        );
         conn.as_mut().graceful_shutdown();
-        let _ = conn.await;
+        let _ = tokio::time::timeout(STALLED_CLOSE_GRACE, conn).await;
         return;
     }
     // HTTP/1.1: bytes with no request in progress are a head, timed by the

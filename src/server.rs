@@ -25,6 +25,7 @@ use crate::body::Body;
 use crate::config::{Config, Runtime, ServerConfig};
 use crate::conn::{Busy, BusyGuard, Caller, Guarded};
 use crate::metrics::{Counted, Outcome};
+use crate::permit::Permit;
 use crate::problem::Problem;
 use crate::serve::{Builders, PARK_AFTER};
 use crate::store::StoreSetupError;
@@ -205,11 +206,17 @@ struct Connections {
 struct Front {
     app: Arc<App>,
     server: ServerConfig,
-    /// Requests in progress at once, over all connections. HTTP/1.1 never
-    /// reaches it (one request per connection); over HTTP/2 it keeps 100
-    /// streams on each of `max_connections` connections from holding a
-    /// handler, an upstream connection and an answer each.
-    requests: Arc<Semaphore>,
+    /// Requests in progress at once, over all connections, `max_connections`
+    /// for each protocol: over HTTP/2 it keeps 100 streams on each of
+    /// `max_connections` connections from holding a handler, an upstream
+    /// connection and an answer each; over HTTP/1.1 it bounds the upstream
+    /// exchanges of clients that hung up (they go on without a connection).
+    /// A request holds its place until its answer is sent and its upstream
+    /// exchange has ended (`Permit`). Two shares, so that HTTP/2 streams
+    /// stuck on a shut window (until their send deadline, `crate::stall`)
+    /// never take the places HTTP/1.1 clients need.
+    http1_requests: Arc<Semaphore>,
+    http2_requests: Arc<Semaphore>,
     http: Builders,
     tls: Option<Arc<Tls>>,
     scheme: &'static str,
@@ -227,7 +234,8 @@ impl Front {
         Front {
             app: app.clone(),
             server: server.clone(),
-            requests: Arc::new(Semaphore::new(server.max_connections)),
+            http1_requests: Arc::new(Semaphore::new(server.max_connections)),
+            http2_requests: Arc::new(Semaphore::new(server.max_connections)),
             http: connection_builder(server),
             scheme: if tls.is_some() { "https" } else { "http" },
             tls,
@@ -318,7 +326,9 @@ fn connection(
     let stream = Guarded::new(stream, busy.clone(), s.client_write_timeout, s.idle_timeout)
         .park_after(PARK_AFTER)
         .head_timeout(s.header_read_timeout);
-    let (app_, requests, conn_busy) = (front.app.clone(), front.requests.clone(), busy.clone());
+    let (app_, conn_busy) = (front.app.clone(), busy.clone());
+    let (http1_requests, http2_requests) =
+        (front.http1_requests.clone(), front.http2_requests.clone());
     let began = Arc::new(Notify::new());
     let begin = began.clone();
     let caller = Caller {
@@ -332,21 +342,27 @@ fn connection(
             req.extensions_mut().insert(busy.clone());
         }
         let in_progress = busy.enter();
-        let request = requests.clone().try_acquire_owned().ok();
+        let h2 = req.version() >= http::Version::HTTP_2;
+        let requests = if h2 { &http2_requests } else { &http1_requests };
+        let permit = requests.clone().try_acquire_owned().ok();
         begin.notify_one();
         // Begun here, so that the future hyper keeps (and moves) holds a box,
         // not the request. On the heap (`Handling`): the handler's state is
         // freed once it has answered, while the stream's task lives on to send the body.
-        let handling = match &request {
-            Some(_) => proxy::handle(app_.clone(), req, caller),
-            None => Box::pin(std::future::ready(over_capacity(&app_, &req))),
+        let handling = match permit {
+            Some(p) => proxy::handle(app_.clone(), req, caller, Permit::new(p)),
+            None => Box::pin(std::future::ready((
+                over_capacity(&app_, &req),
+                Permit::None,
+            ))),
         };
         async move {
-            let resp = handling.await;
+            let (resp, permit) = handling.await;
             Ok::<_, Infallible>(resp.map(|body| Tracked {
                 body,
-                _in_progress: in_progress,
-                _request: request,
+                in_progress,
+                _request: permit,
+                sending: if h2 { Sending::Idle } else { Sending::Untimed },
             }))
         }
     });
@@ -406,16 +422,40 @@ fn connection_builder(s: &ServerConfig) -> Builders {
         // rather than kept open by its own pings (an answer is traffic).
         .keep_alive_interval(s.idle_timeout + Duration::from_secs(1))
         .keep_alive_timeout(H2_PING_TIMEOUT);
-    Builders { http1, http2 }
+    Builders {
+        http1,
+        http2,
+        stream_send_timeout: s.client_write_timeout,
+    }
 }
 
 /// A response body; its request counts as in progress (so its connection is
 /// not idle, and it holds its place among the requests in progress) until
-/// the body is done with.
+/// the body is done with. Over HTTP/2 it tells its connection's
+/// [`Stalls`](crate::stall::Stalls) while its data waits for the client's window.
 struct Tracked {
     body: Body,
-    _in_progress: BusyGuard,
-    _request: Option<tokio::sync::OwnedSemaphorePermit>,
+    in_progress: BusyGuard,
+    _request: Permit,
+    sending: Sending,
+}
+
+/// Where an answer's data is, for the HTTP/2 send deadline.
+enum Sending {
+    /// HTTP/1.1: the connection's write timer sees a client that reads nothing.
+    Untimed,
+    /// Nothing handed over that has not gone out.
+    Idle,
+    /// Data handed over waits to go out (its id among the connection's stalls).
+    Waiting(u64),
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if let Sending::Waiting(id) = self.sending {
+            self.in_progress.stalls().sent(id);
+        }
+    }
 }
 
 /// The answer to a request beyond the requests in progress at once: 503
@@ -437,7 +477,19 @@ impl http_body::Body for Tracked {
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+        let this = self.get_mut();
+        // Asked again: what was handed over has gone out.
+        if let Sending::Waiting(id) = this.sending {
+            this.in_progress.stalls().sent(id);
+            this.sending = Sending::Idle;
+        }
+        let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+        if let (Sending::Idle, std::task::Poll::Ready(Some(Ok(frame)))) = (&this.sending, &polled) {
+            if frame.data_ref().is_some_and(|d| !d.is_empty()) {
+                this.sending = Sending::Waiting(this.in_progress.stalls().handed());
+            }
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

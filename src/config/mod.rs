@@ -110,7 +110,9 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// A protected request's body must arrive within this time (408 otherwise).
     pub body_read_timeout: Duration,
-    /// Client connections open at once; beyond it new ones wait in the kernel's backlog.
+    /// Client connections open at once; beyond it new ones wait in the
+    /// kernel's backlog. Also the requests in progress at once, for HTTP/1.1
+    /// and for HTTP/2 each (a request counts until its upstream exchange ends).
     pub max_connections: usize,
     /// Threads that run requests; 0: one per CPU the process may run on.
     pub workers: usize,
@@ -121,7 +123,9 @@ pub struct ServerConfig {
     /// Bytes held at once for protected request bodies, responses being
     /// recorded and replays being written (§8); beyond it, 503 `proxy-busy`.
     pub max_buffered: u64,
-    /// A client that accepts no bytes of an answer for this long is disconnected.
+    /// A client that accepts no bytes of an answer for this long is
+    /// disconnected; so is an HTTP/2 client whose window keeps one answer's
+    /// data waiting this long.
     pub client_write_timeout: Duration,
     /// Idle keep-alive client connections are closed after this.
     pub idle_timeout: Duration,

@@ -1,6 +1,7 @@
 //! What every request has from its start to its access log line: its ids
 //! (ours, and the client's `X-Request-Id` when it is not a UUID), its place in
-//! `idemproxy_inflight`, the request metric and the log line.
+//! `idemproxy_inflight` and among the requests in progress, the request
+//! metric and the log line.
 
 use std::sync::Arc;
 
@@ -16,14 +17,18 @@ use crate::body::Body;
 use crate::conn::Caller;
 use crate::grpc;
 use crate::metrics::Counted;
+use crate::permit::Permit;
 use crate::routes::Route;
 use crate::store::RecordKey;
 
 /// What every request has from its start to its log line.
 pub(super) struct Begun {
     start: Instant,
-    /// `idemproxy_inflight`, right even when hyper drops the handler (client gone).
-    _inflight: Counted,
+    /// `idemproxy_inflight`, right even when hyper drops the handler (client
+    /// gone); handed over to an upstream exchange that outlives the handler.
+    inflight: Option<Counted>,
+    /// The request's place among the requests in progress.
+    permit: Permit,
     request_id: Uuid,
     client_request_id: Option<String>,
     grpc: bool,
@@ -33,11 +38,12 @@ pub(super) struct Begun {
 }
 
 impl Begun {
-    pub(super) fn new(app: &App, req: &Request<Incoming>) -> Self {
+    pub(super) fn new(app: &App, req: &Request<Incoming>, permit: Permit) -> Self {
         let (request_id, client_request_id) = request_ids(req.headers());
         Begun {
             start: Instant::now(),
-            _inflight: Counted::new(&app.metrics.inflight),
+            inflight: Some(Counted::new(&app.metrics.inflight)),
+            permit,
             request_id,
             client_request_id,
             grpc: grpc::is_grpc(req.headers()),
@@ -56,14 +62,25 @@ impl Begun {
         }
     }
 
-    /// The request metric and the access log line; the answer.
+    /// What an upstream exchange that may outlive the handler takes with it:
+    /// the request's place in `idemproxy_inflight` (it counts there until the
+    /// exchange ends) and a share of its permit (the answer holds the other).
+    pub(super) fn hand_over(&mut self) -> Held {
+        Held {
+            _inflight: self.inflight.take(),
+            _permit: self.permit.share(),
+        }
+    }
+
+    /// The request metric and the access log line; the answer, and the
+    /// request's place among the requests in progress for it to hold.
     pub(super) fn finish(
         self,
         app: &App,
         ctx: &Ctx<'_>,
         route: Option<&Route>,
         handled: Handled,
-    ) -> Response<Body> {
+    ) -> (Response<Body>, Permit) {
         let route_name = route.map_or(&*UNPROTECTED, |r| &r.name);
         match route {
             Some(route) => app.metrics.request_on(route, handled.outcome),
@@ -82,7 +99,7 @@ impl Begun {
             client_request_id = self.client_request_id,
             "request"
         );
-        handled.response
+        (handled.response, self.permit)
     }
 }
 
@@ -91,6 +108,14 @@ impl Begun {
 fn millis(d: std::time::Duration) -> f64 {
     let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
     micros as f64 / 1000.0
+}
+
+/// A request's place in `idemproxy_inflight` and among the requests in
+/// progress, held by its upstream exchange until that ends (§8: a client that
+/// goes away cannot multiply exchanges).
+pub struct Held {
+    _inflight: Option<Counted>,
+    _permit: Permit,
 }
 
 /// An incoming `X-Request-Id` that is a UUID names the request; otherwise we

@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
+use super::access::Held;
 use super::verdict::storable_headers;
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
@@ -104,6 +105,9 @@ pub struct Job {
     pub request_room: Option<Room>,
     /// The route's typical upstream duration, which each whole answer updates.
     pub typical: Arc<Typical>,
+    /// The request's place in `idemproxy_inflight` and among the requests
+    /// in progress, until the job ends (the client may be gone).
+    pub _held: Held,
 }
 
 /// A completion the store has not taken yet (or not replicated), for [`Job::settle`].

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
-use self::access::Begun;
+use self::access::{Begun, Held};
 use self::job::{Claim, Job};
 pub use self::tunnel::is_upgrade;
 use self::verdict::{replay, Verdict};
@@ -35,6 +35,7 @@ use crate::budget::Room;
 use crate::conn::Caller;
 use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
+use crate::permit::Permit;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
 use crate::record::{now_ms, DecodeError, Finished, Processing, Record, Token};
@@ -82,29 +83,39 @@ impl Ctx<'_> {
     }
 }
 
-/// A request's future, on the heap at the size of the path it takes.
-pub type Handling = Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
+/// A request's future, on the heap at the size of the path it takes. It
+/// gives back the request's place among the requests in progress with the
+/// answer, for the answer to hold while it is sent (shared, when an upstream
+/// exchange goes on holding it too).
+pub type Handling = Pin<Box<dyn Future<Output = (Response<Body>, Permit)> + Send>>;
 
 /// Handles one request from a client. Pass-through gets a future of its own,
 /// its exchange in it (4.1 KiB); the protected path's (3.5 KiB) forwards in a
 /// task of its own (see [`forward_reserved`]). One future for both would be
 /// as large as the larger for every request, and each future is copied whole
 /// where it is made: paths taken rarely (a tunnel, a large record's read,
-/// reconnecting to the store) are boxed where they start.
-pub fn handle(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Handling {
+/// reconnecting to the store) are boxed where they start. `permit` is the
+/// request's place among the requests in progress.
+pub fn handle(app: Arc<App>, req: Request<Incoming>, caller: Caller, permit: Permit) -> Handling {
     // Looked up once, in one table (a reload between two lookups could disagree).
     let routes = app.routes();
     let position = routes.position(req.method(), req.uri().path());
     if position.is_none() && !tunnel::is_upgrade(&req) {
-        Box::pin(pass_through(app, req, caller))
+        Box::pin(pass_through(app, req, caller, permit))
     } else {
-        Box::pin(any_path(app, req, caller, (routes, position)))
+        Box::pin(any_path(app, req, caller, (routes, position), permit))
     }
 }
 
-/// A request no route protects (and not an upgrade): streamed both ways.
-async fn pass_through(app: Arc<App>, req: Request<Incoming>, caller: Caller) -> Response<Body> {
-    let begun = Begun::new(&app, &req);
+/// A request no route protects (and not an upgrade): streamed both ways. Its
+/// exchange lives in this future: a client that goes away ends it.
+async fn pass_through(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    caller: Caller,
+    permit: Permit,
+) -> (Response<Body>, Permit) {
+    let begun = Begun::new(&app, &req, permit);
     let ctx = begun.ctx(&app, caller);
     let (parts, body) = req.into_parts();
     let handled = forward(&ctx, parts, Body::Stream(body.into()), Outcome::Passthrough).await;
@@ -118,8 +129,9 @@ async fn any_path(
     req: Request<Incoming>,
     caller: Caller,
     (routes, position): (Arc<RouteTable>, Option<usize>),
-) -> Response<Body> {
-    let begun = Begun::new(&app, &req);
+    permit: Permit,
+) -> (Response<Body>, Permit) {
+    let mut begun = Begun::new(&app, &req, permit);
     let ctx = begun.ctx(&app, caller);
     let route = position.map(|i| routes.at(i));
     // The protected path's phases are awaited here, not in a function of
@@ -135,7 +147,7 @@ async fn any_path(
                 body: Body::Stream(body.into()),
                 record_id: None,
             };
-            match enforce(&ctx, route, pending).await {
+            match enforce(&ctx, route, pending, &mut begun).await {
                 Ok(handled) => handled,
                 Err((stop, pending)) => stopped(&ctx, route, stop, pending).await,
             }
@@ -245,10 +257,12 @@ macro_rules! phase {
 
 /// The phases, in the contract's check order: key (400) → body (413) → store
 /// → upstream; a key in the JSON body is read after the body (413 → 400).
+/// The upstream exchange takes what `begun` holds for the request with it.
 async fn enforce(
     ctx: &Ctx<'_>,
     route: &Route,
     mut req: Pending,
+    begun: &mut Begun,
 ) -> Result<Handled, (Stop, Pending)> {
     let policy = &route.policy;
     let key = phase!(read_key(&req.parts.headers, policy), req);
@@ -261,7 +275,8 @@ async fn enforce(
     let Pending {
         parts, record_id, ..
     } = req;
-    let mut handled = forward_reserved(ctx, route, id, reserved, parts, (body, room)).await;
+    let held = begun.hand_over();
+    let mut handled = forward_reserved(ctx, route, id, reserved, parts, (body, room), held).await;
     handled.record_id = record_id;
     Ok(handled)
 }
@@ -607,8 +622,10 @@ fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError, taken: Taken) -> Stop
     }
 }
 
-/// Phase 5: forward and complete in a task of its own (see [`Job`]). The
-/// upstream learns the request id, to match its logs with the record.
+/// Phase 5: forward and complete in a task of its own (see [`Job`]), which
+/// holds the request's place in `idemproxy_inflight` and among the requests
+/// in progress (`held`) until it ends, whether or not the client is still
+/// there (§8). The upstream learns the request id, to match its logs with the record.
 async fn forward_reserved(
     ctx: &Ctx<'_>,
     route: &Route,
@@ -616,6 +633,7 @@ async fn forward_reserved(
     reserved: Reserved,
     mut parts: http::request::Parts,
     (body, room): (Bytes, Room),
+    held: Held,
 ) -> Handled {
     let app = ctx.app;
     if !parts.headers.contains_key(X_REQUEST_ID) {
@@ -643,6 +661,7 @@ async fn forward_reserved(
         unsaved: None,
         request_room: Some(room),
         typical: route.typical.clone(),
+        _held: held,
     };
     let (tx, rx) = oneshot::channel();
     // Boxed here, once: the task's state (the exchange and the store's

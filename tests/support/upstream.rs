@@ -41,6 +41,9 @@ pub struct Seen {
 
 struct UpstreamState {
     hits: AtomicUsize,
+    /// Requests being answered now (from arrival to the answer), and the most at once.
+    active: AtomicUsize,
+    peak: AtomicUsize,
     arrived: watch::Sender<usize>,
     gate: Semaphore,
     seen: Mutex<Vec<Seen>>,
@@ -81,6 +84,23 @@ impl http_body::Body for Chunks {
     }
 }
 
+/// One request counted in `active` (and `peak`) until its answer is made.
+struct Active<'a>(&'a UpstreamState);
+
+impl<'a> Active<'a> {
+    fn enter(st: &'a UpstreamState) -> Self {
+        let now = st.active.fetch_add(1, Ordering::SeqCst) + 1;
+        st.peak.fetch_max(now, Ordering::SeqCst);
+        Active(st)
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl TestUpstream {
     pub async fn start() -> TestUpstream {
         let listener = TcpListener::bind("127.0.0.1:0")
@@ -89,6 +109,8 @@ impl TestUpstream {
         let addr = listener.local_addr().expect("upstream addr");
         let state = Arc::new(UpstreamState {
             hits: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
             arrived: watch::channel(0).0,
             gate: Semaphore::new(0),
             seen: Mutex::new(Vec::new()),
@@ -122,6 +144,7 @@ impl TestUpstream {
             .map(|b| b.to_bytes())
             .unwrap_or_default();
         let n = st.hits.fetch_add(1, Ordering::SeqCst) + 1;
+        let _active = Active::enter(&st);
         let h = parts.headers.clone();
         st.seen.lock().unwrap().push(Seen {
             method: parts.method.clone(),
@@ -193,6 +216,16 @@ impl TestUpstream {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Requests the upstream is answering now (arrived, answer not yet made).
+    pub fn active(&self) -> usize {
+        self.state.active.load(Ordering::SeqCst)
+    }
+
+    /// The most requests the upstream was answering at once.
+    pub fn peak(&self) -> usize {
+        self.state.peak.load(Ordering::SeqCst)
     }
 
     /// How many requests reached the upstream.
