@@ -343,6 +343,9 @@ fn connection(
         }
         let in_progress = busy.enter();
         let h2 = req.version() >= http::Version::HTTP_2;
+        // hyper keeps an HTTP/1.1 connection whose request named an upgrade
+        // waiting for one: answered otherwise, it cannot carry another request.
+        let asked_upgrade = !h2 && req.headers().contains_key(http::header::UPGRADE);
         let requests = if h2 { &http2_requests } else { &http1_requests };
         let permit = requests.clone().try_acquire_owned().ok();
         begin.notify_one();
@@ -357,7 +360,11 @@ fn connection(
             ))),
         };
         async move {
-            let (resp, permit) = handling.await;
+            let (mut resp, permit) = handling.await;
+            if asked_upgrade && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                let close = http::HeaderValue::from_static("close");
+                resp.headers_mut().insert(http::header::CONNECTION, close);
+            }
             Ok::<_, Infallible>(resp.map(|body| Tracked {
                 body,
                 in_progress,

@@ -562,3 +562,56 @@ async fn a_lower_case_method_is_protected_like_its_upper_case_spelling() {
     }
     assert_eq!(upstream.hits(), 1, "the same key ran once");
 }
+
+/// A 101 that does not accept the handshake (no `Sec-WebSocket-Accept`),
+/// after which the upstream would go on reading HTTP from the tunnel.
+const UNACCEPTED_101: &[u8] = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\
+Connection: upgrade\r\n\r\n";
+
+const HANDSHAKE: &[u8] = b"GET /chat HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n\
+Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_101_that_does_not_accept_the_handshake_opens_no_tunnel() {
+    let upstream = RawUpstream::start(UNACCEPTED_101).await;
+    let proxy = proxy_for(&upstream.url).await;
+    let answer = raw_request(proxy.addr, HANDSHAKE).await;
+    assert_eq!(
+        status_of(&answer),
+        502,
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    let upgraded = r#"idemproxy_requests_total{route="",outcome="upgraded"}"#;
+    assert_eq!(support::metric(&proxy, upgraded).await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_websocket_is_tunnelled_and_an_unanswered_upgrade_closes_the_connection() {
+    let upstream = TestUpstream::start().await;
+    let proxy = proxy_for(&upstream.url()).await;
+    // h2c would carry HTTP/2 requests past the proxy: a plain request instead.
+    let h2c = b"GET /chat HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n";
+    // Keep-alive, yet the answer closes: hyper would hold the connection for the upgrade.
+    let answer = String::from_utf8_lossy(&raw_request(proxy.addr, h2c).await).to_ascii_lowercase();
+    assert_eq!(status_of(answer.as_bytes()), 201, "{answer}");
+    assert!(answer.contains("connection: close"), "{answer}");
+    let seen = upstream.seen();
+    assert!(
+        seen[0].headers.get("upgrade").is_none(),
+        "{:?}",
+        seen[0].headers
+    );
+    assert!(
+        seen[0].headers.get("http2-settings").is_none(),
+        "{:?}",
+        seen[0].headers
+    );
+    // A protected POST that named an upgrade is answered, and its connection closed too.
+    let post = b"POST /v1/payments HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n\
+Upgrade: websocket\r\nIdempotency-Key: k-keepalive\r\nContent-Length: 2\r\n\r\nhi";
+    let answer = String::from_utf8_lossy(&raw_request(proxy.addr, post).await).to_ascii_lowercase();
+    assert_eq!(status_of(answer.as_bytes()), 201, "{answer}");
+    assert!(answer.contains("connection: close"), "{answer}");
+}

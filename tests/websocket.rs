@@ -139,6 +139,18 @@ path = "/v1/feed"
 [[routes]]
 name = "payments"
 path = "/v1/payments"
+
+[[routes]]
+name = "live"
+methods = ["GET"]
+path = "/v1/live"
+key = "optional"
+
+[[routes]]
+name = "watch"
+methods = ["GET"]
+path = "/v1/watch"
+mode = "shadow"
 "#
     )
 }
@@ -424,4 +436,27 @@ async fn sigterm_closes_a_live_tunnel_at_the_end_of_the_grace() {
         .wait_log("tunnel closed: the shutdown grace ran out")
         .await;
     assert_eq!(proxy.wait_exit().await, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_a_route_would_forward_unprotected_stays_a_websocket() {
+    let (_server, proxy) = start("").await;
+    // No key on an optional route, and shadow mode: forwarded as if the proxy
+    // were absent, so the handshake is not broken by dropping its upgrade.
+    echoes(
+        &mut connect(&proxy, "/v1/live").await,
+        Message::text("optional"),
+    )
+    .await;
+    echoes(
+        &mut connect(&proxy, "/v1/watch").await,
+        Message::text("shadow"),
+    )
+    .await;
+    for route in ["live", "watch"] {
+        let series = format!(r#"idemproxy_requests_total{{route="{route}",outcome="upgraded"}}"#);
+        assert_eq!(metric(&proxy, &series).await, 1.0, "{route}");
+    }
+    let reserves = r#"idemproxy_store_duration_seconds_count{op="reserve"}"#;
+    assert_eq!(metric(&proxy, reserves).await, 0.0);
 }

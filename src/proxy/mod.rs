@@ -140,6 +140,10 @@ async fn any_path(
         // An `Upgrade` header is never a way around the key check (§9): on a
         // protected route the intent is dropped (the upstream request is built
         // without hop-by-hop headers) and the request protected like any other.
+        // Shadow mode forwards as if the proxy were absent: a WebSocket too.
+        Some(route) if route.policy.mode == Mode::Shadow && tunnel::is_upgrade(&req) => {
+            Box::pin(tunnel::open(&ctx, req.map(|b| Body::Stream(b.into())))).await
+        }
         Some(route) => {
             let (parts, body) = req.into_parts();
             let pending = Pending {
@@ -155,7 +159,7 @@ async fn any_path(
         // An upgrade on a path no route protects: a tunnel, which has no
         // answer to store. (`handle` sends here only upgrades and routed requests.)
         // Boxed: its state (~3.5 KiB) is not made part of every request's.
-        None => Box::pin(tunnel::open(&ctx, req)).await,
+        None => Box::pin(tunnel::open(&ctx, req.map(|b| Body::Stream(b.into())))).await,
     };
     begun.finish(&app, &ctx, route, handled)
 }
@@ -311,6 +315,14 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> 
             } else {
                 ctx.problem(&Problem::ProxyBusy)
             }
+        }
+        // A WebSocket without a key on an optional route goes on as one:
+        // unprotected either way, and dropping its upgrade would only break it.
+        Stop::Unprotected if tunnel::asks_upgrade(req.parts.version, &req.parts.headers) => {
+            let handshake = Request::from_parts(req.parts, req.body);
+            let mut handled = Box::pin(tunnel::open(ctx, handshake)).await;
+            handled.record_id = None;
+            return handled;
         }
         Stop::Unprotected => forward(req.parts, req.body, Outcome::Passthrough).await,
         Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
