@@ -49,6 +49,13 @@ impl Typical {
     pub fn remaining(&self, ran: Duration) -> Duration {
         self.get().saturating_sub(ran).max(MIN_WAIT)
     }
+
+    /// A 409's wait: [`Typical::remaining`], at most `lease_left`, and the
+    /// floor last: a lease about to end (or a PTTL of 0) must not tell a gRPC
+    /// client to retry at once (a pushback of 0 ms).
+    pub fn retry_after(&self, ran: Duration, lease_left: Duration) -> Duration {
+        self.remaining(ran).min(lease_left).max(MIN_WAIT)
+    }
 }
 
 #[cfg(test)]
@@ -88,6 +95,16 @@ mod tests {
         assert_eq!(t.remaining(MS(200)), MS(1300));
         assert_eq!(t.remaining(MS(1450)), MIN_WAIT);
         assert_eq!(t.remaining(Duration::from_secs(60)), MIN_WAIT);
+    }
+
+    #[test]
+    fn the_wait_is_within_the_lease_and_never_below_the_floor() {
+        let t = Typical::default();
+        t.observe(MS(5000));
+        assert_eq!(t.retry_after(MS(1000), Duration::from_secs(30)), MS(4000));
+        assert_eq!(t.retry_after(MS(1000), MS(2500)), MS(2500));
+        assert_eq!(t.retry_after(MS(1000), Duration::ZERO), MIN_WAIT);
+        assert_eq!(t.retry_after(MS(1000), MS(30)), MIN_WAIT);
     }
 
     #[test]

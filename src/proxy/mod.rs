@@ -525,7 +525,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 // duration less what the first has run (its record's clock,
                 // so a first on another proxy counts too), within the lease.
                 let ran = Duration::from_millis(now_ms().saturating_sub(created_ms));
-                let retry_after = route.typical.remaining(ran).min(lease_left);
+                let retry_after = route.typical.retry_after(ran, lease_left);
                 Err(Stop::Refuse(Problem::Conflict { retry_after }))
             }
         };
