@@ -37,6 +37,13 @@ enum Lie {
     Length,
     /// Well-formed answers: the key is taken by a record of 2^62 bytes.
     TakenByHugeRecord,
+    /// Well-formed answers: the key is taken by a large record, and the
+    /// connection drops at the `STRLEN` that would tell its length (a
+    /// failover between the two round trips).
+    DroppedAtLength,
+    /// Well-formed answers: the key is taken by a large record that is gone
+    /// (`PTTL` -2) whenever it is fetched, for ever.
+    GoneWhenRead,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,27 +197,40 @@ async fn lie_to(stream: TcpStream, lie: Lie, strlen_calls: Arc<AtomicUsize>) {
         let name = String::from_utf8_lossy(&cmd[0]).to_uppercase();
         let answer: Vec<u8> = match (name.as_str(), lie) {
             ("PING", _) => b"+PONG\r\n".to_vec(),
-            (_, Lie::Length | Lie::TakenByHugeRecord) => match name.as_str() {
-                "SET" => b"$-1\r\n".to_vec(),
-                "GETRANGE" => {
-                    let arg = |i: usize| -> usize {
-                        String::from_utf8_lossy(&cmd[i]).parse().unwrap_or(0)
-                    };
-                    record_range(arg(2), arg(3))
+            (
+                _,
+                Lie::Length | Lie::TakenByHugeRecord | Lie::DroppedAtLength | Lie::GoneWhenRead,
+            ) => {
+                match name.as_str() {
+                    "SET" => b"$-1\r\n".to_vec(),
+                    "GETRANGE" => {
+                        let arg = |i: usize| -> usize {
+                            String::from_utf8_lossy(&cmd[i]).parse().unwrap_or(0)
+                        };
+                        record_range(arg(2), arg(3))
+                    }
+                    // The reserve's length first, then the fetch's.
+                    "STRLEN"
+                        if lie == Lie::Length
+                            && strlen_calls.fetch_add(1, Ordering::Relaxed) % 2 == 0 =>
+                    {
+                        b":1048576\r\n".to_vec()
+                    }
+                    "STRLEN" if lie == Lie::DroppedAtLength => {
+                        // Read on, answer nothing more.
+                        let mut sink = vec![0u8; 64 << 10];
+                        while matches!(rd.read(&mut sink).await, Ok(n) if n > 0) {}
+                        return;
+                    }
+                    "STRLEN" if lie == Lie::GoneWhenRead => b":1048576\r\n".to_vec(),
+                    "STRLEN" => b":4611686018427387904\r\n".to_vec(),
+                    "PTTL" if lie == Lie::GoneWhenRead => b":-2\r\n".to_vec(),
+                    "PTTL" => b":10000\r\n".to_vec(),
+                    "SCRIPT" => b"*4\r\n:1\r\n:1\r\n:1\r\n:1\r\n".to_vec(),
+                    "CONFIG" => b"*0\r\n".to_vec(),
+                    _ => b":0\r\n".to_vec(),
                 }
-                // The reserve's length first, then the fetch's.
-                "STRLEN"
-                    if lie == Lie::Length
-                        && strlen_calls.fetch_add(1, Ordering::Relaxed) % 2 == 0 =>
-                {
-                    b":1048576\r\n".to_vec()
-                }
-                "STRLEN" => b":4611686018427387904\r\n".to_vec(),
-                "PTTL" => b":10000\r\n".to_vec(),
-                "SCRIPT" => b"*4\r\n:1\r\n:1\r\n:1\r\n:1\r\n".to_vec(),
-                "CONFIG" => b"*0\r\n".to_vec(),
-                _ => b":0\r\n".to_vec(),
-            },
+            }
             (_, other) => {
                 // The rest of what the proxy sends is read and dropped.
                 tokio::spawn(async move {
@@ -252,7 +272,9 @@ async fn spout(wr: &mut tokio::net::tcp::OwnedWriteHalf, lie: Lie) {
             let _ = wr.write_all(&bulk(15 << 20)).await;
             std::future::pending::<()>().await;
         }
-        Lie::Length | Lie::TakenByHugeRecord => unreachable!("answered command by command"),
+        Lie::Length | Lie::TakenByHugeRecord | Lie::DroppedAtLength | Lie::GoneWhenRead => {
+            unreachable!("answered command by command")
+        }
     }
 }
 
@@ -277,7 +299,10 @@ async fn survives(lie: Lie) {
     let mut config = ConfigBuilder::new(&upstream.url())
         .redis_url(&fake.url())
         .store(&format!("op_timeout = \"{}ms\"", OP_TIMEOUT.as_millis()));
-    if matches!(lie, Lie::Length | Lie::TakenByHugeRecord) {
+    if matches!(
+        lie,
+        Lie::Length | Lie::TakenByHugeRecord | Lie::DroppedAtLength | Lie::GoneWhenRead
+    ) {
         // The key is taken, the store says: whatever it says of the record,
         // the request is not forwarded, even where a store that is down lets
         // requests through unprotected.
@@ -289,7 +314,11 @@ async fn survives(lie: Lie) {
     let proxy = Proxy::spawn(&config, &[]).await;
     let rss_at_start = vm_rss(proxy.pid()).expect("the proxy runs");
 
-    for i in 0..4 {
+    // A dropped connection is a store down for the next operation on it
+    // (which `on_store_error = "pass"` may pass): only the first request
+    // meets the drop after the store said the key was taken.
+    let rounds = if lie == Lie::DroppedAtLength { 1 } else { 4 };
+    for i in 0..rounds {
         let started = Instant::now();
         let r = Call::post(&proxy.url("/v1/payments"))
             .key(&format!("lied-to-{i}"))
@@ -372,4 +401,14 @@ async fn a_record_length_of_2_pow_62() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_taken_by_a_record_of_2_pow_62_bytes() {
     survives(Lie::TakenByHugeRecord).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_key_whose_length_never_comes_is_not_passed() {
+    survives(Lie::DroppedAtLength).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_key_whose_record_is_gone_whenever_it_is_read() {
+    survives(Lie::GoneWhenRead).await;
 }

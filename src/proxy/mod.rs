@@ -440,6 +440,9 @@ impl Identity {
     }
 }
 
+/// How often a reserve may find a record that is gone when it is fetched.
+const GONE_TRIES: u32 = 3;
+
 /// Phase 4's result: the key is ours.
 struct Reserved {
     claim: Claim,
@@ -467,8 +470,15 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     // `wait_timeout` from the first reserve sent (one clock read for both).
     let mut waits_until = None;
     let mut pause = Duration::from_millis(5);
+    // Records that went between the reserve and their fetch: an honest store
+    // then has the key free for the next reserve; one that says so for ever
+    // is not believed.
+    let mut gone = 0;
     loop {
-        let store_down = |e| store_down(ctx, id, e, Taken::No);
+        let store_down = |e| match e {
+            StoreError::Taken(_) => store_down(ctx, id, e, Taken::Yes),
+            e => store_down(ctx, id, e, Taken::No),
+        };
         let sent_at = Instant::now();
         let wait_until = *waits_until.get_or_insert(sent_at + policy.wait_timeout);
         let found =
@@ -481,7 +491,15 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         let (verdict, ttl, fetched) = match judged {
             Ok(Some(judged)) => judged,
             // The record went between the reserve and its fetch: reserve again.
-            Ok(None) => continue,
+            Ok(None) if gone < GONE_TRIES => {
+                gone += 1;
+                continue;
+            }
+            Ok(None) => {
+                claim.disarm();
+                let e = StoreError::Untrue("a record that is gone whenever it is read".into());
+                return Err(self::store_down(ctx, id, e, Taken::Yes));
+            }
             Err(stop) => {
                 claim.disarm();
                 return Err(stop);

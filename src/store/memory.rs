@@ -129,6 +129,7 @@ impl Operations for MemoryStore {
         value: Bytes,
         lease: Duration,
         _inline: u64,
+        _taken: &std::sync::atomic::AtomicBool,
     ) -> Result<Option<Held>, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
@@ -250,7 +251,7 @@ mod tests {
         let short = Duration::from_millis(1);
         for i in 0..100 {
             assert!(store
-                .reserve(&format!("k{i}"), v(), short, 0)
+                .reserve(&format!("k{i}"), v(), short, 0, &Default::default())
                 .await
                 .unwrap()
                 .is_none());
@@ -259,7 +260,13 @@ mod tests {
         // Each later write clears a few of the expired ones.
         for i in 0..10 {
             let _ = store
-                .reserve(&format!("new{i}"), v(), Duration::from_secs(60), 0)
+                .reserve(
+                    &format!("new{i}"),
+                    v(),
+                    Duration::from_secs(60),
+                    0,
+                    &Default::default(),
+                )
                 .await;
         }
         let map = store.lock();
@@ -273,7 +280,9 @@ mod tests {
         let mut value = vec![1u8, STATE_PROCESSING];
         value.extend_from_slice(&token.0);
         let value = Bytes::from(value);
-        let reserved = store.reserve("k", value, Duration::from_millis(2), 0).await;
+        let reserved = store
+            .reserve("k", value, Duration::from_millis(2), 0, &Default::default())
+            .await;
         assert!(reserved.unwrap().is_none());
         assert!(store
             .renew("k", token, Duration::from_secs(60))
@@ -282,7 +291,13 @@ mod tests {
         tokio::time::advance(Duration::from_millis(5)).await; // past the first expiry
         for i in 0..10 {
             let _ = store
-                .reserve(&format!("other{i}"), v(), Duration::from_secs(60), 0)
+                .reserve(
+                    &format!("other{i}"),
+                    v(),
+                    Duration::from_secs(60),
+                    0,
+                    &Default::default(),
+                )
                 .await;
         }
         assert!(
@@ -299,13 +314,13 @@ mod tests {
     async fn reserve_reports_what_holds_the_key_and_its_time_left() {
         let store = MemoryStore::new(1 << 20);
         assert!(store
-            .reserve("k", v(), Duration::from_secs(30), 0)
+            .reserve("k", v(), Duration::from_secs(30), 0, &Default::default())
             .await
             .unwrap()
             .is_none());
         tokio::time::advance(Duration::from_secs(10)).await;
         let held = store
-            .reserve("k", v(), Duration::from_secs(30), 0)
+            .reserve("k", v(), Duration::from_secs(30), 0, &Default::default())
             .await
             .unwrap();
         let held = held.expect("the key is taken");
@@ -318,7 +333,7 @@ mod tests {
         tokio::time::advance(Duration::from_secs(20)).await;
         assert_eq!(store.pttl("k").await.unwrap(), Duration::ZERO);
         assert!(store
-            .reserve("k", v(), Duration::from_secs(30), 0)
+            .reserve("k", v(), Duration::from_secs(30), 0, &Default::default())
             .await
             .unwrap()
             .is_none());
@@ -334,16 +349,18 @@ mod tests {
         mine.resize(40, 0);
         let ttl = Duration::from_secs(10);
         assert!(store
-            .reserve("k1", Bytes::from(mine), ttl, 0)
+            .reserve("k1", Bytes::from(mine), ttl, 0, &Default::default())
             .await
             .unwrap()
             .is_none());
         assert!(store
-            .reserve("k2", v40.clone(), ttl, 0)
+            .reserve("k2", v40.clone(), ttl, 0, &Default::default())
             .await
             .unwrap()
             .is_none());
-        let full = store.reserve("k3", v40.clone(), ttl, 0).await;
+        let full = store
+            .reserve("k3", v40.clone(), ttl, 0, &Default::default())
+            .await;
         assert!(matches!(full, Err(StoreError::Full)), "84 + 42 > 100");
         // A completion may take the store over its limit: the operation ran.
         let big = Bytes::from(vec![0u8; 90]);
@@ -355,7 +372,11 @@ mod tests {
         assert_eq!(store.lock().bytes, 2 + 90 + 2 + 40);
         tokio::time::advance(Duration::from_secs(61)).await;
         assert!(
-            store.reserve("k3", v40, ttl, 0).await.unwrap().is_none(),
+            store
+                .reserve("k3", v40, ttl, 0, &Default::default())
+                .await
+                .unwrap()
+                .is_none(),
             "room again after expiry"
         );
         assert_eq!(store.lock().bytes, 2 + 40);

@@ -17,7 +17,7 @@ mod redis;
 pub mod wire;
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +54,11 @@ pub enum StoreError {
     /// taken, so the request is never forwarded unprotected.
     #[error("the store's answer is not believed: {0}")]
     Untrue(String),
+    /// The reserve found the key taken, then failed to read what holds it
+    /// (its length, or in time): the operation may have run, or be running,
+    /// so the request is never forwarded unprotected.
+    #[error("the key is taken, and what holds it could not be read: {0}")]
+    Taken(Box<StoreError>),
     #[error(transparent)]
     Decode(#[from] DecodeError),
     /// The memory store holds `memory_limit` bytes of records: no new keys until some expire.
@@ -188,6 +193,7 @@ pub(crate) trait Operations {
         value: Bytes,
         lease: Duration,
         inline: u64,
+        taken: &AtomicBool,
     ) -> Result<Option<Held>, StoreError>;
     /// What is left of the key's lease or TTL; zero when it is gone.
     async fn pttl(&self, key: &str) -> Result<Duration, StoreError>;
@@ -499,13 +505,21 @@ impl Store {
         processing: Bytes,
         lease: Duration,
     ) -> Result<Reservation, StoreError> {
+        // Set once the store has said the key is taken: an error after that
+        // (a later round trip, or `op_timeout` running out during it) is not
+        // a store that may be passed by.
+        let taken = AtomicBool::new(false);
         let found = self
             .timed_from(
                 Some(sent_at),
                 "reserve",
-                backend!(&self.inner, b => b.reserve(key, processing, lease, INLINE_RECORD)),
+                backend!(&self.inner, b => b.reserve(key, processing, lease, INLINE_RECORD, &taken)),
             )
-            .await?;
+            .await
+            .map_err(|e| match taken.load(Ordering::Relaxed) {
+                true => StoreError::Taken(Box::new(e)),
+                false => e,
+            })?;
         match found {
             None => Ok(Reservation::Reserved),
             Some(Held::Large { len, .. }) if len > self.record_limit() => {

@@ -799,6 +799,7 @@ impl Operations for RedisStore {
         value: Bytes,
         lease: Duration,
         inline: u64,
+        taken: &std::sync::atomic::AtomicBool,
     ) -> Result<Option<Held>, StoreError> {
         let mut conn = self.conn().await?;
         let mut tries = 0;
@@ -812,7 +813,7 @@ impl Operations for RedisStore {
             };
             match set {
                 Value::Okay => break None,
-                Value::Nil => {}
+                Value::Nil => taken.store(true, std::sync::atomic::Ordering::Relaxed),
                 other => return Err(unexpected("SET NX", &other)),
             }
             let head = match head {
@@ -1043,10 +1044,11 @@ mod tests {
         let store = RedisStore::new(&config.store, 1).unwrap();
         let (lease, token) = (Duration::from_secs(1), Token([7; 16]));
         let steps = Deadlines::new(lease);
+        let taken = std::sync::atomic::AtomicBool::new(false);
         let sizes = [
             (
                 "reserve",
-                size_of_val(&store.reserve("k", Bytes::new(), lease, 1)),
+                size_of_val(&store.reserve("k", Bytes::new(), lease, 1, &taken)),
             ),
             (
                 "complete",
