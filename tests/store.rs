@@ -298,6 +298,29 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
         assert_eq!(c, Completion::Stored);
     }
     assert_eq!(store.get(&key).await.unwrap().unwrap().record, finished);
+    // A finished record of ours is final: a later completion of ours (the
+    // small 410 record, sent after an attempt whose reply came too late but
+    // whose write landed) does not replace it.
+    let Record::Finished(mut small) = finished.clone() else {
+        unreachable!()
+    };
+    small.body_stored = false;
+    small.body = bytes::Bytes::new();
+    let c = store
+        .complete(
+            &key,
+            mine,
+            Record::Finished(small).encode(),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(c, Completion::Stored);
+    assert_eq!(
+        store.get(&key).await.unwrap().unwrap().record,
+        finished,
+        "the answer is kept"
+    );
     // A finished record is neither renewed nor released, and a stranger cannot overwrite it.
     assert!(!store.renew(&key, mine, lease).await.unwrap());
     assert!(!store.release(&key, mine).await.unwrap());

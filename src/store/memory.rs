@@ -177,6 +177,10 @@ impl Operations for MemoryStore {
             Some(e) if e.value.get(TOKEN_RANGE) != Some(&token.0[..]) => {
                 return Ok(Completion::Refused)
             }
+            // Ours and finished already: final (as `complete.lua` keeps it).
+            Some(e) if e.value.get(1) == Some(&crate::record::STATE_FINISHED) => {
+                return Ok(Completion::Stored)
+            }
             Some(_) => true,
             None => false,
         };
