@@ -333,3 +333,42 @@ async fn conflicts_and_mismatches_on_a_large_record_read_only_its_head() {
     );
     assert_eq!(env.upstream.hits(), 1);
 }
+
+/// A record kept for retries counts in `max_buffered`: with no room for it
+/// beside the answer on its way to the client, a large one is not kept for
+/// its retries at all, and the small 410 record goes at once (one whole
+/// attempt, not up to 24 over half the lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_without_room_for_its_retries_gives_way_to_the_410_record() {
+    let env = Env::builder(Backend::Redis)
+        .routes(ROUTES)
+        .server("max_buffered = \"3MiB\"")
+        .redis_relay()
+        .start()
+        .await;
+    let relay = env.redis_relay.as_ref().unwrap();
+    relay.set(Fault::Delay(40));
+    let url = env.url("/v1/short");
+    let first = Call::post(&url)
+        .key("k-no-room")
+        .header("x-test-body-bytes", "2097152")
+        .body("x")
+        .await;
+    assert_eq!(first.status, 201, "the client has its answer");
+    assert_eq!(first.body.len(), 2 << 20);
+    env.proxy
+        .wait_log("the answer could not be stored whole; stored without its body")
+        .await;
+    settled(&env.proxy).await;
+    let attempts = "idemproxy_store_duration_seconds_count{op=\"complete\"}";
+    let made = env.metric(attempts).await;
+    assert!(
+        made <= 2.0,
+        "one whole attempt, then the small record: {made}"
+    );
+    assert_eq!(env.metric("idemproxy_buffered_bytes").await, 0.0);
+    relay.set(Fault::Pass);
+    let again = Call::post(&url).key("k-no-room").body("x").await;
+    assert_eq!(again.status, 410);
+    assert_eq!(env.upstream.hits(), 1);
+}

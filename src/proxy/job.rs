@@ -112,8 +112,11 @@ pub struct Job {
 
 /// A completion the store has not taken yet (or not replicated), for [`Job::settle`].
 pub struct Unsaved {
-    /// The finished record, encoded (sealed) once: every attempt sends the same bytes.
-    whole: Bytes,
+    /// The finished record, encoded (sealed) once: every attempt sends the
+    /// same bytes. `None`: no room in the budget to keep it for retries.
+    whole: Option<Bytes>,
+    /// Its length.
+    bytes: usize,
     /// The small record stored when the whole one cannot be: status and
     /// headers, no body (retries get the 410 `response-not-stored`). `None`
     /// when the whole record is that small already.
@@ -122,6 +125,8 @@ pub struct Unsaved {
     last: Attempt,
     /// When the first attempt was sent: the retries' window counts from it.
     since: tokio::time::Instant,
+    /// `whole`'s room in the memory budget, while it waits for the retries.
+    _room: Option<Room>,
 }
 
 /// How one completion attempt went.
@@ -399,11 +404,21 @@ impl Job {
                 }))
             })
             .flatten();
+        // Kept for the retries, the record counts in `max_buffered` (the
+        // answer's own room goes with the client's response). Without room
+        // for it, a large one is not retried: the small record that says it
+        // was not kept goes instead (a small one is kept regardless: at most
+        // `NOT_KEPT_ABOVE` bytes for each request in progress).
+        let room = self.claim.app.budget.take(whole.len() as u64);
+        let bytes = whole.len();
+        let whole = (room.is_some() || not_kept.is_none()).then_some(whole);
         self.unsaved = Some(Unsaved {
             whole,
+            bytes,
             not_kept,
             last,
             since,
+            _room: room,
         });
     }
 
@@ -495,7 +510,11 @@ impl Job {
             pause: FIRST_PAUSE,
         };
         let (id, route) = (&self.request_id, &self.route_name);
-        match (self.retry(&u.whole, u.last, whole).await, u.not_kept) {
+        let after_whole = match &u.whole {
+            Some(record) => self.retry(record, u.last, whole).await,
+            None => u.last,
+        };
+        match (after_whole, u.not_kept) {
             (Attempt::Settled, _) => {
                 info!(request_id = %id, route = %route, "record stored after the store recovered");
             }
@@ -522,7 +541,7 @@ impl Job {
                         warn!(
                             request_id = %id,
                             route = %route,
-                            bytes = u.whole.len(),
+                            bytes = u.bytes,
                             "the answer could not be stored whole; stored without its body, so retries get 410 and never execute again"
                         );
                     }
