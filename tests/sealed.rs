@@ -486,3 +486,38 @@ fn require_sealed_needs_a_key_file_and_check_says_how_to_switch_it_on() {
         "{stdout}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_record_sealed_under_a_key_no_longer_held_is_unreadable_from_its_head() {
+    let redis = RedisServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let old = KeyFile::new(&[K1]);
+    let base = ConfigBuilder::new(&upstream.url()).redis(&redis);
+    let mut proxy = Proxy::start(&base.clone().store(&old.store_line()).build()).await;
+    let large = Call::post(&proxy.url("/v1/payments"))
+        .key("k-large-sealed")
+        .header("x-test-body-bytes", "200000")
+        .body("x")
+        .await;
+    assert_eq!(large.status, 201);
+    proxy.signal("TERM");
+    assert_eq!(proxy.wait_exit().await, Some(0));
+    // K1 removed: its records do not open; a large one is judged from its
+    // head, and that head names a key this proxy does not hold.
+    let new = KeyFile::new(&[K2]);
+    let proxy = Proxy::start(&base.store(&new.store_line()).build()).await;
+    for body in ["x", "another body"] {
+        let r = Call::post(&proxy.url("/v1/payments"))
+            .key("k-large-sealed")
+            .body(body)
+            .await;
+        assert_eq!(
+            r.status,
+            500,
+            "{body}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(r.json()["type"], "record-unreadable");
+    }
+    assert_eq!(upstream.hits(), 1);
+}

@@ -362,6 +362,13 @@ impl Store {
         }
     }
 
+    /// Does the key file hold the key `id` (a record sealed under it opens)?
+    fn opens(&self, id: &str) -> bool {
+        self.sealing
+            .as_ref()
+            .is_some_and(|s| s.keys().ids().any(|k| k == id))
+    }
+
     /// A value read from `key`, opened when it is sealed. With
     /// `require_sealed`, a finished record in the clear is not an answer:
     /// someone who can write to the store may have planted it.
@@ -537,6 +544,20 @@ impl Store {
                         && head.sealed_with.is_none() =>
                 {
                     Reservation::Unreadable(DecodeError::NotSealed)
+                }
+                // Sealed under a key this proxy does not hold: unreadable, as
+                // the whole record would be (the head's own bytes are only
+                // authenticated when the seal is opened, for a replay).
+                Ok(head)
+                    if head
+                        .sealed_with
+                        .as_deref()
+                        .is_some_and(|id| !self.opens(id)) =>
+                {
+                    Reservation::Unreadable(match (&self.sealing, head.sealed_with) {
+                        (Some(_), Some(id)) => DecodeError::UnknownKey(id),
+                        _ => DecodeError::NoKeyFile,
+                    })
                 }
                 Ok(head) => Reservation::Large { len, head },
                 Err(e) => Reservation::Unreadable(e),
