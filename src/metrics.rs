@@ -1,5 +1,6 @@
 //! Prometheus metrics (prometheus-client): what operators watch, named per the Prometheus conventions.
 
+use std::fmt;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -9,8 +10,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry, Unit};
-
-use crate::routes::{Route, RouteName};
 
 /// What became of a request; the `outcome` label of `idemproxy_requests_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -354,21 +353,22 @@ impl Metrics {
             .collect()
     }
 
-    /// Counts a request on a protected route (`route.series` found once).
-    pub fn request_on(&self, route: &Route, outcome: Outcome) {
-        let (owner, series) = route.series.0.get_or_init(|| (self.id, Default::default()));
+    /// Counts a request on a protected route, its counters found once in
+    /// the route's `series` (kept by the route table, passed in here).
+    pub fn request_on(&self, route: &RouteName, series: &RouteSeries, outcome: Outcome) {
+        let (owner, series) = series.0.get_or_init(|| (self.id, Default::default()));
         match series.get(outcome as usize) {
             Some(s) if *owner == self.id => {
                 let counter = s.get_or_init(|| {
                     let label = RouteOutcome {
-                        route: route.name.clone(),
+                        route: route.clone(),
                         outcome: outcome.as_str(),
                     };
                     self.requests.get_or_create(&label).clone()
                 });
                 counter.inc();
             }
-            _ => self.request(&route.name, outcome),
+            _ => self.request(route, outcome),
         }
     }
 
@@ -447,23 +447,51 @@ impl Metrics {
     }
 }
 
+/// A route's name: shared, so that metrics labels and log fields cost no allocation per request.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RouteName(std::sync::Arc<str>);
+
+impl RouteName {
+    pub fn new(name: &str) -> Self {
+        RouteName(std::sync::Arc::from(name))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for RouteName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RouteName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl PartialEq<&str> for RouteName {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for RouteName {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
+    ) -> Result<(), fmt::Error> {
+        fmt::Write::write_str(encoder, &self.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::Policy;
-    use crate::routes::PathPattern;
-    use std::sync::Arc;
-
-    fn route() -> Route {
-        Route {
-            name: RouteName::new("payments"),
-            methods: vec![http::Method::POST],
-            path: PathPattern::parse("/v1/payments").unwrap(),
-            policy: Arc::new(Policy::default()),
-            series: Default::default(),
-            typical: Default::default(),
-        }
-    }
 
     /// The `idemproxy_requests` line of one route and outcome.
     fn count(m: &Metrics, outcome: &str) -> Option<String> {
@@ -477,22 +505,22 @@ mod tests {
     #[test]
     fn a_routes_own_series_count_in_its_metrics_and_no_other() {
         let (a, b) = (Metrics::new(), Metrics::new());
-        let r = route();
+        let (name, series) = (RouteName::new("payments"), RouteSeries::default());
         // `a` counts first: the route keeps `a`'s series.
-        a.request_on(&r, Outcome::Replayed);
-        a.request_on(&r, Outcome::Replayed);
-        a.request_on(&r, Outcome::Forwarded);
+        a.request_on(&name, &series, Outcome::Replayed);
+        a.request_on(&name, &series, Outcome::Replayed);
+        a.request_on(&name, &series, Outcome::Forwarded);
         // `b` is not `a`: its counts go through its own family.
-        b.request_on(&r, Outcome::Replayed);
+        b.request_on(&name, &series, Outcome::Replayed);
         // The family's lookup and the kept series are one series.
-        a.request(&r.name, Outcome::Replayed);
+        a.request(&name, Outcome::Replayed);
         assert_eq!(count(&a, "replayed").as_deref(), Some("3"));
         assert_eq!(count(&a, "forwarded").as_deref(), Some("1"));
         assert_eq!(count(&b, "replayed").as_deref(), Some("1"));
         assert_eq!(count(&b, "forwarded"), None);
-        // A clone of the route (another configuration's) starts empty.
-        let again = r.clone();
-        b.request_on(&again, Outcome::Forwarded);
+        // A clone of the route's series (another configuration's) starts empty.
+        let again = series.clone();
+        b.request_on(&name, &again, Outcome::Forwarded);
         assert_eq!(count(&b, "forwarded").as_deref(), Some("1"));
         assert_eq!(count(&a, "forwarded").as_deref(), Some("1"));
     }

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use http::Method;
 
+/// (A metric label as much as a route's name: the metrics own it.)
+pub use crate::metrics::RouteName;
 use crate::policy::Policy;
 
 /// One segment of a path pattern.
@@ -291,48 +293,6 @@ fn decode_unreserved(seg: &str) -> Cow<'_, str> {
 impl fmt::Display for PathPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.text)
-    }
-}
-
-/// A route's name: shared, so that metrics labels and log fields cost no allocation per request.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RouteName(Arc<str>);
-
-impl RouteName {
-    pub fn new(name: &str) -> Self {
-        RouteName(Arc::from(name))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::ops::Deref for RouteName {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for RouteName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl PartialEq<&str> for RouteName {
-    fn eq(&self, other: &&str) -> bool {
-        &*self.0 == *other
-    }
-}
-
-impl prometheus_client::encoding::EncodeLabelValue for RouteName {
-    fn encode(
-        &self,
-        encoder: &mut prometheus_client::encoding::LabelValueEncoder,
-    ) -> Result<(), fmt::Error> {
-        fmt::Write::write_str(encoder, &self.0)
     }
 }
 

@@ -83,7 +83,9 @@ impl Begun {
     ) -> (Response<Body>, Permit) {
         let route_name = route.map_or(&*UNPROTECTED, |r| &r.name);
         match route {
-            Some(route) => app.metrics.request_on(route, handled.outcome),
+            Some(route) => app
+                .metrics
+                .request_on(&route.name, &route.series, handled.outcome),
             None => app.metrics.request(route_name, handled.outcome),
         }
         info!(
