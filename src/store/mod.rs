@@ -11,10 +11,15 @@
 //! ([`Store::key_for`]), and the id is what follows the prefix.
 
 mod cluster;
+mod conn;
 mod memory;
 mod pieces;
 mod redis;
 pub mod wire;
+
+/// The most of a record one command or reply carries (`pieces` writes and
+/// reads larger ones piece by piece; `wire` refuses a longer bulk reply).
+pub const PIECE: usize = 256 * 1024;
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

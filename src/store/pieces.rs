@@ -24,14 +24,13 @@ use bytes::{Bytes, BytesMut};
 use redis::aio::ConnectionLike;
 use redis::Script;
 
-use super::redis::{ms, run_script, Conn};
+use super::conn::{ms, run_script, Conn};
 use super::wire::digits;
 use super::{Completion, StoreError};
 use crate::deadline::{Deadlines, Within};
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
-/// The most of a record one command or reply carries.
-pub const PIECE: usize = 256 * 1024;
+pub use super::PIECE;
 
 /// How long a record being written piece by piece is kept at least (its
 /// reservation's lease is extended to it): if the proxy dies mid-way, the

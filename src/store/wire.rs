@@ -38,7 +38,7 @@ use tokio::task::AbortHandle;
 /// A bulk reply longer than this is taken for a broken stream, not waited
 /// for (checked on its length line, before anything is read or reserved for
 /// it): no reply the store asks for is over a piece of a record.
-const MAX_BULK: usize = super::pieces::PIECE;
+const MAX_BULK: usize = super::PIECE;
 /// A status, error or length line longer than this is a broken stream too.
 const MAX_LINE: usize = 64 << 10;
 /// The most bytes one reply may take, arrays included: one bulk at its
