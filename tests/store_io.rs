@@ -334,12 +334,12 @@ async fn conflicts_and_mismatches_on_a_large_record_read_only_its_head() {
     assert_eq!(env.upstream.hits(), 1);
 }
 
-/// A record kept for retries counts in `max_buffered`: with no room for it
-/// beside the answer on its way to the client, a large one is not kept for
-/// its retries at all, and the small 410 record goes at once (one whole
-/// attempt, not up to 24 over half the lease).
+/// The record the store gets is a copy of the answer, and a large one counts
+/// in `max_buffered` beside the answer while it is kept: without room for it,
+/// the answer is kept without its body (410) at once, never held outside the
+/// budget while a slow store takes it piece by piece.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_without_room_for_its_retries_gives_way_to_the_410_record() {
+async fn a_large_record_without_room_beside_its_answer_is_kept_without_its_body() {
     let env = Env::builder(Backend::Redis)
         .routes(ROUTES)
         .server("max_buffered = \"3MiB\"")
@@ -357,18 +357,28 @@ async fn a_record_without_room_for_its_retries_gives_way_to_the_410_record() {
     assert_eq!(first.status, 201, "the client has its answer");
     assert_eq!(first.body.len(), 2 << 20);
     env.proxy
-        .wait_log("the answer could not be stored whole; stored without its body")
+        .wait_log("response not kept; retries will get 410")
         .await;
     settled(&env.proxy).await;
     let attempts = "idemproxy_store_duration_seconds_count{op=\"complete\"}";
     let made = env.metric(attempts).await;
-    assert!(
-        made <= 2.0,
-        "one whole attempt, then the small record: {made}"
-    );
+    assert!(made <= 2.0, "the small record only: {made}");
     assert_eq!(env.metric("idemproxy_buffered_bytes").await, 0.0);
+    let not_kept = "idemproxy_completions_degraded_total{route=\"short\",result=\"not_kept\"}";
+    assert_eq!(env.metric(not_kept).await, 1.0);
     relay.set(Fault::Pass);
     let again = Call::post(&url).key("k-no-room").body("x").await;
     assert_eq!(again.status, 410);
     assert_eq!(env.upstream.hits(), 1);
+    // With room for both, the same answer is kept whole.
+    let whole = Call::post(&url)
+        .key("k-room")
+        .header("x-test-body-bytes", "1048576")
+        .body("x")
+        .await;
+    assert_eq!(whole.status, 201);
+    settled(&env.proxy).await;
+    let replay = Call::post(&url).key("k-room").body("x").await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body.len(), 1 << 20);
 }

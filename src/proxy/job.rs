@@ -112,11 +112,8 @@ pub struct Job {
 
 /// A completion the store has not taken yet (or not replicated), for [`Job::settle`].
 pub struct Unsaved {
-    /// The finished record, encoded (sealed) once: every attempt sends the
-    /// same bytes. `None`: no room in the budget to keep it for retries.
-    whole: Option<Bytes>,
-    /// Its length.
-    bytes: usize,
+    /// The finished record, encoded (sealed) once: every attempt sends the same bytes.
+    whole: Bytes,
     /// The small record stored when the whole one cannot be: status and
     /// headers, no body (retries get the 410 `response-not-stored`). `None`
     /// when the whole record is that small already.
@@ -125,7 +122,7 @@ pub struct Unsaved {
     last: Attempt,
     /// When the first attempt was sent: the retries' window counts from it.
     since: tokio::time::Instant,
-    /// `whole`'s room in the memory budget, while it waits for the retries.
+    /// A large `whole`'s room in the memory budget, while it is kept.
     _room: Option<Room>,
 }
 
@@ -373,6 +370,32 @@ impl Job {
         body: Bytes,
         body_stored: bool,
     ) {
+        // The record the store gets is a copy of the answer (encoded, maybe
+        // sealed): a large one counts in `max_buffered` beside the answer on
+        // its way to the client, for as long as it is kept (its first attempt,
+        // which takes a while piece by piece, and its retries). Without room
+        // for it, the answer is kept without its body (410), as one without
+        // room while it was read; it never runs again.
+        let large = body_stored && body.len() > NOT_KEPT_ABOVE;
+        let room = large
+            .then(|| self.claim.app.budget.take(body.len() as u64))
+            .flatten();
+        let (body_stored, body, trailers) = if large && room.is_none() {
+            warn!(
+                request_id = %self.request_id,
+                route = %self.route_name,
+                bytes = body.len(),
+                why = "no room in max_buffered for the record",
+                "response not kept; retries will get 410"
+            );
+            self.claim
+                .app
+                .metrics
+                .degraded(&self.route_name, Degraded::NotKept);
+            (false, Bytes::new(), Vec::new())
+        } else {
+            (body_stored, body, trailers)
+        };
         let finished = Finished {
             token: self.claim.token,
             fingerprint: self.fingerprint,
@@ -404,17 +427,8 @@ impl Job {
                 }))
             })
             .flatten();
-        // Kept for the retries, the record counts in `max_buffered` (the
-        // answer's own room goes with the client's response). Without room
-        // for it, a large one is not retried: the small record that says it
-        // was not kept goes instead (a small one is kept regardless: at most
-        // `NOT_KEPT_ABOVE` bytes for each request in progress).
-        let room = self.claim.app.budget.take(whole.len() as u64);
-        let bytes = whole.len();
-        let whole = (room.is_some() || not_kept.is_none()).then_some(whole);
         self.unsaved = Some(Unsaved {
             whole,
-            bytes,
             not_kept,
             last,
             since,
@@ -510,11 +524,7 @@ impl Job {
             pause: FIRST_PAUSE,
         };
         let (id, route) = (&self.request_id, &self.route_name);
-        let after_whole = match &u.whole {
-            Some(record) => self.retry(record, u.last, whole).await,
-            None => u.last,
-        };
-        match (after_whole, u.not_kept) {
+        match (self.retry(&u.whole, u.last, whole).await, u.not_kept) {
             (Attempt::Settled, _) => {
                 info!(request_id = %id, route = %route, "record stored after the store recovered");
             }
@@ -541,7 +551,7 @@ impl Job {
                         warn!(
                             request_id = %id,
                             route = %route,
-                            bytes = u.bytes,
+                            bytes = u.whole.len(),
                             "the answer could not be stored whole; stored without its body, so retries get 410 and never execute again"
                         );
                     }
