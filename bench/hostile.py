@@ -23,7 +23,12 @@ protected routes). Scenarios:
       100 streams and never opening a window, a PING every second keeping
       the connection lively (client_write_timeout 5 s in this scenario);
   (h) HTTP/1.1: waves of 300 connections that send a protected request to
-      the slow route and hang up 0.3 s later, five waves.
+      the slow route and hang up 0.3 s later, five waves;
+  (i) large records with a slow store: the proxy reaches Redis through a
+      relay of the script's own that delays every chunk by 10 ms each way;
+      20 clients send protected POST /v1/big (8 MiB answers) with new keys,
+      each followed by its retry, for the whole of the legitimate clients'
+      run; every retry's answer is checked byte for byte against the first.
 
 In every scenario, once the attack has built up, a legitimate client sends
 protected requests (a new key, then a retry of it) in a loop, twice over:
@@ -37,7 +42,8 @@ whether the proxy died.
 Prints a table of measured values against the issue's targets and writes
 bench/results/hostile.json. Figures only; nothing here asserts.
 
-    bench/hostile.py [--only abpcdefgh] [--idle 10000] [--mixed-idle 2000] [--no-build | --bin PATH]
+    bench/hostile.py [--only abpcdefghi] [--idle 10000] [--mixed-idle 2000]
+                     [--big-clients 20] [--relay-ms 10] [--no-build | --bin PATH]
 
 HOSTILE_RUST_LOG=info keeps the proxy's access log; HOSTILE_KEEP=1 keeps the
 temp dir (configs and proxy logs).
@@ -48,6 +54,7 @@ Needs: redis-server, python3, cargo (builds target/release/idemproxy).
 import argparse
 import collections
 import errno
+import hashlib
 import http.client
 import json
 import os
@@ -75,6 +82,7 @@ LEGIT_TIMEOUT = 3.0  # the legitimate client's per-request timeout, seconds
 LEGIT_SECONDS = 6.0  # how long the legitimate client runs during an attack
 RECOVERY_DEADLINE = 20.0
 SLOW_S = 3.0  # how long the upstream takes over POST /v1/slow
+BIG_TIMEOUT = 30.0  # (i)'s attackers' per-request timeout, seconds
 MAX_CONNECTIONS = 256  # the default of [server] max_connections: places per protocol
 
 
@@ -144,10 +152,109 @@ class Upstream(BaseHTTPRequestHandler):
             self._answer(201, [head + b"}"], extra=[("Location", f"/v1/payments/{n}")])
 
 
+class UpstreamServer(ThreadingHTTPServer):
+    request_queue_size = 4096
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A proxy that drops an answer it relays (its client gone) resets the
+        # upstream connection: expected under attack, not worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def serve_upstream(port):
-    ThreadingHTTPServer.request_queue_size = 4096
-    ThreadingHTTPServer.daemon_threads = True
-    ThreadingHTTPServer(("127.0.0.1", port), Upstream).serve_forever()
+    UpstreamServer(("127.0.0.1", port), Upstream).serve_forever()
+
+
+# ---------------------------------------------------------------------------
+# A slow store for (i): a TCP relay in front of the redis-server, run as a
+# child process (`--serve-relay LISTEN:TARGET:DELAY_MS`, asyncio, loopback
+# only). Every chunk read on one side is written to the other DELAY_MS after
+# it was read: per direction, a queue of (due time, chunk) and a task that
+# writes each chunk at its due time, so a chunk waits its own delay and never
+# the delays of the chunks before it (latency added, not bandwidth taken).
+
+def serve_relay(spec):
+    import asyncio
+    listen, target, delay_ms = (int(x) for x in spec.split(":"))
+    delay = delay_ms / 1000.0
+
+    async def pipe(reader, writer):
+        loop = asyncio.get_running_loop()
+        queue = asyncio.Queue()
+
+        async def deliver():
+            try:
+                while True:
+                    due, data = await queue.get()
+                    wait = due - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    if not data:
+                        break
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        task = asyncio.ensure_future(deliver())
+        try:
+            while True:
+                data = await reader.read(256 * 1024)
+                queue.put_nowait((loop.time() + delay, data))
+                if not data:
+                    break
+        except (ConnectionError, OSError):
+            queue.put_nowait((0.0, b""))
+        await task
+
+    async def handle(client_r, client_w):
+        try:
+            store_r, store_w = await asyncio.open_connection("127.0.0.1", target)
+        except OSError:
+            client_w.close()
+            return
+        await asyncio.gather(pipe(client_r, store_w), pipe(store_r, client_w))
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", listen, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+class Relay:
+    """The relay of (i) as a child process, in front of redis_port."""
+
+    def __init__(self, redis_port, delay_ms):
+        self.port, self.delay_ms = free_port(), delay_ms
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-relay",
+                                      f"{self.port}:{redis_port}:{delay_ms}"])
+        wait_port(self.port)
+
+    def ping_ms(self, n=5):
+        """Median round trip of a Redis PING through the relay, ms."""
+        times = []
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+            for _ in range(n):
+                t0 = time.monotonic()
+                s.sendall(b"PING\r\n")
+                got = b""
+                while not got.endswith(b"\r\n"):
+                    got += s.recv(64)
+                times.append((time.monotonic() - t0) * 1000)
+        return round(sorted(times)[n // 2], 1)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 # ---------------------------------------------------------------------------
@@ -668,19 +775,29 @@ def run_scenario(name, label, ctx, build):
     connections and notes), runs the legitimate clients, closes the attack,
     measures recovery, checks executions."""
     print(f"[{name}] {label}", file=sys.stderr, flush=True)
-    proxy = Proxy(ctx["workdir"], name, ctx["idem_bin"], ctx["upstream_port"], ctx["redis_port"],
-                  getattr(build, "extra", ""))
+    # A scenario may put the store behind a slow relay (build.relay_delay_ms).
+    relay, store_notes = None, {}
+    if getattr(build, "relay_delay_ms", None) is not None:
+        relay = Relay(ctx["redis_port"], build.relay_delay_ms)
+        store_notes = {"store_relay_delay_ms": relay.delay_ms, "store_ping_ms_through_relay": relay.ping_ms()}
+    proxy = Proxy(ctx["workdir"], name, ctx["idem_bin"], ctx["upstream_port"],
+                  relay.port if relay else ctx["redis_port"], getattr(build, "extra", ""))
     slow_exchanges(ctx["upstream_port"], reset=True)
     tag = f"{name}{time.time_ns()}"
     idle_rss = proc_status(proxy.proc.pid, "VmRSS")
     early = Legit(proxy.port, f"{tag}-legit-early", early=True)
     t_start = time.monotonic()
     conns, notes = build(proxy, tag)
+    notes.update(store_notes)
     tick = notes.pop("tick", None)
+    # An attack that is traffic (not held sockets) goes on during the
+    # legitimate clients' run; `stop()` ends it and returns its figures.
+    stop_attack = notes.pop("stop", None)
     t_ready = time.monotonic()
     notes["attack_build_s"] = round(t_ready - t_start, 2)
     notes["gauge_after_build"] = proxy.gauge()
-    notes["gauge_under_attack"] = wait_plateau(proxy)
+    # Such traffic keeps the gauge moving: no plateau to wait for.
+    notes["gauge_under_attack"] = proxy.gauge() if stop_attack else wait_plateau(proxy)
     late = Legit(proxy.port, f"{tag}-legit-late", early=False)
     early.start()
     late.start()
@@ -696,6 +813,8 @@ def run_scenario(name, label, ctx, build):
         notes["closed_by_proxy_after_build_s"] = {"count": len(closed), "first": closed[0], "last": closed[-1]}
     notes["upstream_slow_exchanges"] = slow_exchanges(ctx["upstream_port"])
     alive_before_close = proxy.alive()
+    if stop_attack:
+        notes.update(stop_attack())
     close_all(conns)
     rec = recovery(proxy, tag) if proxy.alive() else {"full_service_s": None}
     counts = upstream_counts(ctx["upstream_port"])
@@ -704,6 +823,8 @@ def run_scenario(name, label, ctx, build):
     legit_fresh = sum(v for k, v in early.outcomes.items() if k.startswith("new: 201") and "replay" not in k) + \
         sum(v for k, v in late.outcomes.items() if k.startswith("new: 201") and "replay" not in k)
     fate = proxy.finish()
+    if relay:
+        relay.stop()
     result = {
         "label": label,
         "idle_rss_kib": idle_rss,
@@ -873,6 +994,154 @@ def scenario_e(n=100, streams=200):
     return build
 
 
+class BigClient(threading.Thread):
+    """(i)'s attacker: on one keep-alive connection, protected POST /v1/big
+    with a new key, then the retry of that key, over and over until stopped.
+    A fresh 201 must be the whole 8 MiB answer naming its key; a retry's
+    replay must be that answer again, byte for byte (length and SHA-256)."""
+
+    def __init__(self, port, tag, stop_flag):
+        super().__init__(daemon=True)
+        self.port, self.tag, self.stop_flag = port, tag, stop_flag
+        self.conn, self.lock = None, threading.Lock()
+        self.outcomes, self.keys = collections.Counter(), []
+        self.replay_s = []  # seconds per full replay
+
+    def post(self, key):
+        """(label, status, replayed, body); label None when answered."""
+        with self.lock:
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=BIG_TIMEOUT)
+            conn = self.conn
+        try:
+            conn.request("POST", "/v1/big", body=b'{"amount":1}',
+                         headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            if r.getheader("Connection", "").lower() == "close":
+                self.drop()
+        except socket.timeout:
+            self.drop()
+            return "timeout", None, None, b""
+        except (OSError, http.client.HTTPException) as e:
+            self.drop()
+            if self.stop_flag.is_set():
+                return "cut off when the attack stopped", None, None, b""
+            return f"error {type(e).__name__}", None, None, b""
+        return None, r.status, r.getheader("Idempotent-Replayed") == "true", data
+
+    def drop(self):
+        with self.lock:
+            if self.conn:
+                self.conn.close()
+            self.conn = None
+
+    def cut(self):
+        """Ends the exchange under way at once (another thread may be in recv)."""
+        with self.lock:
+            sock = self.conn.sock if self.conn else None
+        if sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    @staticmethod
+    def label(status, replayed, data):
+        out = str(status) + (" replay" if replayed else "")
+        if status != 201:
+            m = re.search(rb'"type":"([^"]+)"', data[:4096])
+            if m:
+                out += " " + m.group(1).decode().rsplit("/", 1)[-1]
+        return out
+
+    def run(self):
+        i = 0
+        while not self.stop_flag.is_set():
+            i += 1
+            key = f"{self.tag}-{i}"
+            self.keys.append(key)
+            err, status, replayed, data = self.post(key)
+            first = None
+            if err:
+                self.outcomes["new: " + err] += 1
+            elif status == 201 and not replayed:
+                whole = len(data) == BIG and data.startswith(json.dumps({"key": key})[:-1].encode())
+                self.outcomes["new: 201" + ("" if whole else f" WRONG BODY ({len(data)} bytes)")] += 1
+                if whole:
+                    first = hashlib.sha256(data).digest()
+            else:
+                self.outcomes["new: " + self.label(status, replayed, data)] += 1
+            del data
+            if self.stop_flag.is_set():
+                break
+            t0 = time.monotonic()
+            err, status, replayed, data = self.post(key)
+            if err:
+                self.outcomes["retry: " + err] += 1
+            elif status == 201 and replayed and first is not None:
+                same = len(data) == BIG and hashlib.sha256(data).digest() == first
+                self.outcomes["retry: 201 replay, " + ("identical" if same else f"DIFFERENT ({len(data)} bytes)")] += 1
+                if same:
+                    self.replay_s.append(time.monotonic() - t0)
+            else:
+                self.outcomes["retry: " + self.label(status, replayed, data)
+                              + ("" if first is not None else " (first not a whole 201)")] += 1
+
+
+def scenario_i(clients=20, delay_ms=10, warmup=2.0):
+    """Large records through a slow store: 20 clients, each a new key's 8 MiB
+    answer then its retry, over and over, Redis 10 ms away each way."""
+    def build(proxy, tag):
+        stop_flag = threading.Event()
+        bigs = [BigClient(proxy.port, f"{tag}-big-{i}", stop_flag) for i in range(clients)]
+        gauge = {"peak": 0, "samples": []}
+        t0 = time.monotonic()
+
+        def sample():
+            while not stop_flag.is_set():
+                g = proxy.gauge()
+                if g is not None:
+                    gauge["peak"] = max(gauge["peak"], g)
+                    gauge["samples"].append((round(time.monotonic() - t0, 1), g))
+                stop_flag.wait(0.1)
+        sampler = threading.Thread(target=sample, daemon=True)
+        for b in bigs:
+            b.start()
+        sampler.start()
+        time.sleep(warmup)  # the attack is under way before the legitimate clients start
+
+        def stop():
+            attack_s = time.monotonic() - t0
+            stop_flag.set()
+            for b in bigs:
+                b.cut()
+            for b in bigs:
+                b.join(timeout=10)
+            sampler.join(timeout=5)
+            outcomes = collections.Counter()
+            for b in bigs:
+                outcomes.update(b.outcomes)
+            replay_s = sorted(s for b in bigs for s in b.replay_s)
+            retries = sum(v for k, v in outcomes.items() if k.startswith("retry: "))
+            identical = sum(v for k, v in outcomes.items() if k.startswith("retry: 201 replay, identical"))
+            return {"big_clients_still_running": sum(b.is_alive() for b in bigs),
+                    "big_attack_s": round(attack_s, 2),
+                    "big_outcomes": dict(outcomes),
+                    "big_keys": sum(len(b.keys) for b in bigs),
+                    "big_retries": retries,
+                    "big_retries_replayed_identical": identical,
+                    "big_replay_s": {"n": len(replay_s),
+                                     "median": round(replay_s[len(replay_s) // 2], 3) if replay_s else None,
+                                     "max": round(replay_s[-1], 3) if replay_s else None},
+                    "gauge_peak_during_attack": gauge["peak"],
+                    "gauge_series": gauge["samples"][::5]}
+        return [], {"attack": f"{clients} clients: protected POST /v1/big (8 MiB answers), a new key then its retry, "
+                              f"in a loop; store {delay_ms} ms away each way (relay)", "stop": stop}
+    build.relay_delay_ms = delay_ms
+    return build
+
+
 # ---------------------------------------------------------------------------
 
 def mib(kib):
@@ -885,17 +1154,25 @@ def legit_line(outcomes):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="abpcdefgh",
-                    help="which scenarios, e.g. 'ac' (p: (b) paced; e, f, g: HTTP/2; h: HTTP/1.1 hang-ups)")
+    ap.add_argument("--only", default="abpcdefghi",
+                    help="which scenarios, e.g. 'ac' (p: (b) paced; e, f, g: HTTP/2; h: HTTP/1.1 hang-ups; "
+                         "i: large records, slow store)")
     ap.add_argument("--idle", type=int, default=10000, help="connections in (c)")
     ap.add_argument("--mixed-idle", type=int, default=2000, help="idle connections in (d)")
     ap.add_argument("--no-build", action="store_true", help="use target/release/idemproxy as it is")
     ap.add_argument("--bin", help="run this idemproxy binary (implies --no-build), e.g. another commit's build")
     ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-relay", help=argparse.SUPPRESS)
+    ap.add_argument("--big-clients", type=int, default=20, help="(i): clients sending 8 MiB requests")
+    ap.add_argument("--relay-ms", type=int, default=10,
+                    help="(i): delay the relay adds to each chunk, each way, ms (0: relayed at once)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "hostile.json"))
     args = ap.parse_args()
     if args.serve_upstream:
         serve_upstream(args.serve_upstream)
+        return
+    if args.serve_relay:
+        serve_relay(args.serve_relay)
         return
 
     # Room for the attack's sockets; the proxy (a child) inherits the limit.
@@ -932,6 +1209,8 @@ def main():
         "f": ("(f) HTTP/2: streams reset once under way", scenario_f()),
         "g": ("(g) HTTP/2: windows kept shut, pings", scenario_g()),
         "h": ("(h) HTTP/1.1: hang-ups once under way", scenario_h()),
+        "i": (f"(i) {args.big_clients} × 8 MiB records, store {args.relay_ms} ms away",
+              scenario_i(clients=args.big_clients, delay_ms=args.relay_ms)),
     }
     results = {}
     started = time.time()
@@ -956,7 +1235,7 @@ def main():
 
     target_rss = {"a": MAX_BUFFERED + 32 * MIB, "b": MAX_BUFFERED + 32 * MIB, "p": MAX_BUFFERED + 32 * MIB, "c": 128 * MIB,
                   "d": MAX_BUFFERED + 32 * MIB, "e": MAX_BUFFERED + 32 * MIB, "f": MAX_BUFFERED + 32 * MIB,
-                  "g": MAX_BUFFERED + 32 * MIB, "h": MAX_BUFFERED + 32 * MIB}
+                  "g": MAX_BUFFERED + 32 * MIB, "h": MAX_BUFFERED + 32 * MIB, "i": MAX_BUFFERED + 32 * MIB}
     print()
     print(f"{'scenario':44} {'peak RSS MiB':>12} {'VmHWM':>7} {'target':>8} {'met':>4}  {'crash':>5} {'2nd exec':>8} "
           f"{'recovery s':>10} {'target':>6} {'met':>4}")
@@ -986,13 +1265,19 @@ def main():
         if slow.get("peak"):
             print(f"  upstream exchanges on the slow route: at most {slow['peak']} at once "
                   f"(places per protocol: {MAX_CONNECTIONS})")
+        if "big_outcomes" in r:
+            print(f"  store through the relay: {r['store_relay_delay_ms']} ms each way, PING "
+                  f"{r['store_ping_ms_through_relay']} ms; budget gauge at most {r['gauge_peak_during_attack']} bytes")
+            print(f"  8 MiB clients ({r['big_attack_s']} s, {r['big_keys']} keys): {legit_line(r['big_outcomes'])}")
+            print(f"  retries replayed byte for byte: {r['big_retries_replayed_identical']} of {r['big_retries']}; "
+                  f"replay time {r['big_replay_s']}")
         if "closed_by_proxy_after_build_s" in r:
             print(f"  attack connections closed by the proxy: {r['closed_by_proxy_after_build_s']}")
     head = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "nproc": os.cpu_count(), "commit": head.stdout.strip(),
             "binary": idem_bin,
             "rlimit_nofile": [want, hard], "duration_s": round(time.time() - started, 1),
-            "max_buffered": MAX_BUFFERED, "legit_seconds": LEGIT_SECONDS, "legit_timeout_s": LEGIT_TIMEOUT}
+            "max_buffered": MAX_BUFFERED, "relay_ms": args.relay_ms, "big_clients": args.big_clients, "legit_seconds": LEGIT_SECONDS, "legit_timeout_s": LEGIT_TIMEOUT}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "scenarios": results}, f, indent=1)
