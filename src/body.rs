@@ -179,7 +179,13 @@ where
     if body.size_hint().lower() > limit {
         return Capped::Partial(Bytes::new(), body, Cut::TooLarge);
     }
-    let mut read = Collected::default();
+    let mut read = Collected {
+        // The declared length (its room taken already): one allocation of
+        // the body's size, not a doubling buffer whose copies and slack lie
+        // outside the budget (and fragment the heap with 8 MiB answers).
+        expected: body.size_hint().lower().min(limit),
+        ..Collected::default()
+    };
     let mut trailers: Option<HeaderMap> = None;
     loop {
         let frame = match deadline {
@@ -219,6 +225,8 @@ struct Collected {
     first: Option<Bytes>,
     buf: BytesMut,
     total: u64,
+    /// The length the body declared: reserved once it takes a second frame.
+    expected: u64,
 }
 
 impl Collected {
@@ -228,6 +236,8 @@ impl Collected {
         match self.first.take() {
             None if self.buf.is_empty() => self.first = Some(data),
             Some(f) => {
+                let expected = usize::try_from(self.expected).unwrap_or(0);
+                self.buf.reserve(expected.max(f.len() + data.len()));
                 self.buf.extend_from_slice(&f);
                 self.buf.extend_from_slice(&data);
             }
