@@ -27,8 +27,8 @@
 //! in progress (`permit`) until its upstream exchange ends, and speaks TLS when
 //! configured (`tls`); each worker thread runs a runtime of its own and
 //! serves whole connections (`workers`).
-// `deny`, not `forbid`: one call into glibc (`serve::trim`, `malloc_trim`)
-// is allowed by name; nothing else may use `unsafe`.
+// `deny`, not `forbid`: two calls into glibc (`serve::trim`, `malloc_trim`;
+// `serve::one_arena`, `mallopt`) are allowed by name; nothing else may use `unsafe`.
 #![deny(unsafe_code)]
 
 pub mod admin;

@@ -69,6 +69,7 @@ fn init_logging(format: LogFormat) {
 }
 
 fn main() -> ExitCode {
+    idemproxy::serve::one_arena();
     let cli = Cli::parse();
     let overrides = Overrides {
         listen: cli.listen.clone(),
