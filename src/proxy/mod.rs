@@ -527,27 +527,39 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
             Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
             Verdict::InFlight { created_ms } => {
-                // Only a 409 needs the remaining lease: replays and mismatches stay at one round trip.
-                let left = match ttl {
-                    Some(ttl) => ttl,
-                    None => app
-                        .store
-                        .pttl(id.key.as_str())
-                        .await
-                        .map_err(|e| self::store_down(ctx, id, e, Taken::Yes))?,
-                };
-                // At most the lease: the first may have finished between the two round
-                // trips, and then PTTL is its record's TTL, not a lease.
-                let lease_left = left.min(policy.lease);
-                // When the first is likely done (§7): the route's typical
-                // duration less what the first has run (its record's clock,
-                // so a first on another proxy counts too), within the lease.
-                let ran = Duration::from_millis(now_ms().saturating_sub(created_ms));
-                let retry_after = route.typical.retry_after(ran, lease_left);
-                Err(Stop::Refuse(Problem::Conflict { retry_after }))
+                Err(conflict(ctx, route, id, ttl, created_ms).await?)
             }
         };
     }
+}
+
+/// The 409 for a key whose first request is still in flight, with a
+/// `Retry-After` estimate (§7): the route's typical duration less what the
+/// first has run (its record's clock, so a first on another proxy counts
+/// too), within the lease. Only a 409 needs the remaining lease (`ttl`, else
+/// a `PTTL`): replays and mismatches stay at one round trip.
+async fn conflict(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    id: &Identity,
+    ttl: Option<Duration>,
+    created_ms: u64,
+) -> Result<Stop, Stop> {
+    let left = match ttl {
+        Some(ttl) => ttl,
+        None => ctx
+            .app
+            .store
+            .pttl(id.key.as_str())
+            .await
+            .map_err(|e| store_down(ctx, id, e, Taken::Yes))?,
+    };
+    // At most the lease: the first may have finished between the two round
+    // trips, and then PTTL is its record's TTL, not a lease.
+    let lease_left = left.min(route.policy.lease);
+    let ran = Duration::from_millis(now_ms().saturating_sub(created_ms));
+    let retry_after = route.typical.retry_after(ran, lease_left);
+    Ok(Stop::Refuse(Problem::Conflict { retry_after }))
 }
 
 /// The `processing` record a reserve writes.
