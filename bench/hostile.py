@@ -430,8 +430,13 @@ class Conn:
         return int(m.group(1)) if m else None
 
     def problem(self):
-        m = re.search(rb'"type":"([^"]+)"', self.inbuf)
-        return m.group(1).decode().rsplit("/", 1)[-1] if m else None
+        return problem_type(self.inbuf)
+
+
+def problem_type(data):
+    """The problem `type` an answer's body names (its last path segment), or None."""
+    m = re.search(rb'"type":"([^"]+)"', data)
+    return m.group(1).decode().rsplit("/", 1)[-1] if m else None
 
 
 def open_conns(port, n, segments_of, read=True, rcvbuf=None):
@@ -600,9 +605,9 @@ class Legit(threading.Thread):
             except (ValueError, KeyError):
                 self.wrong += 1
         else:
-            m = re.search(rb'"type":"([^"]+)"', data)
-            if m:
-                label += " " + m.group(1).decode().rsplit("/", 1)[-1]
+            kind = problem_type(data)
+            if kind:
+                label += " " + kind
         return label
 
     def run(self):
@@ -1050,9 +1055,9 @@ class BigClient(threading.Thread):
     def label(status, replayed, data):
         out = str(status) + (" replay" if replayed else "")
         if status != 201:
-            m = re.search(rb'"type":"([^"]+)"', data[:4096])
-            if m:
-                out += " " + m.group(1).decode().rsplit("/", 1)[-1]
+            kind = problem_type(data[:4096])
+            if kind:
+                out += " " + kind
         return out
 
     def run(self):
