@@ -6,11 +6,11 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
-use http_body::{Frame, SizeHint};
+use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::BodyExt;
+use hyper::body::Incoming;
 
 use crate::budget::Room;
-use crate::upstream::Inbound;
 
 /// Buffered bytes go out in frames of at most this size: the connection asks
 /// for the next one only when it has written the last, so a client that reads
@@ -250,6 +250,89 @@ impl Collected {
         self.first
             .take()
             .unwrap_or_else(|| self.buf.split().freeze())
+    }
+}
+
+/// A connection lent to one answer's body by the pool it came from: the body
+/// drives its I/O while it is read, and gives it back at its end. (A trait,
+/// so that bodies need not know the upstream pool; the box is the
+/// connection's own, made once when it was opened.)
+pub trait Lent: Send {
+    /// Drives the connection's I/O; true while it is still open.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool;
+    /// The body was read to its end: the connection may serve the next request.
+    fn give_back(self: Box<Self>, cx: &mut Context<'_>);
+}
+
+/// A body from a peer: a client's request body, or an upstream answer's,
+/// whose reader drives the pooled connection it arrives on. Dropped before
+/// its end, it closes that connection (the rest of the answer is unread).
+pub struct Inbound {
+    body: Incoming,
+    lease: Option<Box<dyn Lent>>,
+}
+
+impl From<Incoming> for Inbound {
+    fn from(body: Incoming) -> Self {
+        Inbound { body, lease: None }
+    }
+}
+
+impl Inbound {
+    /// An answer's body holding the connection it arrives on until it is read
+    /// to its end. No body to read (HEAD, 204, 304, `Content-Length: 0`): the
+    /// server may never poll it, so the connection goes back now.
+    pub fn lent(body: Incoming, conn: Box<dyn Lent>) -> Self {
+        let mut inbound = Inbound {
+            body,
+            lease: Some(conn),
+        };
+        if inbound.body.is_end_stream() {
+            inbound.give_back(None);
+        }
+        inbound
+    }
+
+    fn give_back(&mut self, cx: Option<&mut Context<'_>>) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let mut noop = Context::from_waker(std::task::Waker::noop());
+        lease.give_back(cx.unwrap_or(&mut noop));
+    }
+}
+
+impl http_body::Body for Inbound {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if let Some(lease) = &mut this.lease {
+            lease.drive(cx);
+        }
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if this.lease.is_some() {
+            match &frame {
+                Poll::Ready(None) => this.give_back(Some(cx)),
+                Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(Some(cx)),
+                // An error: the connection is in no state to be used again.
+                Poll::Ready(Some(Err(_))) => this.lease = None,
+                _ => {}
+            }
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -31,29 +31,65 @@
 // `serve::one_arena`, `mallopt`) are allowed by name; nothing else may use `unsafe`.
 #![deny(unsafe_code)]
 
-pub mod admin;
-pub mod app;
-pub mod body;
-pub mod budget;
-pub mod canonical_json;
-pub mod config;
-pub mod conn;
-pub mod deadline;
-pub mod grpc;
-pub mod key;
-pub mod metrics;
-pub mod permit;
-pub mod policy;
-pub mod problem;
-pub mod proxy;
-pub mod record;
-pub mod routes;
-pub mod seal;
-pub mod serve;
+// The map. `pub`: what the binary, the tests, the fuzz targets and the
+// examples use; `pub(crate)`: used only inside the crate.
+
+// Starting and serving.
+// Listeners, accept loops, the store health check, draining on shutdown.
 pub mod server;
-pub mod stall;
-pub mod store;
+// One client connection: HTTP/1.1 or h2c, and the process's memory settings.
+pub mod serve;
+// A client connection's I/O with its header, idle and send deadlines.
+pub mod conn;
+// The send deadline of HTTP/2 answers.
+pub(crate) mod stall;
+// Deadlines of one length for many operations, kept by one timer.
+pub(crate) mod deadline;
+// TLS on the client-facing listener.
 pub mod tls;
-pub mod typical;
+// Worker threads with a runtime each.
+pub(crate) mod workers;
+// A request's place among the requests in progress.
+pub(crate) mod permit;
+// The admin listener: health, readiness, metrics, the key admin API.
+pub(crate) mod admin;
+// The state every request shares, and the admin token.
+pub mod app;
+
+// Configuration and what it builds.
+// The TOML file and overrides, turned into a typed, checked `Config`.
+pub mod config;
+// What a protected route does.
+pub mod policy;
+// The route table: (method, path) → a route and its policy.
+pub(crate) mod routes;
+
+// The protected request.
+// The request path, phase by phase.
+pub(crate) mod proxy;
+// The key, the request's identity and its fingerprint.
+pub mod key;
+// Exact canonical JSON for JSON fingerprints.
+pub mod canonical_json;
+// Bodies in both directions, and reading one up to a limit.
+pub mod body;
+// The memory budget for bytes held at once.
+pub(crate) mod budget;
+// How long a route's upstream typically takes (a 409's `Retry-After`).
+pub(crate) mod typical;
+// Every answer the proxy makes itself (RFC 9457 problem details).
+pub(crate) mod problem;
+// gRPC's vocabulary: statuses, trailers, Trailers-Only answers.
+pub(crate) mod grpc;
+// The pooled upstream client and header hygiene.
 pub mod upstream;
-pub mod workers;
+
+// What is kept.
+// What is stored under a key, in its binary format.
+pub mod record;
+// Records sealed at rest (AES-256-GCM).
+pub mod seal;
+// The store: one key per operation, on Redis or in memory.
+pub mod store;
+// Prometheus metrics.
+pub mod metrics;

@@ -1,6 +1,5 @@
 //! The crate's shape: no two modules depend on each other, directly or
-//! round a longer loop (but for the loops [`STILL_TO_UNDO`] lists, which
-//! may only shrink). A module here is a file of `src/` (`store/redis.rs`
+//! round a longer loop. A module here is a file of `src/` (`store/redis.rs`
 //! is `store::redis`); a dependency is a `crate::` or `super::` path that
 //! names another module (in a `use` or in the code), tests excluded. A
 //! module and its own parent or child are one concern and not counted: a
@@ -168,10 +167,6 @@ fn related(a: &[String], b: &[String]) -> bool {
     a.starts_with(b) || b.starts_with(a)
 }
 
-/// The loops left from before this check, each to be undone (and taken off
-/// this list, which the test then demands): no new one may appear.
-const STILL_TO_UNDO: &[&[&str]] = &[&["body", "upstream"]];
-
 #[test]
 fn no_two_modules_depend_on_each_other() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
@@ -216,25 +211,10 @@ fn no_two_modules_depend_on_each_other() {
             }
         }
     }
-    // Each loop as the set of its members, once.
-    let found: BTreeSet<BTreeSet<String>> = loops
-        .iter()
-        .map(|l| l.split(" → ").map(str::to_string).collect())
-        .collect();
-    let known: BTreeSet<BTreeSet<String>> = STILL_TO_UNDO
-        .iter()
-        .map(|members| members.iter().map(|m| m.to_string()).collect())
-        .collect();
-    let new: Vec<_> = found.difference(&known).collect();
     assert!(
-        new.is_empty(),
-        "modules that depend on each other: {new:?}\n(every loop, once per member:\n{})",
+        loops.is_empty(),
+        "modules that depend on each other (every loop, once per member):\n{}",
         loops.join("\n")
-    );
-    let undone: Vec<_> = known.difference(&found).collect();
-    assert!(
-        undone.is_empty(),
-        "these loops are gone: take them off STILL_TO_UNDO: {undone:?}"
     );
     // The check sees dependencies at all: a module known to use another is found using it.
     let proxy = graph

@@ -2,7 +2,8 @@
 
 mod pool;
 
-pub use pool::{Inbound, Pool};
+pub use crate::body::Inbound;
+pub use pool::Pool;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;

@@ -18,12 +18,10 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
-use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, Connection, SendRequest};
 use hyper_util::rt::TokioIo;
@@ -31,7 +29,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::UpstreamError;
-use crate::body::Body;
+use crate::body::{Body, Inbound, Lent};
 
 /// Idle connections kept at most (as many as hyper-util's client kept per host).
 const MAX_IDLE: usize = 1024;
@@ -43,15 +41,29 @@ struct Conn {
     io: Connection<TokioIo<TcpStream>, Body>,
     /// The I/O future has finished (closed or failed): never poll it again.
     done: bool,
+    /// Where the connection goes back once an answer's body is read to its end.
+    pool: Weak<Pool>,
 }
 
-impl Conn {
+impl Lent for Conn {
     /// Drives the connection's I/O; true while it is still open.
     fn drive(&mut self, cx: &mut Context<'_>) -> bool {
         if !self.done && Pin::new(&mut self.io).poll(cx).is_ready() {
             self.done = true;
         }
         !self.done
+    }
+
+    /// The answer's body is read to its end: back to the pool once the
+    /// connection is ready for the next request (one more poll lets hyper
+    /// see that the exchange is over).
+    fn give_back(mut self: Box<Self>, cx: &mut Context<'_>) {
+        let open = self.drive(cx);
+        if open && !self.sender.is_closed() {
+            if let Some(pool) = self.pool.upgrade() {
+                pool.put(self);
+            }
+        }
     }
 }
 
@@ -127,7 +139,7 @@ impl Pool {
                         "101 Switching Protocols to a request that did not ask to upgrade",
                     ))
                 }
-                Ok(resp) => return Ok(self.lease(conn, resp)),
+                Ok(resp) => return Ok(Self::lease(conn, resp)),
                 Err(mut e) => match e.take_message() {
                     Some(unsent) if !fresh => req = unsent,
                     // Never written, on a new connection: it did not reach the upstream.
@@ -140,22 +152,8 @@ impl Pool {
     }
 
     /// The answer, its body holding the connection until it is read to the end.
-    fn lease(self: &Arc<Self>, conn: Box<Conn>, resp: Response<Incoming>) -> Response<Inbound> {
-        resp.map(|body| {
-            let mut inbound = Inbound {
-                body,
-                lease: Some(Lease {
-                    conn,
-                    pool: self.clone(),
-                }),
-            };
-            // No body to read (HEAD, 204, 304, `Content-Length: 0`): the
-            // server may never poll it, so the connection goes back now.
-            if inbound.body.is_end_stream() {
-                inbound.give_back(None);
-            }
-            inbound
-        })
+    fn lease(conn: Box<Conn>, resp: Response<Incoming>) -> Response<Inbound> {
+        resp.map(|body| Inbound::lent(body, conn))
     }
 
     /// The most recently used idle connection that is still open and ready.
@@ -199,7 +197,7 @@ impl Pool {
         }
     }
 
-    async fn connect(&self) -> Result<Box<Conn>, UpstreamError> {
+    async fn connect(self: &Arc<Self>) -> Result<Box<Conn>, UpstreamError> {
         let addr = (self.host.as_str(), self.port);
         let stream =
             match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
@@ -226,6 +224,7 @@ impl Pool {
             sender,
             io,
             done: false,
+            pool: Arc::downgrade(self),
         }))
     }
 }
@@ -242,75 +241,5 @@ async fn reap(pool: Weak<Pool>) {
         let now = Instant::now();
         let mut idle = pool.idle.lock().unwrap_or_else(|e| e.into_inner());
         idle.retain(|e| now.duration_since(e.since) < pool.idle_timeout);
-    }
-}
-
-/// A connection lent to one answer's body.
-struct Lease {
-    conn: Box<Conn>,
-    pool: Arc<Pool>,
-}
-
-/// A body from a peer: a client's request body, or an upstream answer's,
-/// whose reader drives the pooled connection it arrives on. Dropped before
-/// its end, it closes that connection (the rest of the answer is unread).
-pub struct Inbound {
-    body: Incoming,
-    lease: Option<Lease>,
-}
-
-impl From<Incoming> for Inbound {
-    fn from(body: Incoming) -> Self {
-        Inbound { body, lease: None }
-    }
-}
-
-impl Inbound {
-    /// The body is read to its end: its connection goes back to the pool
-    /// once it is ready for the next request (one more poll lets hyper see
-    /// that the exchange is over).
-    fn give_back(&mut self, cx: Option<&mut Context<'_>>) {
-        let Some(mut lease) = self.lease.take() else {
-            return;
-        };
-        let mut noop = Context::from_waker(std::task::Waker::noop());
-        let open = lease.conn.drive(cx.unwrap_or(&mut noop));
-        if open && !lease.conn.sender.is_closed() {
-            lease.pool.put(lease.conn);
-        }
-    }
-}
-
-impl http_body::Body for Inbound {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = self.get_mut();
-        if let Some(lease) = &mut this.lease {
-            lease.conn.drive(cx);
-        }
-        let frame = Pin::new(&mut this.body).poll_frame(cx);
-        if this.lease.is_some() {
-            match &frame {
-                Poll::Ready(None) => this.give_back(Some(cx)),
-                Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(Some(cx)),
-                // An error: the connection is in no state to be used again.
-                Poll::Ready(Some(Err(_))) => this.lease = None,
-                _ => {}
-            }
-        }
-        frame
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
