@@ -243,3 +243,78 @@ async fn reap(pool: Weak<Pool>) {
         idle.retain(|e| now.duration_since(e.since) < pool.idle_timeout);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// An HTTP/1.1 server on loopback that counts the connections it accepts;
+    /// `/empty` answers 204, anything else a body of 100 KiB.
+    async fn counting_server() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let body = if req.uri().path() == "/empty" {
+                        Response::builder().status(204).body(Body::full(""))
+                    } else {
+                        Response::builder().body(Body::full(vec![b'x'; 100 * 1024]))
+                    };
+                    Ok::<_, std::convert::Infallible>(body.unwrap())
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service),
+                );
+            }
+        });
+        (addr, accepted)
+    }
+
+    async fn get(pool: &Arc<Pool>, addr: std::net::SocketAddr, path: &str) -> Response<Inbound> {
+        let req = Request::get(format!("http://{addr}{path}"))
+            .body(Body::full(""))
+            .unwrap();
+        pool.send(req).await.unwrap()
+    }
+
+    fn pool_for(addr: std::net::SocketAddr) -> Arc<Pool> {
+        let authority = addr.to_string().parse().unwrap();
+        Pool::new(&authority, Duration::from_secs(5), Duration::from_secs(60))
+    }
+
+    /// The lease: a body read to its end gives its connection back, also a
+    /// body with nothing to read; a body dropped before its end takes its
+    /// connection with it.
+    #[tokio::test]
+    async fn an_answer_read_to_its_end_gives_its_connection_back() {
+        let (addr, accepted) = counting_server().await;
+        let pool = pool_for(addr);
+        for _ in 0..3 {
+            let body = get(&pool, addr, "/").await.into_body().collect().await;
+            assert_eq!(body.unwrap().to_bytes().len(), 100 * 1024);
+        }
+        for _ in 0..2 {
+            let resp = get(&pool, addr, "/empty").await;
+            assert_eq!(resp.status(), 204);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, reused");
+
+        let unread = get(&pool, addr, "/").await;
+        drop(unread);
+        let body = get(&pool, addr, "/").await.into_body().collect().await;
+        assert_eq!(body.unwrap().to_bytes().len(), 100 * 1024);
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2,
+            "a body left unread closes its connection"
+        );
+    }
+}
