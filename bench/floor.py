@@ -61,7 +61,7 @@ def main():
     stack = bench.Stack(workdir, pin=True)
     # The floors on a current-thread runtime, as each of idemproxy's worker
     # threads runs (a multi-thread runtime with one worker until 2026-12-01,
-    # 3 % more instructions: docs/benchmarks.md's earlier figures).
+    # 3 % more instructions: docs/dev/benchmarks-journal.md's earlier figures).
     FLOOR_ENV = dict(os.environ, FLOOR_RUNTIME="current")
     try:
         stack.start(os.path.join(bench.ROOT, "target", "release", "idemproxy"))

@@ -3,7 +3,7 @@
 //! Nagle), on one tokio worker, answering every request with a fixed body.
 //! A replay is this exchange plus a Redis round trip and the record's
 //! decoding, so what this costs per request bounds what a replay can cost
-//! from below. `docs/benchmarks.md` has the figures.
+//! from below. `docs/dev/benchmarks-journal.md` has the figures.
 //!
 //!     cargo run --release --example hyper_floor -- 127.0.0.1:18700 [MODE]
 //!
@@ -490,7 +490,7 @@ fn main() -> io::Result<()> {
     let addr = args.next().unwrap_or_else(|| "127.0.0.1:18700".into());
     let mode = args.next().unwrap_or_else(|| "memory".into());
     // One worker (a multi-thread runtime with one thread), as the figures in
-    // docs/benchmarks.md were measured; idemproxy's workers now run
+    // docs/dev/benchmarks-journal.md were measured; idemproxy's workers now run
     // current-thread runtimes, 3 % fewer instructions: FLOOR_RUNTIME=current
     // measures the floors that way.
     let runtime = match std::env::var("FLOOR_RUNTIME").as_deref() {
