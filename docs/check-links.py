@@ -25,8 +25,9 @@ EXPLICIT = re.compile(r"\s*\{#([A-Za-z0-9_-]+)\}\s*$")
 HTML_ID = re.compile(r"<a\s+id=\"([^\"]+)\"\s*>")
 
 
-def strip_code(text):
-    """The text without fenced blocks and inline code, line numbers kept."""
+def strip_code(text, inline=True):
+    """The text without fenced blocks and (with `inline`) inline code, line
+    numbers kept. A heading's inline code is part of its id, as mdBook makes it."""
     out, fence = [], None
     for line in text.split("\n"):
         m = re.match(r"^\s*(`{3,}|~{3,})", line)
@@ -39,7 +40,7 @@ def strip_code(text):
             fence = m.group(1)
             out.append("")
             continue
-        out.append(re.sub(r"`+[^`]*`+", "", line))
+        out.append(re.sub(r"`+[^`]*`+", "", line) if inline else line)
     return out
 
 
@@ -54,7 +55,7 @@ def slug(title):
 
 def anchors(path):
     ids, seen = set(), {}
-    for line in strip_code(open(path, encoding="utf-8").read()):
+    for line in strip_code(open(path, encoding="utf-8").read(), inline=False):
         ids.update(HTML_ID.findall(line))
         h = HEADING.match(line)
         if not h:
