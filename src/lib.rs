@@ -93,3 +93,6 @@ pub mod seal;
 pub mod store;
 // Prometheus metrics.
 pub mod metrics;
+
+#[cfg(test)]
+mod sizes;
