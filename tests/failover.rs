@@ -5,8 +5,6 @@
 mod support;
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,206 +14,32 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use support::{
-    eventually, kill_child, redis_args, Call, ConfigBuilder, Proxy, TestUpstream, DEADLINE,
+    eventually, redis_cmd, reply_text, Call, Cluster, ConfigBuilder, Proxy, TestUpstream, DEADLINE,
 };
-
-/// A port that is free, whose +10000 (the cluster bus) is free too, and that
-/// is not one of `taken` (nothing listens on those yet: the OS may offer one again).
-fn free_port_with_bus(taken: &[u16]) -> u16 {
-    loop {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        if port < 55_000
-            && !taken
-                .iter()
-                .any(|&t| [port, port + 10_000].contains(&t) || t + 10_000 == port)
-            && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
-        {
-            return port;
-        }
-    }
-}
-
-/// A cluster redis-server with its own directory; killed on drop.
-struct Node {
-    child: Option<Child>,
-    port: u16,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        kill_child(&mut self.child);
-    }
-}
-
-async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
-    let mut c = client.get_multiplexed_async_connection().await?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query_async(&mut c).await
-}
-
-fn text(v: redis::Value) -> String {
-    redis::from_redis_value::<String>(v).unwrap_or_default()
-}
-
-/// `INFO <section>` (or `CLUSTER INFO`) of one node, empty when it does not answer.
-async fn info(port: u16, args: &[&str]) -> String {
-    redis_cmd(port, args).await.map(text).unwrap_or_default()
-}
 
 /// Six nodes, three masters with one replica each; failures are detected within
 /// a second. `cluster-require-full-coverage no`: otherwise Redis itself refuses
 /// every key (CLUSTERDOWN) between a master's failure and its replica's promotion.
-struct Cluster {
-    nodes: Vec<Node>,
-    /// (master port, its replica's port), as `redis-cli --cluster create` paired them.
-    shards: Vec<(u16, u16)>,
-    _dir: tempfile::TempDir,
+async fn cluster() -> Cluster {
+    Cluster::start_with(
+        3,
+        1,
+        &[
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-require-full-coverage",
+            "no",
+        ],
+    )
+    .await
 }
 
-impl Cluster {
-    async fn start() -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
-        let mut nodes = Vec::new();
-        for _ in 0..6 {
-            let taken: Vec<u16> = nodes.iter().map(|n: &Node| n.port).collect();
-            let port = free_port_with_bus(&taken);
-            let sub = dir.path().join(port.to_string());
-            std::fs::create_dir(&sub).unwrap();
-            let args = redis_args(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "1000",
-                    "--cluster-require-full-coverage",
-                    "no",
-                ],
-            );
-            nodes.push(Node {
-                child: Some(spawn(&sub, &args)),
-                port,
-            });
-        }
-        for n in &nodes {
-            let port = n.port;
-            eventually(&format!("redis on {port}"), DEADLINE, || async move {
-                redis_cmd(port, &["PING"]).await.ok().map(|_| ())
-            })
-            .await;
-        }
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        for n in &nodes {
-            let port = n.port;
-            eventually(
-                "every node to see the whole cluster",
-                DEADLINE,
-                || async move {
-                    let info = info(port, &["CLUSTER", "INFO"]).await;
-                    (info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:6"))
-                        .then_some(())
-                },
-            )
-            .await;
-        }
-        let mut shards = Vec::new();
-        for n in &nodes {
-            let port = n.port;
-            // A replica in sync (the failover needs one), named by its master's port.
-            let master = eventually("the replica to sync", DEADLINE, || async move {
-                let info = info(port, &["INFO", "replication"]).await;
-                if info.contains("role:master") {
-                    return Some(None);
-                }
-                let master: u16 = info
-                    .lines()
-                    .find_map(|l| l.strip_prefix("master_port:"))?
-                    .trim()
-                    .parse()
-                    .ok()?;
-                info.contains("master_link_status:up")
-                    .then_some(Some(master))
-            })
-            .await;
-            if let Some(master) = master {
-                shards.push((master, port));
-            }
-        }
-        shards.sort();
-        assert_eq!(
-            shards.len(),
-            3,
-            "three masters with a replica each: {shards:?}"
-        );
-        Cluster {
-            nodes,
-            shards,
-            _dir: dir,
-        }
-    }
-
-    fn kill(&mut self, port: u16) {
-        for n in &mut self.nodes {
-            if n.port == port {
-                kill_child(&mut n.child);
-            }
-        }
-    }
-
-    /// The master port that serves each slot, as `port` sees it.
-    async fn slot_owners(port: u16) -> Vec<(i64, i64, u16)> {
-        let slots = redis_cmd(port, &["CLUSTER", "SLOTS"]).await.unwrap();
-        let redis::Value::Array(ranges) = slots else {
-            panic!("CLUSTER SLOTS: {slots:?}")
-        };
-        ranges
-            .into_iter()
-            .map(|range| {
-                let redis::Value::Array(parts) = range else {
-                    panic!("a slot range: {range:?}")
-                };
-                let start: i64 = redis::from_redis_value(parts[0].clone()).unwrap();
-                let end: i64 = redis::from_redis_value(parts[1].clone()).unwrap();
-                let redis::Value::Array(master) = parts[2].clone() else {
-                    panic!("a master: {:?}", parts[2])
-                };
-                let port: i64 = redis::from_redis_value(master[1].clone()).unwrap();
-                (start, end, port as u16)
-            })
-            .collect()
-    }
-}
-
-fn spawn(dir: &Path, args: &[String]) -> Child {
-    Command::new("redis-server")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("redis-server")
+/// `INFO <section>` (or `CLUSTER INFO`) of one node, empty when it does not answer.
+async fn info(port: u16, args: &[&str]) -> String {
+    redis_cmd(port, args)
+        .await
+        .map(reply_text)
+        .unwrap_or_default()
 }
 
 /// The store key of an idempotency key sent without Authorization.
@@ -352,7 +176,7 @@ async fn traffic(
 /// key replays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_only_seed_master_dies_under_traffic() {
-    let mut cluster = Cluster::start().await;
+    let mut cluster = cluster().await;
     let (victim, its_replica) = cluster.shards[0];
     let other = cluster.shards[1].0;
     let upstream = TestUpstream::start().await;

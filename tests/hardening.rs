@@ -137,10 +137,12 @@ async fn a_record_the_proxy_cannot_read_is_500_never_forwarded_or_bypassed() {
         1.0,
         "an unreadable record is not a store outage"
     );
-    assert!(proxy
-        .logs()
-        .iter()
-        .any(|l| l.contains("cannot be read") && l.contains(&store_key("k-garbage")[10..])));
+    let record = &store_key("k-garbage")[10..];
+    proxy
+        .wait_log_where("\"cannot be read\" naming the record", |l| {
+            l.contains("cannot be read") && l.contains(record)
+        })
+        .await;
 }
 
 /// An upstream of raw bytes: counts request heads as they arrive, reads each
@@ -500,5 +502,5 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_every_record() {
             "{key} kept"
         );
     }
-    assert!(proxy.logs().iter().any(|l| l.contains("memory store full")));
+    proxy.wait_log("memory store full").await;
 }

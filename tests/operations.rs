@@ -119,7 +119,8 @@ async fn metrics_follow_the_requests(backend: Backend) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_carry_the_fields_and_the_request_id() {
-    let env = Env::start(Backend::Memory).await;
+    // The binary's own log format is the subject.
+    let env = Env::builder(Backend::Memory).binary().start().await;
     let id = "0b6f6a3e-3f7e-4c55-9a0e-4a3f6d7c2b11";
     let r = Call::post(&env.url("/v1/payments"))
         .header("x-request-id", id)

@@ -1,5 +1,6 @@
 //! Records sealed at rest (§10): `[store] encryption_key_file`, through the
-//! real binary, a real redis-server and the test upstream.
+//! proxy (in-process, or the binary for SIGHUP reloads and restarts), a real
+//! redis-server and the test upstream.
 
 mod support;
 
@@ -43,12 +44,10 @@ impl KeyFile {
     }
 }
 
-async fn sealed_env(backend: Backend, keys: &KeyFile) -> Env {
+fn sealed_env(backend: Backend, keys: &KeyFile) -> EnvBuilder {
     Env::builder(backend)
         .store(&keys.store_line())
         .proxy_env("IDEMPROXY_ADMIN_TOKEN", TOKEN)
-        .start()
-        .await
 }
 
 fn record_id(key: &str) -> String {
@@ -101,7 +100,7 @@ on_both_backends!(
 
 async fn a_sealed_record_replays_and_is_stored_sealed(backend: Backend) {
     let keys = KeyFile::new(&[K1]);
-    let env = sealed_env(backend, &keys).await;
+    let env = sealed_env(backend, &keys).start().await;
     let url = env.url("/v1/payments");
     let held = Call::post(&url)
         .key("k-sealed")
@@ -163,9 +162,10 @@ async fn a_sealed_record_replays_and_is_stored_sealed(backend: Backend) {
     assert_no_key_in(&env.proxy);
 }
 
+/// Keys are reloaded on SIGHUP, by the binary: this scenario starts it.
 async fn rotation_keeps_old_records_until_their_key_is_removed(backend: Backend) {
     let keys = KeyFile::new(&[K1]);
-    let env = sealed_env(backend, &keys).await;
+    let env = sealed_env(backend, &keys).binary().start().await;
     let url = env.url("/v1/payments");
     let old = Call::post(&url).key("k-old").body("x").await;
     assert_eq!(old.status, 201);
@@ -211,7 +211,7 @@ async fn rotation_keeps_old_records_until_their_key_is_removed(backend: Backend)
 
 async fn large_records_are_sealed_and_replayed(backend: Backend) {
     let keys = KeyFile::new(&[K1]);
-    let env = sealed_env(backend, &keys).await;
+    let env = sealed_env(backend, &keys).start().await;
     let url = env.url("/v1/payments");
     // Over 256 KiB: Redis takes it in pieces, and a reserve does not bring it back inline.
     let size = 600_000;
@@ -241,9 +241,10 @@ async fn large_records_are_sealed_and_replayed(backend: Backend) {
     }
 }
 
+/// Keys are reloaded on SIGHUP, by the binary: this scenario starts it.
 async fn a_failed_key_reload_keeps_the_keys_in_use(backend: Backend) {
     let keys = KeyFile::new(&[K1]);
-    let env = sealed_env(backend, &keys).await;
+    let env = sealed_env(backend, &keys).binary().start().await;
     let url = env.url("/v1/payments");
     assert_eq!(Call::post(&url).key("k-a").body("x").await.status, 201);
 
@@ -319,7 +320,7 @@ async fn clear_records_written_before_sealing_was_switched_on_still_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sealed_value_copied_under_another_record_id_does_not_open() {
     let keys = KeyFile::new(&[K1]);
-    let env = sealed_env(Backend::Redis, &keys).await;
+    let env = sealed_env(Backend::Redis, &keys).start().await;
     let redis = env.redis.as_ref().unwrap();
     let url = env.url("/v1/payments");
     // The same request under two keys: the same fingerprint, so only the

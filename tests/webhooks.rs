@@ -1,6 +1,6 @@
 //! Webhook receivers (§10): the key comes from another header (`key_from =
 //! "header:X-GitHub-Delivery"`) or from the JSON body (`key_from = "json:/id"`).
-//! Real redis-server (or the memory store), a real upstream, the real proxy binary.
+//! Real redis-server (or the memory store), a real upstream, the proxy served in-process.
 
 mod support;
 

@@ -399,10 +399,11 @@ async fn closed_by(proxy: &Proxy, side: &str) {
     )
     .await;
     let ended = format!(r#""ended_by":"{side}""#);
-    assert!(proxy
-        .logs()
-        .iter()
-        .any(|l| l.contains("tunnel closed") && l.contains(&ended)));
+    proxy
+        .wait_log_where(&format!("\"tunnel closed\" with {ended}"), |l| {
+            l.contains("tunnel closed") && l.contains(&ended)
+        })
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,8 +1,14 @@
 //! `Env`: the standard set a scenario runs against (a redis-server or not, the test
-//! upstream, the proxy binary, fault relays when asked for), and `on_both_backends!`.
+//! upstream, the proxy, fault relays when asked for), and `on_both_backends!`.
+//!
+//! The proxy is served in-process (`Proxy::in_process`: the library's `Server` in the
+//! test's runtime, its logs captured) unless the scenario asks for the binary
+//! ([`EnvBuilder::binary`]): signals, SIGHUP reloads, the binary's own log format.
 
 use super::relay::Relay;
-use super::{metric_at, ConfigBuilder, Proxy, RedisServer, TestUpstream, ROUTES};
+use super::{
+    eventually, metric_at, ConfigBuilder, Proxy, RedisServer, TestUpstream, DEADLINE, ROUTES,
+};
 
 /// The store a scenario runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +37,7 @@ pub struct EnvBuilder {
     redis_relay: bool,
     upstream_relay: bool,
     upstream_url: Option<String>,
+    binary: bool,
 }
 
 impl EnvBuilder {
@@ -52,7 +59,14 @@ impl EnvBuilder {
         self
     }
 
-    /// An environment variable for the proxy process.
+    /// Start the `idemproxy` binary rather than serving in-process: for what only a
+    /// process has (signals, SIGHUP reloads, its exit code, its log format).
+    pub fn binary(mut self) -> Self {
+        self.binary = true;
+        self
+    }
+
+    /// An environment variable for the proxy (the process's; in-process, set while it starts).
     pub fn proxy_env(mut self, name: &str, value: &str) -> Self {
         self.proxy_env.push((name.to_string(), value.to_string()));
         self
@@ -112,7 +126,10 @@ impl EnvBuilder {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        let proxy = Proxy::start_with_env(&text, &env).await;
+        let proxy = match self.binary {
+            true => Proxy::start_with_env(&text, &env).await,
+            false => Proxy::in_process(&text, &env).await,
+        };
         Env {
             redis,
             upstream,
@@ -134,6 +151,7 @@ impl Env {
             redis_relay: false,
             upstream_relay: false,
             upstream_url: None,
+            binary: false,
         }
     }
 
@@ -161,6 +179,25 @@ impl Env {
     pub async fn metric(&self, series: &str) -> f64 {
         metric(&self.proxy, series).await
     }
+
+    /// Waits until a metric series is at least `at_least` (what the proxy counts after
+    /// it has answered: a completion, a lost lease) and returns its value.
+    pub async fn metric_reaching(&self, series: &str, at_least: f64) -> f64 {
+        metric_reaching(&self.proxy, series, at_least).await
+    }
+}
+
+/// Waits until one metric series of `proxy` is at least `at_least`; returns its value.
+pub async fn metric_reaching(proxy: &Proxy, series: &str, at_least: f64) -> f64 {
+    eventually(
+        &format!("{series} >= {at_least}"),
+        DEADLINE,
+        || async move {
+            let v = metric(proxy, series).await;
+            (v >= at_least).then_some(v)
+        },
+    )
+    .await
 }
 
 /// The value of one metric series (name with its labels, as exposed) from /metrics; 0 when absent.
@@ -168,10 +205,13 @@ pub async fn metric(proxy: &Proxy, series: &str) -> f64 {
     metric_at(proxy.admin, series).await
 }
 
-/// Declares each scenario `async fn name(backend: Backend)` as a test on Redis and one on memory.
+/// Declares each scenario `async fn name(backend: Backend)` as a test on Redis and one on
+/// memory, on a two-thread runtime. Those after `current_thread:` run on the
+/// current-thread runtime instead: the one whose clock a scenario may pause
+/// (`tokio::time::pause`, see tests/support/inprocess.rs).
 #[macro_export]
 macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
+    ($($name:ident),* $(,)? $(; current_thread: $($paused:ident),+ $(,)?)?) => {
         mod on_redis {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -179,6 +219,12 @@ macro_rules! on_both_backends {
                     super::$name($crate::support::Backend::Redis).await
                 }
             )*
+            $($(
+                #[tokio::test]
+                async fn $paused() {
+                    super::$paused($crate::support::Backend::Redis).await
+                }
+            )+)?
         }
         mod on_memory {
             $(
@@ -187,6 +233,12 @@ macro_rules! on_both_backends {
                     super::$name($crate::support::Backend::Memory).await
                 }
             )*
+            $($(
+                #[tokio::test]
+                async fn $paused() {
+                    super::$paused($crate::support::Backend::Memory).await
+                }
+            )+)?
         }
     };
 }

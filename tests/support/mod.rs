@@ -5,7 +5,9 @@
 //! - `curl`: the curl command line and its answer;
 //! - `redis`: a `redis-server` of the test's own, and cluster, sentinel and replica setups;
 //! - `upstream`: a programmable upstream (`TestUpstream`) that counts and holds requests;
-//! - `proxy`: the `idemproxy` binary as a child process (`Proxy`);
+//! - `proxy`: the proxy under test (`Proxy`): the `idemproxy` binary as a child process,
+//!   or the library's server in the test's runtime;
+//! - `logs`: the in-process proxy's logs, captured as the binary writes them;
 //! - `inprocess`: the proxy started from the library, for tests that pause time;
 //! - `client`: a small HTTP client (`Call`, `Resp`, raw sockets);
 //! - `config`: `ConfigBuilder`, the configuration text tests start the proxy with;
@@ -24,6 +26,7 @@ mod config;
 mod curl;
 mod env;
 mod inprocess;
+mod logs;
 mod peers;
 mod process;
 mod proxy;
@@ -37,6 +40,7 @@ pub use config::*;
 pub use curl::*;
 pub use env::*;
 pub use inprocess::*;
+pub use logs::*;
 pub use peers::*;
 pub use process::*;
 pub use proxy::*;

@@ -1,19 +1,27 @@
-//! The proxy as the real binary (`idemproxy --config <file>`): its addresses, JSON logs,
-//! signals and exit code.
+//! The proxy under test: the real binary (`idemproxy --config <file>`), with its
+//! addresses, JSON logs, signals and exit code; or the library's server in the test's
+//! own runtime ([`Proxy::in_process`]), with the same addresses and logs and no process.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
-use super::{eventually, get, kill_child, DEADLINE};
+use idemproxy::config::{Config, Overrides};
+use idemproxy::server::Server;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use super::{captured_logs, eventually, get, kill_child, DEADLINE};
 
 pub struct Proxy {
     child: Option<Child>,
+    /// The server as a task of the test's runtime (instead of `child`).
+    task: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     logs: Arc<Mutex<Vec<String>>>,
-    _config: tempfile::NamedTempFile,
+    _config: Option<tempfile::NamedTempFile>,
 }
 
 pub fn write_config(toml: &str) -> tempfile::NamedTempFile {
@@ -53,6 +61,40 @@ pub fn run_to_exit(text: &str, check: bool) -> std::process::Output {
 }
 
 impl Proxy {
+    /// Serves `toml` from the library (`Server::bind`, then `run` as a task of the test's
+    /// runtime) and waits until `/readyz` is 200. `env` is set while the server is built
+    /// (the admin token is read then) and removed after. Logs are captured in-process
+    /// (`captured_logs`); signals, the config file and the exit code are the binary's.
+    pub async fn in_process(toml: &str, env: &[(&str, &str)]) -> Proxy {
+        let logs = captured_logs();
+        let config = Config::from_toml(toml, "inprocess.toml", &Overrides::default())
+            .unwrap_or_else(|e| panic!("{e}\n{toml}"));
+        for (k, v) in env {
+            std::env::set_var(k, v);
+        }
+        let server = Server::bind(config).await;
+        for (k, _) in env {
+            std::env::remove_var(k);
+        }
+        let server = server.expect("bind the proxy");
+        let addr = server.local_addr().expect("proxy address");
+        let admin = server.admin_addr().expect("admin address");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+        let proxy = Proxy {
+            child: None,
+            task: Some((stop, task)),
+            addr,
+            admin,
+            logs,
+            _config: None,
+        };
+        proxy.wait_ready().await;
+        proxy
+    }
+
     /// Starts `idemproxy --config <toml> --log-format json` and waits until `/readyz` is 200.
     pub async fn start(toml: &str) -> Proxy {
         Self::start_with_env(toml, &[]).await
@@ -120,10 +162,11 @@ impl Proxy {
         let admin = v["admin"].as_str().unwrap().parse().unwrap();
         Proxy {
             child: Some(child),
+            task: None,
             addr,
             admin,
             logs,
-            _config: config,
+            _config: Some(config),
         }
     }
 
@@ -164,6 +207,25 @@ impl Proxy {
         .await
     }
 
+    /// Waits for a log line `matches` accepts (`what` names it) and returns it parsed.
+    pub async fn wait_log_where(
+        &self,
+        what: &str,
+        matches: impl Fn(&str) -> bool,
+    ) -> serde_json::Value {
+        eventually(&format!("a log line: {what}"), DEADLINE, || {
+            let found = self
+                .logs
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|l| matches(l))
+                .cloned();
+            async move { found.map(|l| serde_json::from_str(&l).expect("JSON log line")) }
+        })
+        .await
+    }
+
     /// How many log lines so far contain `text`.
     pub fn log_count(&self, text: &str) -> usize {
         self.logs
@@ -192,10 +254,12 @@ impl Proxy {
 
     /// Replaces the configuration file (for SIGHUP reload tests).
     pub fn rewrite_config(&self, text: &str) {
-        std::fs::write(self._config.path(), text).expect("rewrite config");
+        let file = self._config.as_ref().expect("a config file: the binary's");
+        std::fs::write(file.path(), text).expect("rewrite config");
     }
 
     pub fn pid(&self) -> u32 {
+        assert!(self.task.is_none(), "a process: the binary, not in-process");
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
@@ -217,6 +281,11 @@ impl Proxy {
 
     pub fn kill(&mut self) {
         kill_child(&mut self.child);
+        if let Some((stop, task)) = self.task.take() {
+            let _ = stop.send(());
+            // The runtime ends with the test; nothing needs the drain to finish.
+            task.abort();
+        }
     }
 }
 

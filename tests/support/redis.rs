@@ -223,32 +223,49 @@ pub async fn master_and_replica(dir: &Path) -> (Node, Node) {
     (master, replica)
 }
 
-/// A three-master Redis Cluster, no replicas, every slot served.
+/// A Redis Cluster: masters (with replicas when asked for), every slot served.
 pub struct Cluster {
     pub nodes: Vec<Node>,
+    /// (master port, its replica's port), as `redis-cli --cluster create` paired
+    /// them, sorted; empty without replicas.
+    pub shards: Vec<(u16, u16)>,
     _dir: tempfile::TempDir,
 }
 
 impl Cluster {
+    /// Three masters, no replicas.
     pub async fn start() -> Cluster {
+        Self::start_with(3, 0, &["--cluster-node-timeout", "2000"]).await
+    }
+
+    /// `masters`, each with `replicas` in sync, the nodes started with `extra` arguments;
+    /// returns once every node sees the whole cluster in state ok.
+    pub async fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let mut nodes = Vec::new();
-        for _ in 0..3 {
-            let port = free_port_with_bus();
+        let count = masters * (1 + replicas);
+        let mut nodes: Vec<Node> = Vec::new();
+        for _ in 0..count {
+            // Nothing listens on the ports taken so far yet: the OS may offer one again.
+            let taken: Vec<u16> = nodes.iter().map(|n| n.port).collect();
+            let port = loop {
+                let port = free_port_with_bus();
+                if !taken
+                    .iter()
+                    .any(|&t| [port, port + 10_000].contains(&t) || t + 10_000 == port)
+                {
+                    break port;
+                }
+            };
             let sub = dir.path().join(port.to_string());
             std::fs::create_dir(&sub).unwrap();
-            let args = redis_args(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
-            );
-            nodes.push(Node::start(&sub, port, &args));
+            let mut args = vec![
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ];
+            args.extend_from_slice(extra);
+            nodes.push(Node::start(&sub, port, &redis_args(port, &args)));
         }
         for n in &nodes {
             wait_pong(n.port).await;
@@ -261,7 +278,7 @@ impl Cluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create");
         assert!(
@@ -269,15 +286,87 @@ impl Cluster {
             "{}",
             String::from_utf8_lossy(&out.stdout)
         );
+        let known = format!("cluster_known_nodes:{count}");
         for n in &nodes {
-            let port = n.port;
-            eventually("cluster_state:ok", DEADLINE, || async move {
-                let info = reply_text(redis_cmd(port, &["CLUSTER", "INFO"]).await.ok()?);
-                info.contains("cluster_state:ok").then_some(())
-            })
+            let (port, known) = (n.port, known.as_str());
+            eventually(
+                "every node to see the whole cluster, state ok",
+                DEADLINE,
+                || async move {
+                    let info = reply_text(redis_cmd(port, &["CLUSTER", "INFO"]).await.ok()?);
+                    (info.contains("cluster_state:ok") && info.contains(known)).then_some(())
+                },
+            )
             .await;
         }
-        Cluster { nodes, _dir: dir }
+        let mut shards = Vec::new();
+        if replicas > 0 {
+            for n in &nodes {
+                let port = n.port;
+                // A replica in sync (a failover needs one), named by its master's port.
+                let master = eventually("the replica to sync", DEADLINE, || async move {
+                    let info = reply_text(redis_cmd(port, &["INFO", "replication"]).await.ok()?);
+                    if info.contains("role:master") {
+                        return Some(None);
+                    }
+                    let master: u16 = info
+                        .lines()
+                        .find_map(|l| l.strip_prefix("master_port:"))?
+                        .trim()
+                        .parse()
+                        .ok()?;
+                    info.contains("master_link_status:up")
+                        .then_some(Some(master))
+                })
+                .await;
+                if let Some(master) = master {
+                    shards.push((master, port));
+                }
+            }
+            shards.sort();
+            assert_eq!(
+                shards.len(),
+                masters * replicas,
+                "{masters} masters with {replicas} replicas each: {shards:?}"
+            );
+        }
+        Cluster {
+            nodes,
+            shards,
+            _dir: dir,
+        }
+    }
+
+    /// SIGKILLs the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        for n in &mut self.nodes {
+            if n.port == port {
+                n.kill();
+            }
+        }
+    }
+
+    /// The master port that serves each slot, as the node on `port` sees it.
+    pub async fn slot_owners(port: u16) -> Vec<(i64, i64, u16)> {
+        let slots = redis_cmd(port, &["CLUSTER", "SLOTS"]).await.unwrap();
+        let redis::Value::Array(ranges) = slots else {
+            panic!("CLUSTER SLOTS: {slots:?}")
+        };
+        ranges
+            .into_iter()
+            .map(|range| {
+                let redis::Value::Array(parts) = range else {
+                    panic!("a slot range: {range:?}")
+                };
+                let start: i64 = redis::from_redis_value(parts[0].clone()).unwrap();
+                let end: i64 = redis::from_redis_value(parts[1].clone()).unwrap();
+                let redis::Value::Array(master) = parts[2].clone() else {
+                    panic!("a master: {:?}", parts[2])
+                };
+                let port: i64 = redis::from_redis_value(master[1].clone()).unwrap();
+                (start, end, port as u16)
+            })
+            .collect()
     }
 
     /// How many record keys each master holds.
