@@ -188,6 +188,93 @@ pub struct Metrics {
     pub buffered_bytes: Gauge,
 }
 
+/// The request path's metrics, registered by [`Traffic::register`]: what
+/// each route's requests came to, what shadow mode would have done, and how
+/// long the upstream took (named, so that two families of the same type
+/// cannot trade places).
+struct Traffic {
+    requests: Family<RouteOutcome, Counter>,
+    shadow_outcomes: Family<RouteOutcome, Counter>,
+    upstream_duration: Histogram,
+}
+
+impl Traffic {
+    fn register(registry: &mut Registry) -> Traffic {
+        let requests = registered(
+            registry,
+            "requests",
+            "Requests by route (\"\" when unprotected) and outcome",
+            Family::<RouteOutcome, Counter>::default(),
+        );
+        let shadow_outcomes = registered(
+            registry,
+            "shadow_outcomes",
+            "What enforcement would have done on routes in shadow mode",
+            Family::<RouteOutcome, Counter>::default(),
+        );
+        let upstream_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        registry.register_with_unit(
+            "upstream_duration",
+            "Time from sending a request upstream to the end of its response headers",
+            Unit::Seconds,
+            upstream_duration.clone(),
+        );
+        Traffic {
+            requests,
+            shadow_outcomes,
+            upstream_duration,
+        }
+    }
+}
+
+/// The store's metrics, registered by [`StoreMetrics::register`]: its round
+/// trips and failures by operation, and the completions it refused or
+/// degraded, by route.
+struct StoreMetrics {
+    store_duration: Family<OpLabel, Histogram>,
+    store_errors: Family<OpLabel, Counter>,
+    lease_lost: Family<RouteLabel, Counter>,
+    degraded: Family<DegradedLabel, Counter>,
+}
+
+impl StoreMetrics {
+    fn register(registry: &mut Registry) -> StoreMetrics {
+        let store_duration = Family::<OpLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.00005, 2.0, 16))
+        });
+        registry.register_with_unit(
+            "store_duration",
+            "Store round trips by operation",
+            Unit::Seconds,
+            store_duration.clone(),
+        );
+        let store_errors = registered(
+            registry,
+            "store_errors",
+            "Store operations that failed or timed out",
+            Family::<OpLabel, Counter>::default(),
+        );
+        let lease_lost = registered(
+            registry,
+            "lease_lost",
+            "Completions refused because another owner held the key",
+            Family::<RouteLabel, Counter>::default(),
+        );
+        let degraded = registered(
+            registry,
+            "completions_degraded",
+            "Completions that did not end as the whole record on enough replicas, by route and result (unreplicated, not_kept, lost)",
+            Family::<DegradedLabel, Counter>::default(),
+        );
+        StoreMetrics {
+            store_duration,
+            store_errors,
+            lease_lost,
+            degraded,
+        }
+    }
+}
+
 /// The gauges, registered by [`Gauges::register`]: named, not a tuple of
 /// six, so that two of the same type cannot trade places.
 struct Gauges {
@@ -266,52 +353,18 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("idemproxy");
-        let requests = registered(
-            &mut registry,
-            "requests",
-            "Requests by route (\"\" when unprotected) and outcome",
-            Family::<RouteOutcome, Counter>::default(),
-        );
-        let shadow_outcomes = registered(
-            &mut registry,
-            "shadow_outcomes",
-            "What enforcement would have done on routes in shadow mode",
-            Family::<RouteOutcome, Counter>::default(),
-        );
-        let upstream_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
-        registry.register_with_unit(
-            "upstream_duration",
-            "Time from sending a request upstream to the end of its response headers",
-            Unit::Seconds,
-            upstream_duration.clone(),
-        );
-        let store_duration = Family::<OpLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.00005, 2.0, 16))
-        });
-        registry.register_with_unit(
-            "store_duration",
-            "Store round trips by operation",
-            Unit::Seconds,
-            store_duration.clone(),
-        );
-        let store_errors = registered(
-            &mut registry,
-            "store_errors",
-            "Store operations that failed or timed out",
-            Family::<OpLabel, Counter>::default(),
-        );
-        let lease_lost = registered(
-            &mut registry,
-            "lease_lost",
-            "Completions refused because another owner held the key",
-            Family::<RouteLabel, Counter>::default(),
-        );
-        let degraded = registered(
-            &mut registry,
-            "completions_degraded",
-            "Completions that did not end as the whole record on enough replicas, by route and result (unreplicated, not_kept, lost)",
-            Family::<DegradedLabel, Counter>::default(),
-        );
+        // Registered in this order, which is the order of the exposition.
+        let Traffic {
+            requests,
+            shadow_outcomes,
+            upstream_duration,
+        } = Traffic::register(&mut registry);
+        let StoreMetrics {
+            store_duration,
+            store_errors,
+            lease_lost,
+            degraded,
+        } = StoreMetrics::register(&mut registry);
         let Gauges {
             worker_connections,
             inflight,

@@ -57,21 +57,27 @@ pub struct Builders {
 /// streams get to finish (and the GOAWAY to reach the client) before it is closed.
 const STALLED_CLOSE_GRACE: Duration = Duration::from_millis(500);
 
+/// What serving one client connection needs besides its I/O, set up by the
+/// accept loop: the protocols' builders, the connection's state (`busy`),
+/// its service, the metrics (parked connections), and its two outside
+/// events — the first request beginning (`began`) by `until`, and the proxy
+/// stopping (`stop`).
+pub struct Serving<'a, S> {
+    pub builders: &'a Builders,
+    pub busy: Busy,
+    pub service: S,
+    pub metrics: &'a Metrics,
+    pub began: &'a Notify,
+    pub until: Instant,
+    pub stop: &'a CancellationToken,
+}
+
 /// Serves `io` until the client is done, the connection fails, or `stop` is
 /// cancelled (then it closes once the request in progress is answered). If
 /// no request has begun (`began`) by `until`, the connection is closed: until
 /// the first bytes tell the protocol, neither protocol's own limits run.
-#[allow(clippy::too_many_arguments)]
-pub async fn serve<IO, S>(
-    builders: &Builders,
-    mut io: IO,
-    busy: Busy,
-    service: S,
-    metrics: &Metrics,
-    began: &Notify,
-    until: Instant,
-    stop: &CancellationToken,
-) where
+pub async fn serve<IO, S>(mut io: IO, serving: Serving<'_, S>)
+where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: HttpService<Incoming> + Unpin + Send + 'static,
     S::Future: Send + 'static,
@@ -80,15 +86,28 @@ pub async fn serve<IO, S>(
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let Serving {
+        builders,
+        busy,
+        service,
+        metrics,
+        began,
+        until,
+        stop,
+    } = serving;
     // Made once per connection, not per wake-up: each would register a waiter or a timer.
     let stopped = stop.cancelled();
     tokio::pin!(stopped);
-    let mut stopped = Woken::new(stopped);
     let first = first_request(began, until);
     tokio::pin!(first);
+    let mut events = Events {
+        stopped: Woken::new(stopped),
+        first,
+        begun: false,
+    };
     let sniffed = tokio::select! {
         r = tokio::time::timeout_at(until, sniff(&mut io)) => r,
-        () = &mut stopped => return,
+        () = &mut events.stopped => return,
     };
     let Ok(Ok((prefix, h2))) = sniffed else {
         return;
@@ -97,41 +116,92 @@ pub async fn serve<IO, S>(
         return;
     }
     let io = Client::new(prefix, io, &busy);
-    let mut begun = false;
     if h2 {
-        let conn = builders.http2.serve_connection(TokioIo::new(io), service);
-        tokio::pin!(conn);
-        // An answer stuck on a window the client keeps shut (`crate::stall`),
-        // also while draining: hyper cannot reset that one stream, so the
-        // connection is closed (which resets all of its streams).
-        let overdue = busy.stalls().overdue(builders.stream_send_timeout);
-        tokio::pin!(overdue);
-        let mut overdue = Woken::new(overdue);
-        let mut closing = false;
-        loop {
-            tokio::select! {
-                biased;
-                _ = &mut conn => return,
-                () = &mut overdue => break,
-                () = &mut stopped, if !closing => {
-                    closing = true;
-                    conn.as_mut().graceful_shutdown();
-                }
-                ok = &mut first, if !begun => if ok { begun = true } else { return },
-            }
-        }
-        tracing::warn!(
-            timeout_ms = builders.stream_send_timeout.as_millis() as u64,
-            "an HTTP/2 answer waited client_write_timeout for the client's window; closing the connection"
-        );
-        conn.as_mut().graceful_shutdown();
-        let _ = tokio::time::timeout(STALLED_CLOSE_GRACE, conn).await;
-        return;
+        serve_http2(builders, io, service, &busy, &mut events).await;
+    } else {
+        serve_http1(io, service, (builders, metrics), &busy, &mut events).await;
     }
-    // HTTP/1.1: bytes with no request in progress are a head, timed by the
-    // connection's own timer (`header_read_timeout`, `crate::conn::Guarded`).
+}
+
+/// A connection's outside events, made once for all of its phases: the
+/// proxy stopping, and whether the first request began in time (`begun`
+/// once it has).
+struct Events<St, Fi> {
+    stopped: Woken<St>,
+    first: Fi,
+    begun: bool,
+}
+
+/// Cleartext HTTP/2 (the preface came first), until the client is done,
+/// the proxy stops, or an answer is stuck on a window the client keeps shut
+/// (`crate::stall`), also while draining: hyper cannot reset that one
+/// stream, so the connection is closed (which resets all of its streams).
+async fn serve_http2<IO, S, St, Fi>(
+    builders: &Builders,
+    io: Client<IO>,
+    service: S,
+    busy: &Busy,
+    events: &mut Events<St, Fi>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: HttpService<Incoming> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    St: Future<Output = ()> + Unpin,
+    Fi: Future<Output = bool> + Unpin,
+{
+    let conn = builders.http2.serve_connection(TokioIo::new(io), service);
+    tokio::pin!(conn);
+    let overdue = busy.stalls().overdue(builders.stream_send_timeout);
+    tokio::pin!(overdue);
+    let mut overdue = Woken::new(overdue);
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut conn => return,
+            () = &mut overdue => break,
+            () = &mut events.stopped, if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            ok = &mut events.first, if !events.begun => if ok { events.begun = true } else { return },
+        }
+    }
+    tracing::warn!(
+        timeout_ms = builders.stream_send_timeout.as_millis() as u64,
+        "an HTTP/2 answer waited client_write_timeout for the client's window; closing the connection"
+    );
+    conn.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(STALLED_CLOSE_GRACE, conn).await;
+}
+
+/// HTTP/1.1: one hyper connection after another, each until it ends or is
+/// parked once idle ([`PARK_AFTER`]); a parked connection waits for its next
+/// byte with nothing but the socket ([`parked`]). Bytes with no request in
+/// progress are a head, timed by the connection's own timer
+/// (`header_read_timeout`, `crate::conn::Guarded`).
+async fn serve_http1<IO, S, St, Fi>(
+    mut io: Client<IO>,
+    mut service: S,
+    (builders, metrics): (&Builders, &Metrics),
+    busy: &Busy,
+    events: &mut Events<St, Fi>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: HttpService<Incoming> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as http_body::Body>::Data: Send,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    St: Future<Output = ()> + Unpin,
+    Fi: Future<Output = bool> + Unpin,
+{
     busy.set_http1();
-    let (mut io, mut service) = (io, service);
     loop {
         let mut conn = builders
             .http1
@@ -142,13 +212,13 @@ pub async fn serve<IO, S>(
             tokio::select! {
                 biased;
                 r = &mut conn => break r,
-                () = &mut stopped, if !closing => {
+                () = &mut events.stopped, if !closing => {
                     closing = true;
                     Pin::new(&mut conn).graceful_shutdown();
                 }
                 // Set by the connection's timer while `conn` was polled just above
                 // (`biased`: in this same round; no waker of its own needed).
-                () = park_wanted(&busy), if !closing => {
+                () = park_wanted(busy), if !closing => {
                     // A request that began after the timer asked is left to finish.
                     if busy.idle() {
                         closing = true;
@@ -156,7 +226,7 @@ pub async fn serve<IO, S>(
                         Pin::new(&mut conn).graceful_shutdown();
                     }
                 }
-                ok = &mut first, if !begun => if ok { begun = true } else { return },
+                ok = &mut events.first, if !events.begun => if ok { events.begun = true } else { return },
             }
         };
         let parked = busy.parking();
@@ -167,28 +237,44 @@ pub async fn serve<IO, S>(
         };
         let Client {
             prefix: left,
-            io: mut inner,
+            io: inner,
             ..
         } = parts.io.into_inner();
-        let mut prefix = join(left, parts.read_buf);
         service = parts.service;
-        if prefix.is_empty() {
-            let counted = Counted::new(&metrics.parked);
-            PARKED_SINCE_TRIM.fetch_add(1, Ordering::Relaxed);
-            let mut byte = [0u8; 1];
-            let next = tokio::select! {
-                r = read_one(inner, &mut byte) => r,
-                () = &mut stopped => None,
-            };
-            drop(counted);
-            // The client closed, `idle_timeout` ran out, or the proxy is stopping.
-            let Some(back) = next else {
-                return;
-            };
-            (inner, prefix) = (back, Bytes::copy_from_slice(&byte));
-        }
-        io = Client::new(prefix, inner, &busy);
+        let prefix = join(left, parts.read_buf);
+        let Some((inner, prefix)) = parked_until_next(inner, prefix, metrics, events).await else {
+            return;
+        };
+        io = Client::new(prefix, inner, busy);
     }
+}
+
+/// A parked connection: with no bytes of the next request read yet, waits
+/// for its first byte with nothing but the socket (counted in the parked
+/// gauge). The socket and the bytes read; `None` when the client closed,
+/// `idle_timeout` ran out, or the proxy is stopping.
+async fn parked_until_next<IO, St, Fi>(
+    inner: IO,
+    prefix: Bytes,
+    metrics: &Metrics,
+    events: &mut Events<St, Fi>,
+) -> Option<(IO, Bytes)>
+where
+    IO: AsyncRead + Unpin,
+    St: Future<Output = ()> + Unpin,
+{
+    if !prefix.is_empty() {
+        return Some((inner, prefix));
+    }
+    let counted = Counted::new(&metrics.parked);
+    PARKED_SINCE_TRIM.fetch_add(1, Ordering::Relaxed);
+    let mut byte = [0u8; 1];
+    let next = tokio::select! {
+        r = read_one(inner, &mut byte) => r,
+        () = &mut events.stopped => None,
+    };
+    drop(counted);
+    Some((next?, Bytes::copy_from_slice(&byte)))
 }
 
 /// A future polled only on its first poll and once it has woken the task:

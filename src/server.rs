@@ -326,53 +326,19 @@ fn connection(
     let stream = Guarded::new(stream, busy.clone(), s.client_write_timeout, s.idle_timeout)
         .park_after(PARK_AFTER)
         .head_timeout(s.header_read_timeout);
-    let (app_, conn_busy) = (front.app.clone(), busy.clone());
-    let (http1_requests, http2_requests) =
-        (front.http1_requests.clone(), front.http2_requests.clone());
-    let began = Arc::new(Notify::new());
-    let begin = began.clone();
-    let caller = Caller {
-        addr: peer,
-        scheme: front.scheme,
+    let requests = Requests {
+        app: front.app.clone(),
+        busy: busy.clone(),
+        http1: front.http1_requests.clone(),
+        http2: front.http2_requests.clone(),
+        began: Arc::new(Notify::new()),
+        caller: Caller {
+            addr: peer,
+            scheme: front.scheme,
+        },
     };
-    let service = service_fn(move |mut req: Request<Incoming>| {
-        // For an upgrade tunnel to keep its connection counted as busy
-        // while it lives (only there: an extension costs allocations).
-        if proxy::is_upgrade(&req) {
-            req.extensions_mut().insert(busy.clone());
-        }
-        let in_progress = busy.enter();
-        let h2 = req.version() >= http::Version::HTTP_2;
-        // hyper keeps an HTTP/1.1 connection whose request named an upgrade
-        // waiting for one: answered otherwise, it cannot carry another request.
-        let asked_upgrade = !h2 && req.headers().contains_key(http::header::UPGRADE);
-        let requests = if h2 { &http2_requests } else { &http1_requests };
-        let permit = requests.clone().try_acquire_owned().ok();
-        begin.notify_one();
-        // Begun here, so that the future hyper keeps (and moves) holds a box,
-        // not the request. On the heap (`Handling`): the handler's state is
-        // freed once it has answered, while the stream's task lives on to send the body.
-        let handling = match permit {
-            Some(p) => proxy::handle(app_.clone(), req, caller, Permit::new(p)),
-            None => Box::pin(std::future::ready((
-                over_capacity(&app_, &req),
-                Permit::None,
-            ))),
-        };
-        async move {
-            let (mut resp, permit) = handling.await;
-            if asked_upgrade && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-                let close = http::HeaderValue::from_static("close");
-                resp.headers_mut().insert(http::header::CONNECTION, close);
-            }
-            Ok::<_, Infallible>(resp.map(|body| Tracked {
-                body,
-                in_progress,
-                _request: permit,
-                sending: if h2 { Sending::Idle } else { Sending::Untimed },
-            }))
-        }
-    });
+    let began = requests.began.clone();
+    let service = service_fn(move |req| requests.begin(req));
     // The handshake and the first request's headers, together.
     let until = Instant::now() + s.header_read_timeout;
     async move {
@@ -390,17 +356,76 @@ fn connection(
         // `idle_timeout`. So no request begun by `until` closes the connection.
         // Later requests: HTTP/1.1 has its header timeout; on HTTP/2, bytes that
         // keep arriving keep the connection open.
-        serve::serve(
-            &front.http,
-            io,
-            conn_busy,
+        let serving = serve::Serving {
+            builders: &front.http,
+            busy,
             service,
-            &front.app.metrics,
-            &began,
+            metrics: &front.app.metrics,
+            began: &began,
             until,
-            &front.stop,
-        )
-        .await;
+            stop: &front.stop,
+        };
+        serve::serve(io, serving).await;
+    }
+}
+
+/// What a connection's service needs to begin each request on it: made
+/// once per connection, in the context of the runtime that will run it.
+struct Requests {
+    app: Arc<App>,
+    busy: Busy,
+    /// The places among the requests in progress, per protocol (see [`Front`]).
+    http1: Arc<Semaphore>,
+    http2: Arc<Semaphore>,
+    /// Told when a request begins: the connection's first deadline is then met.
+    began: Arc<Notify>,
+    caller: Caller,
+}
+
+impl Requests {
+    /// Begins one request: counts it in progress on its connection, takes its
+    /// place among the requests in progress (or answers that there is none),
+    /// and hands it to the proxy. The future hyper keeps only awaits the answer.
+    fn begin(
+        &self,
+        mut req: Request<Incoming>,
+    ) -> impl Future<Output = Result<Response<Tracked>, Infallible>> + Send + 'static {
+        // For an upgrade tunnel to keep its connection counted as busy
+        // while it lives (only there: an extension costs allocations).
+        if proxy::is_upgrade(&req) {
+            req.extensions_mut().insert(self.busy.clone());
+        }
+        let in_progress = self.busy.enter();
+        let h2 = req.version() >= http::Version::HTTP_2;
+        // hyper keeps an HTTP/1.1 connection whose request named an upgrade
+        // waiting for one: answered otherwise, it cannot carry another request.
+        let asked_upgrade = !h2 && req.headers().contains_key(http::header::UPGRADE);
+        let requests = if h2 { &self.http2 } else { &self.http1 };
+        let permit = requests.clone().try_acquire_owned().ok();
+        self.began.notify_one();
+        // Begun here, so that the future hyper keeps (and moves) holds a box,
+        // not the request. On the heap (`Handling`): the handler's state is
+        // freed once it has answered, while the stream's task lives on to send the body.
+        let handling = match permit {
+            Some(p) => proxy::handle(self.app.clone(), req, self.caller, Permit::new(p)),
+            None => Box::pin(std::future::ready((
+                over_capacity(&self.app, &req),
+                Permit::None,
+            ))),
+        };
+        async move {
+            let (mut resp, permit) = handling.await;
+            if asked_upgrade && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                let close = http::HeaderValue::from_static("close");
+                resp.headers_mut().insert(http::header::CONNECTION, close);
+            }
+            Ok::<_, Infallible>(resp.map(|body| Tracked {
+                body,
+                in_progress,
+                _request: permit,
+                sending: if h2 { Sending::Idle } else { Sending::Untimed },
+            }))
+        }
     }
 }
 

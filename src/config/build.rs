@@ -276,36 +276,8 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
             "invalid Redis URL: expected redis:// or rediss://",
         ));
     }
-    let key_prefix = Given::or_default(Given::file(s.key_prefix), "idemproxy");
-    let prefix = &key_prefix.value;
-    if prefix.is_empty() || prefix.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
-        return Err(src.given(
-            &key_prefix.origin,
-            "store.key_prefix",
-            format!("invalid key prefix \"{prefix}\": visible ASCII without spaces, not empty"),
-        ));
-    }
-    if let Some(p) = s
-        .encryption_key_file
-        .as_ref()
-        .filter(|p| p.get_ref().as_os_str().is_empty())
-    {
-        return Err(src.entry(
-            &p.span(),
-            "store.encryption_key_file",
-            "an empty path: name the key file",
-        ));
-    }
-    let require_sealed = s.require_sealed.as_ref().is_some_and(|r| *r.get_ref());
-    if let Some(r) = s.require_sealed.as_ref().filter(|_| require_sealed) {
-        if s.encryption_key_file.is_none() {
-            return Err(src.entry(
-                &r.span(),
-                "store.require_sealed",
-                "require_sealed = true needs an encryption_key_file to seal and open records",
-            ));
-        }
-    }
+    let key_prefix = key_prefix(s.key_prefix, src)?;
+    let require_sealed = require_sealed(&s.encryption_key_file, &s.require_sealed, src)?;
     Ok(StoreConfig {
         backend,
         url: url.value,
@@ -324,6 +296,52 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
         encryption_key_file: s.encryption_key_file.map(Spanned::into_inner),
         require_sealed,
     })
+}
+
+/// The prefix of every key the proxy writes: visible ASCII without spaces,
+/// not empty (it is spelt into Redis keys, and shared stores tell proxies apart by it).
+fn key_prefix(given: Option<Spanned<String>>, src: &Source) -> Result<Given, ConfigError> {
+    let key_prefix = Given::or_default(Given::file(given), "idemproxy");
+    let prefix = &key_prefix.value;
+    if prefix.is_empty() || prefix.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+        return Err(src.given(
+            &key_prefix.origin,
+            "store.key_prefix",
+            format!("invalid key prefix \"{prefix}\": visible ASCII without spaces, not empty"),
+        ));
+    }
+    Ok(key_prefix)
+}
+
+/// Sealing's settings, checked together: a key file named by an empty path
+/// is a mistake, not "no key"; `require_sealed = true` means nothing without
+/// a key to seal and open records with. Whether sealing is required.
+fn require_sealed(
+    key_file: &Option<Spanned<PathBuf>>,
+    required: &Option<Spanned<bool>>,
+    src: &Source,
+) -> Result<bool, ConfigError> {
+    if let Some(p) = key_file
+        .as_ref()
+        .filter(|p| p.get_ref().as_os_str().is_empty())
+    {
+        return Err(src.entry(
+            &p.span(),
+            "store.encryption_key_file",
+            "an empty path: name the key file",
+        ));
+    }
+    let require_sealed = required.as_ref().is_some_and(|r| *r.get_ref());
+    if let Some(r) = required.as_ref().filter(|_| require_sealed) {
+        if key_file.is_none() {
+            return Err(src.entry(
+                &r.span(),
+                "store.require_sealed",
+                "require_sealed = true needs an encryption_key_file to seal and open records",
+            ));
+        }
+    }
+    Ok(require_sealed)
 }
 
 /// Cluster and sentinel modes need their seed addresses. The error points at
@@ -481,6 +499,16 @@ fn policy(
     section: &str,
     src: &Source,
 ) -> Result<Policy, ConfigError> {
+    sizes(&mut p, raw, section, src)?;
+    identity(&mut p, raw);
+    treatment(&mut p, raw);
+    p.key_from = key_source(raw.key_from.as_ref().or(inherited_key_from), &p.header);
+    Ok(p)
+}
+
+/// The sizes `raw` sets: a key's length (1..=4096), a request body's, and a
+/// response body's (at most what one Redis value holds), each checked where given.
+fn sizes(p: &mut Policy, raw: &RawPolicy, section: &str, src: &Source) -> Result<(), ConfigError> {
     if let Some(v) = &raw.max_key_length {
         let n = *v.get_ref();
         if !(1..=4096).contains(&n) {
@@ -491,18 +519,6 @@ fn policy(
             ));
         }
         p.max_key_length = n as usize;
-    }
-    if let Some(v) = &raw.header {
-        p.header = v.0.clone();
-    }
-    if let Some(v) = raw.key {
-        p.key = v;
-    }
-    if let Some(v) = raw.ttl {
-        p.ttl = v.0;
-    }
-    if let Some(v) = raw.lease {
-        p.lease = v.0;
     }
     if let Some(v) = &raw.max_request_body {
         p.max_request_body = v.get_ref().0;
@@ -520,11 +536,42 @@ fn policy(
         }
         p.max_response_body = v.get_ref().0;
     }
+    Ok(())
+}
+
+/// What `raw` says of what identifies a request: where its key is and
+/// whether it must have one, what scopes the key and enters the
+/// fingerprint, and how a replay is marked.
+fn identity(p: &mut Policy, raw: &RawPolicy) {
+    if let Some(v) = &raw.header {
+        p.header = v.0.clone();
+    }
+    if let Some(v) = raw.key {
+        p.key = v;
+    }
     if let Some(v) = &raw.scope_headers {
         p.scope_headers = sorted_unique(v);
     }
     if let Some(v) = &raw.fingerprint_headers {
         p.fingerprint_headers = sorted_unique(v);
+    }
+    if let Some(v) = raw.fingerprint_body {
+        p.fingerprint_body = v;
+    }
+    if let Some(v) = &raw.replayed_header {
+        p.replayed_header = v.0.clone();
+    }
+}
+
+/// What `raw` says of how a keyed request is treated: how long its record
+/// and lease last, what a duplicate in flight gets, which answers release
+/// the key, and whether the route enforces and passes when the store is down.
+fn treatment(p: &mut Policy, raw: &RawPolicy) {
+    if let Some(v) = raw.ttl {
+        p.ttl = v.0;
+    }
+    if let Some(v) = raw.lease {
+        p.lease = v.0;
     }
     if let Some(v) = raw.concurrent {
         p.concurrent = v;
@@ -541,20 +588,12 @@ fn policy(
     if let Some(v) = raw.unknown_outcome {
         p.unknown_outcome = v;
     }
-    if let Some(v) = raw.fingerprint_body {
-        p.fingerprint_body = v;
-    }
     if let Some(v) = raw.mode {
         p.mode = v;
     }
     if let Some(v) = raw.on_store_error {
         p.on_store_error = v;
     }
-    if let Some(v) = &raw.replayed_header {
-        p.replayed_header = v.0.clone();
-    }
-    p.key_from = key_source(raw.key_from.as_ref().or(inherited_key_from), &p.header);
-    Ok(p)
 }
 
 /// `key_from` resolved: `"header"` (or nothing) is the route's own `header`.

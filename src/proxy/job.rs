@@ -370,32 +370,7 @@ impl Job {
         body: Bytes,
         body_stored: bool,
     ) {
-        // The record the store gets is a copy of the answer (encoded, maybe
-        // sealed): a large one counts in `max_buffered` beside the answer on
-        // its way to the client, for as long as it is kept (its first attempt,
-        // which takes a while piece by piece, and its retries). Without room
-        // for it, the answer is kept without its body (410), as one without
-        // room while it was read; it never runs again.
-        let large = body_stored && body.len() > NOT_KEPT_ABOVE;
-        let room = large
-            .then(|| self.claim.app.budget.take(body.len() as u64))
-            .flatten();
-        let (body_stored, body, trailers) = if large && room.is_none() {
-            warn!(
-                request_id = %self.request_id,
-                route = %self.route_name,
-                bytes = body.len(),
-                why = "no room in max_buffered for the record",
-                "response not kept; retries will get 410"
-            );
-            self.claim
-                .app
-                .metrics
-                .degraded(&self.route_name, Degraded::NotKept);
-            (false, Bytes::new(), Vec::new())
-        } else {
-            (body_stored, body, trailers)
-        };
+        let (room, (body_stored, body, trailers)) = self.room_for_copy(body_stored, body, trailers);
         let finished = Finished {
             token: self.claim.token,
             fingerprint: self.fingerprint,
@@ -418,14 +393,7 @@ impl Job {
             return;
         }
         let not_kept = (body_stored && whole.len() > NOT_KEPT_ABOVE)
-            .then(|| {
-                self.encode(&Record::Finished(Finished {
-                    body_stored: false,
-                    body: Bytes::new(),
-                    trailers: Vec::new(),
-                    ..finished
-                }))
-            })
+            .then(|| self.without_body(finished))
             .flatten();
         self.unsaved = Some(Unsaved {
             whole,
@@ -434,6 +402,51 @@ impl Job {
             since,
             _room: room,
         });
+    }
+
+    /// Room in `max_buffered` for the record's copy of a large answer: the
+    /// record the store gets (encoded, maybe sealed) counts beside the answer
+    /// on its way to the client, for as long as it is kept (its first
+    /// attempt, which takes a while piece by piece, and its retries). Without
+    /// room for it, the answer is kept without its body (410), as one without
+    /// room while it was read; it never runs again. The room, and the body
+    /// and trailers to keep.
+    fn room_for_copy(
+        &self,
+        body_stored: bool,
+        body: Bytes,
+        trailers: Fields,
+    ) -> (Option<Room>, (bool, Bytes, Fields)) {
+        let large = body_stored && body.len() > NOT_KEPT_ABOVE;
+        let room = large
+            .then(|| self.claim.app.budget.take(body.len() as u64))
+            .flatten();
+        if !large || room.is_some() {
+            return (room, (body_stored, body, trailers));
+        }
+        warn!(
+            request_id = %self.request_id,
+            route = %self.route_name,
+            bytes = body.len(),
+            why = "no room in max_buffered for the record",
+            "response not kept; retries will get 410"
+        );
+        self.claim
+            .app
+            .metrics
+            .degraded(&self.route_name, Degraded::NotKept);
+        (None, (false, Bytes::new(), Vec::new()))
+    }
+
+    /// The small record [`Job::settle`] falls back to when the whole one
+    /// cannot be stored: `finished` without its body (retries get the 410).
+    fn without_body(&self, finished: Finished) -> Option<Bytes> {
+        self.encode(&Record::Finished(Finished {
+            body_stored: false,
+            body: Bytes::new(),
+            trailers: Vec::new(),
+            ..finished
+        }))
     }
 
     /// A record as the store keeps it (sealed when a key file is configured);

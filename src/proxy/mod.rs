@@ -2,7 +2,7 @@
 //! phase by phase — key → body → fingerprint and scope → reserve and verdict →
 //! forward and complete — and any phase may stop it with a `Stop`, a value
 //! that says what enforcement answers; shadow mode turns every stop into a
-//! plain forward in one place (`stopped`). An upgrade request (a WebSocket)
+//! plain forward in one place (`Disposition::of`). An upgrade request (a WebSocket)
 //! on a path no route protects becomes a tunnel (`tunnel`); on a protected
 //! route its upgrade intent is dropped and it is protected like any other.
 
@@ -210,18 +210,6 @@ enum Stop {
 }
 
 impl Stop {
-    /// Does the proxy answer this itself (rather than forward the request)?
-    fn answered_here(&self, policy: &Policy) -> bool {
-        match self {
-            _ if policy.mode == Mode::Shadow => false,
-            Stop::Unprotected => false,
-            Stop::StoreDown { may_pass } => {
-                !(*may_pass && policy.on_store_error == OnStoreError::Pass)
-            }
-            Stop::Refuse(_) | Stop::Replay(..) => true,
-        }
-    }
-
     /// What shadow mode counts: the answer enforcement would have given about
     /// the key and its record. (A body too large, or a store down, is not counted.)
     fn shadow_outcome(&self) -> Option<Outcome> {
@@ -238,6 +226,51 @@ impl Stop {
             },
             _ => None,
         }
+    }
+}
+
+/// What becomes of a stopped request: decided once, here, from the stop and
+/// the route's policy, and carried out by [`stopped`].
+#[derive(Debug)]
+enum Disposition {
+    /// Enforcement answers with this problem.
+    Answer(Problem),
+    /// Enforcement replays the stored answer, in the room its bytes hold.
+    Replay(Box<Finished>, Room),
+    /// Forwarded without protection, counted as `Outcome` (pass-through, or a
+    /// store bypassed under `on_store_error = "pass"`).
+    Forward(Outcome),
+    /// Shadow mode: forwarded as if the proxy were absent, counting what
+    /// enforcement would have answered (`would_be`, when it is counted).
+    Shadow { would_be: Option<Outcome> },
+    /// A WebSocket without a key on an optional route: a tunnel, unprotected
+    /// either way (dropping its upgrade would only break it).
+    Tunnel,
+}
+
+impl Disposition {
+    /// The one decision of what a stopped request gets. `upgrade`: the
+    /// request asks for a WebSocket. Shadow mode forwards everything; a store
+    /// failure is forwarded only when it may pass and the route says `pass`.
+    fn of(stop: Stop, policy: &Policy, upgrade: bool) -> Disposition {
+        match stop {
+            stop if policy.mode == Mode::Shadow => Disposition::Shadow {
+                would_be: stop.shadow_outcome(),
+            },
+            Stop::Refuse(p) => Disposition::Answer(p),
+            Stop::Replay(f, room) => Disposition::Replay(f, room),
+            Stop::Unprotected if upgrade => Disposition::Tunnel,
+            Stop::Unprotected => Disposition::Forward(Outcome::Passthrough),
+            Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
+                Disposition::Forward(Outcome::StoreBypass)
+            }
+            Stop::StoreDown { .. } => Disposition::Answer(Problem::StoreUnavailable),
+        }
+    }
+
+    /// Does the proxy answer this itself (rather than forward the request)?
+    fn answered_here(&self) -> bool {
+        matches!(self, Disposition::Answer(_) | Disposition::Replay(..))
     }
 }
 
@@ -285,12 +318,15 @@ async fn enforce(
     Ok(handled)
 }
 
-/// A stopped request: shadow mode counts what enforcement would have answered
-/// and forwards it as if the proxy were absent; enforcement answers.
+/// Carries out what [`Disposition::of`] decided for a stopped request.
 async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> Handled {
     let policy = &route.policy;
+    // Asked only of a request without a key: a replay's path reads no more headers.
+    let upgrade = matches!(stop, Stop::Unprotected)
+        && tunnel::asks_upgrade(req.parts.version, &req.parts.headers);
+    let disposition = Disposition::of(stop, policy, upgrade);
     let h2 = req.parts.version >= http::Version::HTTP_2;
-    if h2 && stop.answered_here(policy) && !matches!(req.body, Body::Full(_)) {
+    if h2 && disposition.answered_here() && !matches!(req.body, Body::Full(_)) {
         req.body.drain_some().await;
     }
     // (HTTP/1 only: HTTP/2 has no `Connection`, and a stream ends by itself.)
@@ -298,17 +334,17 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> 
     // Forwarding is boxed: a replay or a refusal, the common ends here, does
     // not carry (and copy) the exchange's ~3 KiB of state with it.
     let forward = |parts, body, outcome| Box::pin(forward(ctx, parts, body, outcome));
-    let mut handled = match stop {
-        stop if policy.mode == Mode::Shadow => {
-            if let Some(would_be) = stop.shadow_outcome() {
+    let mut handled = match disposition {
+        Disposition::Shadow { would_be } => {
+            if let Some(would_be) = would_be {
                 ctx.app.metrics.shadow(&route.name, would_be);
             }
             forward(req.parts, req.body, Outcome::Passthrough).await
         }
-        Stop::Refuse(p) => refusal(ctx, policy, &p),
+        Disposition::Answer(p) => refusal(ctx, policy, &p),
         // The room that has held the record since the store sent it goes on
         // with the replay's body: no gap in which the bytes are not counted.
-        Stop::Replay(f, mut room) => {
+        Disposition::Replay(f, mut room) => {
             if room.reach(f.body.len() as u64) {
                 let resp = replay(*f, &policy.replayed_header).map(|b| b.counted(room));
                 Handled::new(resp, Outcome::Replayed)
@@ -316,19 +352,13 @@ async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> 
                 ctx.problem(&Problem::ProxyBusy)
             }
         }
-        // A WebSocket without a key on an optional route goes on as one:
-        // unprotected either way, and dropping its upgrade would only break it.
-        Stop::Unprotected if tunnel::asks_upgrade(req.parts.version, &req.parts.headers) => {
+        Disposition::Tunnel => {
             let handshake = Request::from_parts(req.parts, req.body);
             let mut handled = Box::pin(tunnel::open(ctx, handshake)).await;
             handled.record_id = None;
             return handled;
         }
-        Stop::Unprotected => forward(req.parts, req.body, Outcome::Passthrough).await,
-        Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
-            forward(req.parts, req.body, Outcome::StoreBypass).await
-        }
-        Stop::StoreDown { .. } => ctx.problem(&Problem::StoreUnavailable),
+        Disposition::Forward(outcome) => forward(req.parts, req.body, outcome).await,
     };
     // Answered here before the request body was read to its end: the
     // connection cannot carry another request, so say so rather than close it silently.
@@ -465,51 +495,38 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         .take(INLINE_RECORD)
         .ok_or(Stop::Refuse(Problem::ProxyBusy))?;
     let mut claim = Claim::new(app.clone(), id.key.clone(), token);
-    // Shadow mode never delays a request to wait for another.
-    let waits = policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce;
-    // `wait_timeout` from the first reserve sent (one clock read for both).
-    let mut waits_until = None;
-    let mut pause = Duration::from_millis(5);
+    let mut patience = Patience::new(policy);
     // Records that went between the reserve and their fetch: an honest store
     // then has the key free for the next reserve; one that says so for ever
     // is not believed.
     let mut gone = 0;
     loop {
-        let store_down = |e| match e {
-            StoreError::Taken(_) => store_down(ctx, id, e, Taken::Yes),
-            e => store_down(ctx, id, e, Taken::No),
-        };
         let sent_at = Instant::now();
-        let wait_until = *waits_until.get_or_insert(sent_at + policy.wait_timeout);
+        patience.start(sent_at);
         let found =
             app.store
                 .reserve_at(sent_at, id.key.as_str(), processing.clone(), policy.lease);
-        let judged = match found.await.map_err(store_down)? {
-            Reservation::Reserved => Ok(Some((Verdict::Ours, None, None))),
+        let judged = match found.await.map_err(|e| reserve_failed(ctx, id, e))? {
+            Reservation::Reserved => Ok(Judged::OURS),
             found => judge(ctx, id, token, found).await,
         };
         let (verdict, ttl, fetched) = match judged {
-            Ok(Some(judged)) => judged,
-            // The record went between the reserve and its fetch: reserve again.
-            Ok(None) if gone < GONE_TRIES => {
+            Ok(Judged::Verdict { verdict, ttl, room }) => (verdict, ttl, room),
+            Ok(Judged::Gone) if gone < GONE_TRIES => {
                 gone += 1;
                 continue;
             }
-            Ok(None) => {
+            Ok(Judged::Gone) => {
                 claim.disarm();
                 let e = StoreError::Untrue("a record that is gone whenever it is read".into());
-                return Err(self::store_down(ctx, id, e, Taken::Yes));
+                return Err(store_down(ctx, id, e, Taken::Yes));
             }
             Err(stop) => {
                 claim.disarm();
                 return Err(stop);
             }
         };
-        if matches!(verdict, Verdict::InFlight { .. }) && waits && Instant::now() < wait_until {
-            // Back off, so as not to hammer the store; a released key is then reserved by us.
-            tokio::time::sleep(pause.min(wait_until.saturating_duration_since(Instant::now())))
-                .await;
-            pause = (pause * 2).min(Duration::from_millis(250));
+        if matches!(verdict, Verdict::InFlight { .. }) && patience.wait().await {
             continue;
         }
         if !matches!(verdict, Verdict::Ours) {
@@ -530,6 +547,58 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 Err(conflict(ctx, route, id, ttl, created_ms).await?)
             }
         };
+    }
+}
+
+/// How a duplicate of a request in flight waits for it to finish or be
+/// released (`concurrent = "wait"`, enforcement only: shadow mode never
+/// delays a request to wait for another): reserving again, backing off so as
+/// not to hammer the store, until `wait_timeout` from the first reserve sent.
+struct Patience {
+    waits: bool,
+    wait_timeout: Duration,
+    /// Set when the first reserve is sent (one clock read for both).
+    until: Option<Instant>,
+    pause: Duration,
+}
+
+impl Patience {
+    fn new(policy: &Policy) -> Self {
+        Patience {
+            waits: policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce,
+            wait_timeout: policy.wait_timeout,
+            until: None,
+            pause: Duration::from_millis(5),
+        }
+    }
+
+    /// A reserve is sent at `sent_at`: the first starts the clock.
+    fn start(&mut self, sent_at: Instant) {
+        self.until.get_or_insert(sent_at + self.wait_timeout);
+    }
+
+    /// Backs off before the next reserve, if the request waits and its time
+    /// is not up; `false` (at once) when it is to be answered now.
+    async fn wait(&mut self) -> bool {
+        let Some(until) = self.until.filter(|u| self.waits && Instant::now() < *u) else {
+            return false;
+        };
+        tokio::time::sleep(
+            self.pause
+                .min(until.saturating_duration_since(Instant::now())),
+        )
+        .await;
+        self.pause = (self.pause * 2).min(Duration::from_millis(250));
+        true
+    }
+}
+
+/// A reserve that failed: whether the store had already said the key is
+/// taken (`StoreError::Taken`) decides whether `on_store_error` may pass it.
+fn reserve_failed(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
+    match e {
+        StoreError::Taken(_) => store_down(ctx, id, e, Taken::Yes),
+        e => store_down(ctx, id, e, Taken::No),
     }
 }
 
@@ -577,33 +646,72 @@ fn processing(route: &Route, id: &Identity, token: Token, created_ms: u64) -> By
 /// too large to come with the reserve's answer is judged by its head, which
 /// came with it; only a replay fetches it whole, with room for it in the
 /// budget, and that room comes back with the verdict (the replay keeps it);
-/// `None` when the record went away in between.
-async fn judge(ctx: &Ctx<'_>, id: &Identity, token: Token, found: Reservation) -> Judged {
+/// [`Judged::Gone`] when the record went away in between.
+async fn judge(
+    ctx: &Ctx<'_>,
+    id: &Identity,
+    token: Token,
+    found: Reservation,
+) -> Result<Judged, Stop> {
     let unreadable = |e: &dyn std::fmt::Display| {
         error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "the record under this key cannot be read; not forwarding");
-        Ok(Some((Verdict::Unreadable, None, None)))
+        Ok(Judged::verdict(Verdict::Unreadable))
     };
     let (record, ttl, room) = match found {
-        Reservation::Reserved => return Ok(Some((Verdict::Ours, None, None))),
+        Reservation::Reserved => return Ok(Judged::OURS),
         Reservation::Existing { record, ttl } => (record, ttl, None),
         Reservation::Unreadable(e) => return unreadable(&e),
-        // Boxed: the large read's state is not carried by every replay's.
         // Only a replay needs more than the head (boxed: the large read's
         // state is not carried by every replay's).
         Reservation::Large { len, head } => match Verdict::of_head(&head, token, &id.fingerprint) {
-            Some(verdict) => return Ok(Some((verdict, None, None))),
+            Some(verdict) => return Ok(Judged::verdict(verdict)),
             None => match Box::pin(fetch_large(ctx, id, len)).await? {
-                Fetched::Gone => return Ok(None),
+                Fetched::Gone => return Ok(Judged::Gone),
                 Fetched::Unreadable(e) => return unreadable(&e),
                 Fetched::Record(record, ttl, room) => (record, Some(ttl), Some(room)),
             },
         },
     };
-    Ok(Some((
-        Verdict::of(record, token, &id.fingerprint),
+    Ok(Judged::Verdict {
+        verdict: Verdict::of(record, token, &id.fingerprint),
         ttl,
         room,
-    )))
+    })
+}
+
+/// What a reserve found under the key, once judged. (`Gone` is small, as
+/// the `None` this replaces was: boxing the verdict would cost every
+/// reserve an allocation to save a rare answer's bytes.)
+#[allow(clippy::large_enum_variant)]
+enum Judged {
+    /// A record holds the key (ours, perhaps): what it means for this
+    /// request, its remaining TTL when the store said, and the room a
+    /// record fetched by itself holds.
+    Verdict {
+        verdict: Verdict,
+        ttl: Option<Duration>,
+        room: Option<Room>,
+    },
+    /// The record went away between the reserve and its fetch: reserve again.
+    Gone,
+}
+
+impl Judged {
+    /// The reserve took the key.
+    const OURS: Judged = Judged::Verdict {
+        verdict: Verdict::Ours,
+        ttl: None,
+        room: None,
+    };
+
+    /// A verdict with no TTL known and no room of its own.
+    fn verdict(verdict: Verdict) -> Judged {
+        Judged::Verdict {
+            verdict,
+            ttl: None,
+            room: None,
+        }
+    }
 }
 
 /// A record too large for the reserve's answer, read by itself.
@@ -630,9 +738,6 @@ async fn fetch_large(ctx: &Ctx<'_>, id: &Identity, len: u64) -> Result<Fetched, 
         Err(e) => Err(store_down(ctx, id, e, Taken::Yes)),
     }
 }
-
-/// A verdict, the record's TTL when known, and the room a fetched record holds.
-type Judged = Result<Option<(Verdict, Option<Duration>, Option<Room>)>, Stop>;
 
 /// Whether the store had said the key is taken before it failed.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -728,5 +833,201 @@ async fn forward_reserved(
         Ok((response, outcome)) => Handled::new(response, outcome),
         // The task panicked: nothing sensible was stored; the lease frees the key.
         Err(_) => ctx.problem(&Problem::UpstreamReset { released: true }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::Budget;
+    use crate::policy::KeySource;
+
+    /// What a disposition says, in a form tests compare.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Seen {
+        Answer(Outcome),
+        Replay,
+        Forward(Outcome),
+        Shadow(Option<Outcome>),
+        Tunnel,
+    }
+
+    fn seen(d: &Disposition) -> Seen {
+        match d {
+            Disposition::Answer(p) => Seen::Answer(p.outcome()),
+            Disposition::Replay(..) => Seen::Replay,
+            Disposition::Forward(o) => Seen::Forward(*o),
+            Disposition::Shadow { would_be } => Seen::Shadow(*would_be),
+            Disposition::Tunnel => Seen::Tunnel,
+        }
+    }
+
+    fn replay() -> Stop {
+        let f = Finished {
+            token: Token::new(),
+            fingerprint: [1; 32],
+            created_ms: 1,
+            route: "r".into(),
+            completed_ms: 2,
+            status: 200,
+            body_stored: true,
+            headers: vec![],
+            body: Bytes::from_static(b"done"),
+            trailers: vec![],
+        };
+        Stop::Replay(Box::new(f), Budget::new(1 << 20).nothing())
+    }
+
+    /// Every kind of stop, made afresh (a replay holds room: stops are not cloned).
+    fn every_stop() -> Vec<Stop> {
+        vec![
+            Stop::Refuse(Problem::Mismatch),
+            Stop::Refuse(Problem::BodyTooLarge { limit: 1 }),
+            replay(),
+            Stop::Unprotected,
+            Stop::StoreDown { may_pass: true },
+            Stop::StoreDown { may_pass: false },
+        ]
+    }
+
+    fn policy(mode: Mode, on_store_error: OnStoreError) -> Policy {
+        Policy {
+            mode,
+            on_store_error,
+            ..Policy::default()
+        }
+    }
+
+    fn decided(mode: Mode, on_store_error: OnStoreError, upgrade: bool) -> Vec<Seen> {
+        let policy = policy(mode, on_store_error);
+        every_stop()
+            .into_iter()
+            .map(|stop| seen(&Disposition::of(stop, &policy, upgrade)))
+            .collect()
+    }
+
+    #[test]
+    fn every_stop_in_every_mode_has_its_disposition() {
+        use Outcome::{Mismatch, Passthrough, Replayed, StoreBypass, StoreError, TooLarge};
+        let cases = [
+            (
+                OnStoreError::Reject,
+                false,
+                [Seen::Forward(Passthrough), Seen::Answer(StoreError)],
+            ),
+            (
+                OnStoreError::Reject,
+                true,
+                [Seen::Tunnel, Seen::Answer(StoreError)],
+            ),
+            (
+                OnStoreError::Pass,
+                false,
+                [Seen::Forward(Passthrough), Seen::Forward(StoreBypass)],
+            ),
+            (
+                OnStoreError::Pass,
+                true,
+                [Seen::Tunnel, Seen::Forward(StoreBypass)],
+            ),
+        ];
+        for (on_store_error, upgrade, [unprotected, may_pass]) in cases {
+            // Refusals and replays are answered whatever the route says of the store.
+            let mut want = vec![Seen::Answer(Mismatch), Seen::Answer(TooLarge), Seen::Replay];
+            want.extend([unprotected, may_pass, Seen::Answer(StoreError)]);
+            let got = decided(Mode::Enforce, on_store_error, upgrade);
+            assert_eq!(got, want, "enforce, {on_store_error:?}, upgrade {upgrade}");
+            // Shadow mode forwards all of them, counting what enforcement would answer.
+            let got = decided(Mode::Shadow, on_store_error, upgrade);
+            let want = [
+                Seen::Shadow(Some(Mismatch)),
+                Seen::Shadow(None),
+                Seen::Shadow(Some(Replayed)),
+                Seen::Shadow(None),
+                Seen::Shadow(None),
+                Seen::Shadow(None),
+            ];
+            assert_eq!(got, want, "shadow, {on_store_error:?}, upgrade {upgrade}");
+        }
+    }
+
+    #[test]
+    fn only_answers_and_replays_are_answered_here() {
+        let answered = |d: Disposition| d.answered_here();
+        assert!(answered(Disposition::Answer(Problem::StoreUnavailable)));
+        let Stop::Replay(f, room) = replay() else {
+            unreachable!()
+        };
+        assert!(answered(Disposition::Replay(f, room)));
+        assert!(!answered(Disposition::Forward(Outcome::StoreBypass)));
+        assert!(!answered(Disposition::Forward(Outcome::Passthrough)));
+        assert!(!answered(Disposition::Shadow {
+            would_be: Some(Outcome::Replayed)
+        }));
+        assert!(!answered(Disposition::Tunnel));
+    }
+
+    #[test]
+    fn a_refusal_keeps_its_problem() {
+        let policy = policy(Mode::Enforce, OnStoreError::Pass);
+        let retry_after = Duration::from_secs(3);
+        let stop = Stop::Refuse(Problem::Conflict { retry_after });
+        let d = Disposition::of(stop, &policy, true);
+        assert!(
+            matches!(d, Disposition::Answer(Problem::Conflict { retry_after: r }) if r == retry_after)
+        );
+    }
+
+    #[test]
+    fn shadow_mode_counts_what_is_about_the_key_and_its_record() {
+        let from = KeySource::Header(HeaderName::from_static("idempotency-key"));
+        let counted = [
+            (
+                Problem::MissingKey { from: from.clone() },
+                Outcome::MissingKey,
+            ),
+            (
+                Problem::InvalidKey {
+                    from,
+                    why: key::KeyError::Empty,
+                },
+                Outcome::InvalidKey,
+            ),
+            (
+                Problem::Conflict {
+                    retry_after: Duration::from_secs(1),
+                },
+                Outcome::Conflict,
+            ),
+            (Problem::Mismatch, Outcome::Mismatch),
+            (Problem::NotStored, Outcome::NotStored),
+            (Problem::RecordUnreadable, Outcome::Unreadable),
+        ];
+        for (p, want) in counted {
+            let what = format!("{p:?}");
+            assert_eq!(Stop::Refuse(p).shadow_outcome(), Some(want), "{what}");
+        }
+        assert_eq!(replay().shadow_outcome(), Some(Outcome::Replayed));
+    }
+
+    #[test]
+    fn shadow_mode_does_not_count_the_body_the_store_or_the_proxy() {
+        let not_counted = [
+            Problem::BodyTooLarge { limit: 1 },
+            Problem::BodyTimeout {
+                after: Duration::from_secs(1),
+            },
+            Problem::BodyUnreadable,
+            Problem::ProxyBusy,
+            Problem::StoreUnavailable,
+            Problem::UpstreamUnreachable,
+        ];
+        for p in not_counted {
+            let what = format!("{p:?}");
+            assert_eq!(Stop::Refuse(p).shadow_outcome(), None, "{what}");
+        }
+        assert_eq!(Stop::Unprotected.shadow_outcome(), None);
+        assert_eq!(Stop::StoreDown { may_pass: true }.shadow_outcome(), None);
+        assert_eq!(Stop::StoreDown { may_pass: false }.shadow_outcome(), None);
     }
 }

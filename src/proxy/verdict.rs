@@ -95,7 +95,7 @@ pub fn storable_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Processing;
+    use crate::record::{Answered, Processing};
     use bytes::Bytes;
 
     fn processing(token: Token, fingerprint: [u8; 32]) -> Record {
@@ -190,5 +190,69 @@ mod tests {
         let kept = storable_headers(&h);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].0, "location");
+    }
+
+    fn head(token: Token, fingerprint: [u8; 32], finished: Option<bool>) -> Head {
+        Head {
+            token,
+            fingerprint,
+            created_ms: 7,
+            route: "r".into(),
+            finished: finished.map(|body_stored| Answered {
+                completed_ms: 8,
+                status: 201,
+                body_stored,
+            }),
+            sealed_with: None,
+        }
+    }
+
+    #[test]
+    fn a_head_of_our_own_reservation_is_ours() {
+        let t = Token::new();
+        let v = Verdict::of_head(&head(t, [1; 32], None), t, &[1; 32]);
+        assert!(matches!(v, Some(Verdict::Ours)));
+    }
+
+    #[test]
+    fn a_head_of_another_owner_in_flight_is_in_flight_since_its_creation() {
+        let v = Verdict::of_head(&head(Token::new(), [1; 32], None), Token::new(), &[1; 32]);
+        assert!(matches!(v, Some(Verdict::InFlight { created_ms: 7 })));
+    }
+
+    #[test]
+    fn a_head_with_another_fingerprint_is_a_mismatch_in_flight_or_finished() {
+        for finished in [None, Some(true), Some(false)] {
+            let v = Verdict::of_head(
+                &head(Token::new(), [1; 32], finished),
+                Token::new(),
+                &[2; 32],
+            );
+            assert!(matches!(v, Some(Verdict::Mismatch)), "{finished:?}");
+        }
+    }
+
+    #[test]
+    fn a_finished_head_needs_the_record_only_when_its_answer_was_kept() {
+        let v = Verdict::of_head(
+            &head(Token::new(), [1; 32], Some(false)),
+            Token::new(),
+            &[1; 32],
+        );
+        assert!(matches!(v, Some(Verdict::NotStored)));
+        let v = Verdict::of_head(
+            &head(Token::new(), [1; 32], Some(true)),
+            Token::new(),
+            &[1; 32],
+        );
+        assert!(v.is_none());
+    }
+
+    #[test]
+    fn a_finished_head_under_our_token_is_judged_as_finished() {
+        // A token is ours only while it reserves: a finished record is a replay.
+        let t = Token::new();
+        let v = Verdict::of_head(&head(t, [1; 32], Some(false)), t, &[1; 32]);
+        assert!(matches!(v, Some(Verdict::NotStored)));
     }
 }
