@@ -15,6 +15,7 @@ mod conn;
 mod memory;
 mod pieces;
 mod redis;
+mod reply;
 pub mod wire;
 
 /// The most of a record one command or reply carries (`pieces` writes and
