@@ -44,8 +44,8 @@ use crate::workers::PerWorker;
 
 pub(crate) use self::backend::{Held, Operations};
 pub use self::error::{StoreError, StoreSetupError};
-pub use self::memory::MemoryStore;
-pub use self::redis::RedisStore;
+pub(crate) use self::memory::MemoryStore;
+pub(crate) use self::redis::RedisStore;
 
 /// What `reserve` found.
 #[derive(Debug)]
