@@ -1,14 +1,22 @@
 //! Redis Cluster: the nodes a connection starts from, and what `CLUSTER
 //! SLOTS` teaches about them (§8: surviving the loss of the seed nodes).
 
-use std::sync::atomic::AtomicBool;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::{ConnectionAddr, ConnectionInfo, Pipeline, ServerErrorKind, TlsCertificates, Value};
-use tracing::debug;
+use tracing::{debug, info, warn};
+
+use super::settings::{connection_info, setup};
+use super::StoreSetupError;
+use crate::config::StoreConfig;
+
+/// At most one cluster reconnect per this long: while a master fails over,
+/// its keys fail for seconds, and each reconnect opens a connection per node.
+const CLUSTER_RECONNECT_SPACING: Duration = Duration::from_secs(1);
 
 /// Cluster mode: the nodes a connection starts from. The configured seeds
 /// alone are not enough: when the only seed is the master that died, a
@@ -19,18 +27,43 @@ use tracing::debug;
 /// cluster client follows MOVED, refreshes its slot map and repairs node
 /// connections by itself; a new one only helps with nodes that hang).
 pub(super) struct ClusterNodes {
-    pub(super) seeds: Vec<ConnectionInfo>,
+    seeds: Vec<ConnectionInfo>,
     /// Every node `CLUSTER SLOTS` named last time it was asked (at connect and at each ping).
-    pub(super) learned: Mutex<Vec<ConnectionInfo>>,
-    pub(super) op_timeout: Duration,
-    pub(super) certs: Option<TlsCertificates>,
+    learned: Mutex<Vec<ConnectionInfo>>,
+    op_timeout: Duration,
+    certs: Option<TlsCertificates>,
     /// A reconnect is running (one at a time, in the background).
-    pub(super) reconnecting: AtomicBool,
-    pub(super) last_reconnect: Mutex<Option<Instant>>,
+    reconnecting: AtomicBool,
+    last_reconnect: Mutex<Option<Instant>>,
 }
 
 impl ClusterNodes {
-    pub(super) fn client(
+    /// The seeds `cfg` names, with the user and password applied.
+    pub(super) fn new(
+        cfg: &StoreConfig,
+        user: Option<&str>,
+        password: Option<&str>,
+        certs: Option<TlsCertificates>,
+    ) -> Result<Self, StoreSetupError> {
+        let seeds: Vec<ConnectionInfo> = cfg
+            .nodes
+            .iter()
+            .map(|u| connection_info(u, user, password))
+            .collect::<Result<_, _>>()?;
+        let nodes = ClusterNodes {
+            seeds,
+            learned: Mutex::new(Vec::new()),
+            op_timeout: cfg.op_timeout,
+            certs,
+            reconnecting: AtomicBool::new(false),
+            last_reconnect: Mutex::new(None),
+        };
+        // Built once here so that a bad seed list is a start-up error.
+        nodes.client(nodes.seeds.clone()).map_err(setup)?;
+        Ok(nodes)
+    }
+
+    fn client(
         &self,
         nodes: Vec<ConnectionInfo>,
     ) -> redis::RedisResult<redis::cluster::ClusterClient> {
@@ -79,6 +112,46 @@ impl ClusterNodes {
         if !learned.is_empty() {
             *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = learned;
         }
+    }
+
+    /// Makes a new connection in the background, through every node known,
+    /// and hands it to `install` once it is up; until then, and if it fails,
+    /// the current one (which keeps healing itself) stays in use. One at a
+    /// time, and at most one per [`CLUSTER_RECONNECT_SPACING`].
+    pub(super) fn reconnect(
+        self: &Arc<Self>,
+        install: impl FnOnce(ClusterConnection) + Send + 'static,
+    ) {
+        {
+            let mut last = self
+                .last_reconnect
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < CLUSTER_RECONNECT_SPACING)
+                || self.reconnecting.swap(true, Ordering::AcqRel)
+            {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.reconnecting.store(false, Ordering::Release);
+            return;
+        };
+        let nodes = self.clone();
+        runtime.spawn(async move {
+            match nodes.connect().await {
+                Ok(fresh) => {
+                    install(fresh);
+                    info!("store kept failing; made a new cluster connection through every known node");
+                }
+                Err(e) => warn!(
+                    error = %e,
+                    "store keeps failing and no new cluster connection could be made; the current one stays"
+                ),
+            }
+            nodes.reconnecting.store(false, Ordering::Release);
+        });
     }
 }
 
@@ -179,7 +252,7 @@ fn slot_nodes(slots: &Value) -> Vec<(String, u16)> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::redis::connection_info;
+    use super::super::settings::connection_info;
     use super::*;
 
     fn node(host: &str, port: i64) -> Value {

@@ -1,7 +1,7 @@
 //! One connection type for the store's three modes, and what every
 //! operation sends on it: Lua scripts by `EVALSHA` (loaded again after
 //! `NOSCRIPT`) and commands built at their final size. Below both the
-//! operations (`redis`) and a large record's pieces (`pieces`).
+//! operations (`ops`) and a large record's pieces (`pieces`).
 
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::wire::{pack, Wire};
+use super::StoreError;
 
 /// One connection type for the three modes, so the store code is the same.
 #[derive(Clone)]
@@ -123,4 +124,25 @@ pub(super) fn command(args: &[&[u8]]) -> Cmd {
         cmd.arg(*arg);
     }
     cmd
+}
+
+/// A client error as a store error; the client's own response timeout counts
+/// as a timeout (of `op_timeout`). (The crate's messages can carry
+/// addresses: callers log them, problems never show them.)
+pub(super) fn store_error(e: redis::RedisError, op_timeout: Duration) -> StoreError {
+    use redis::{ErrorKind, ServerErrorKind};
+    let broken = e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
+        );
+    if e.is_timeout() {
+        StoreError::Timeout(op_timeout)
+    } else if broken {
+        StoreError::Unavailable(e.to_string())
+    } else {
+        StoreError::Backend(e.to_string())
+    }
 }

@@ -10,11 +10,18 @@
 //! head, see `record`): the store key is always `{prefix}:{id}`
 //! ([`Store::key_for`]), and the id is what follows the prefix.
 
+mod backend;
 mod cluster;
 mod conn;
+mod connections;
+mod error;
 mod memory;
+mod ops;
 mod pieces;
 mod redis;
+mod reply;
+mod sentinel;
+mod settings;
 pub mod wire;
 
 /// The most of a record one command or reply carries (`pieces` writes and
@@ -32,69 +39,13 @@ use crate::config::{Backend, StoreConfig};
 use crate::deadline::Deadlines;
 use crate::metrics::Metrics;
 use crate::record::{DecodeError, Head, Record, Token, MAX_BODY, MAX_OVERHEAD};
-use crate::seal::{KeyFileError, SealError, Sealing};
+use crate::seal::{SealError, Sealing};
 use crate::workers::PerWorker;
 
-pub use self::memory::MemoryStore;
-pub use self::redis::RedisStore;
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("store operation timed out after {0:?}")]
-    Timeout(Duration),
-    #[error("store error: {0}")]
-    Backend(String),
-    /// The connection is broken, refused, or reaches a master that is no longer one.
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
-    /// `wait_replicas` was not met: the reservation was withdrawn.
-    #[error("reservation reached {acked} of {wanted} replicas in time")]
-    NotReplicated { wanted: u32, acked: u32 },
-    /// The reservation was written, but `WAIT` failed (e.g. the ACL lacks `+wait`):
-    /// it must be released by its token and the request not forwarded.
-    #[error("reservation written, but its replication could not be confirmed: {0}")]
-    Unconfirmed(String),
-    /// The store answered something no record the proxy wrote could give
-    /// (a length over any record, more bytes than asked for): the key may be
-    /// taken, so the request is never forwarded unprotected.
-    #[error("the store's answer is not believed: {0}")]
-    Untrue(String),
-    /// The reserve found the key taken, then failed to read what holds it
-    /// (its length, or in time): the operation may have run, or be running,
-    /// so the request is never forwarded unprotected.
-    #[error("the key is taken, and what holds it could not be read: {0}")]
-    Taken(Box<StoreError>),
-    #[error(transparent)]
-    Decode(#[from] DecodeError),
-    /// The memory store holds `memory_limit` bytes of records: no new keys until some expire.
-    #[error("the memory store is full (memory_limit)")]
-    Full,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreSetupError {
-    #[error("cannot read the Redis password file {path}: {source}")]
-    PasswordFile {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
-    #[error("invalid Redis configuration: {0}")]
-    Redis(String),
-    #[error("cannot read the Redis CA file {path}: {source}")]
-    CaFile {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    KeyFile(#[from] KeyFileError),
-}
-
-impl StoreSetupError {
-    /// A file was read and is wrong (a malformed key file): exit 2, not 1.
-    pub fn is_configuration(&self) -> bool {
-        matches!(self, StoreSetupError::KeyFile(e) if e.is_configuration())
-    }
-}
+pub(crate) use self::backend::{Held, Operations};
+pub use self::error::{StoreError, StoreSetupError};
+pub(crate) use self::memory::MemoryStore;
+pub(crate) use self::redis::RedisStore;
 
 /// What `reserve` found.
 #[derive(Debug)]
@@ -161,18 +112,6 @@ pub struct Inspected {
     pub ttl: Duration,
 }
 
-/// What a backend found under a key it was asked to reserve.
-pub(crate) enum Held {
-    Value {
-        value: Bytes,
-        /// What is left of the key's lease or TTL, when the backend knows it without another round trip.
-        ttl: Option<Duration>,
-    },
-    /// A value larger than the caller wanted inline: its length and its
-    /// first bytes (the record's head among them).
-    Large { len: u64, start: Bytes },
-}
-
 /// The largest record a reserve brings back with its answer; a larger one is
 /// fetched only once there is room for it in the memory budget (§8).
 pub const INLINE_RECORD: u64 = 64 * 1024;
@@ -185,51 +124,6 @@ pub const INLINE_RECORD: u64 = 64 * 1024;
 /// for small keys' reserves and completions, which otherwise queue behind
 /// a stream of 256 KiB pieces (`docs/benchmarks.md`, "Large replays").
 pub const LARGE_READS: usize = 2;
-
-/// The operations each backend implements, with the same shapes; [`Store`]
-/// adds timing, timeouts, metrics and record decoding around them. Every one
-/// touches one key and is safe to send twice.
-pub(crate) trait Operations {
-    /// `SET NX` with the lease; `Some` with what holds the key when it is
-    /// taken (its value only when it is at most `inline` bytes).
-    async fn reserve(
-        &self,
-        key: &str,
-        value: Bytes,
-        lease: Duration,
-        inline: u64,
-        taken: &AtomicBool,
-    ) -> Result<Option<Held>, StoreError>;
-    /// What is left of the key's lease or TTL; zero when it is gone.
-    async fn pttl(&self, key: &str) -> Result<Duration, StoreError>;
-    /// Writes the finished record if `token` still owns the key (or nobody
-    /// does); each round trip (each piece of a large record, the `WAIT`)
-    /// within its own `op_timeout` from `steps`.
-    async fn complete(
-        &self,
-        key: &str,
-        token: Token,
-        value: Bytes,
-        ttl: Duration,
-        steps: &Deadlines,
-    ) -> Result<Completion, StoreError>;
-    /// Extends the lease if `token` still owns the key.
-    async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError>;
-    /// Deletes the reservation if `token` still owns it.
-    async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError>;
-    /// The value and its remaining time; each round trip (each piece of a
-    /// large record) within its own `op_timeout` from `steps`. A store that
-    /// says the value is longer than `at_most` bytes is not believed (an error).
-    async fn get(
-        &self,
-        key: &str,
-        at_most: u64,
-        steps: &Deadlines,
-    ) -> Result<Option<(Bytes, Duration)>, StoreError>;
-    /// Deletes the key whatever it holds.
-    async fn delete(&self, key: &str) -> Result<bool, StoreError>;
-    async fn ping(&self) -> Result<(), StoreError>;
-}
 
 /// Runs `op` up to `attempts` times, doubling a pause of `first_pause` between
 /// attempts (none after the last: a failure is reported at once).
@@ -540,37 +434,41 @@ impl Store {
                     self.record_limit()
                 )))
             }
-            Some(Held::Large { len, start }) => Ok(match Head::decode(start) {
-                // Judged from its head (409, 410, 422): with `require_sealed`,
-                // a finished one in the clear is unreadable there too.
-                Ok(head)
-                    if self.require_sealed
-                        && head.finished.is_some()
-                        && head.sealed_with.is_none() =>
-                {
-                    Reservation::Unreadable(DecodeError::NotSealed)
-                }
-                // Sealed under a key this proxy does not hold: unreadable, as
-                // the whole record would be (the head's own bytes are only
-                // authenticated when the seal is opened, for a replay).
-                Ok(head)
-                    if head
-                        .sealed_with
-                        .as_deref()
-                        .is_some_and(|id| !self.opens(id)) =>
-                {
-                    Reservation::Unreadable(match (&self.sealing, head.sealed_with) {
-                        (Some(_), Some(id)) => DecodeError::UnknownKey(id),
-                        _ => DecodeError::NoKeyFile,
-                    })
-                }
-                Ok(head) => Reservation::Large { len, head },
-                Err(e) => Reservation::Unreadable(e),
-            }),
+            Some(Held::Large { len, start }) => Ok(self.large(len, start)),
             Some(Held::Value { value, ttl }) => Ok(match self.decode(key, value) {
                 Ok(record) => Reservation::Existing { record, ttl },
                 Err(e) => Reservation::Unreadable(e),
             }),
+        }
+    }
+
+    /// A large record found by a reserve, judged from its head (409, 410,
+    /// 422), which came with the reserve's answer.
+    fn large(&self, len: u64, start: Bytes) -> Reservation {
+        match Head::decode(start) {
+            // With `require_sealed`, a finished one in the clear is
+            // unreadable from its head too.
+            Ok(head)
+                if self.require_sealed && head.finished.is_some() && head.sealed_with.is_none() =>
+            {
+                Reservation::Unreadable(DecodeError::NotSealed)
+            }
+            // Sealed under a key this proxy does not hold: unreadable, as
+            // the whole record would be (the head's own bytes are only
+            // authenticated when the seal is opened, for a replay).
+            Ok(head)
+                if head
+                    .sealed_with
+                    .as_deref()
+                    .is_some_and(|id| !self.opens(id)) =>
+            {
+                Reservation::Unreadable(match (&self.sealing, head.sealed_with) {
+                    (Some(_), Some(id)) => DecodeError::UnknownKey(id),
+                    _ => DecodeError::NoKeyFile,
+                })
+            }
+            Ok(head) => Reservation::Large { len, head },
+            Err(e) => Reservation::Unreadable(e),
         }
     }
 

@@ -165,7 +165,18 @@ pub async fn get<C: ConnectionLike>(
             )
             .await?;
     }
-    // Written anew meanwhile? A new write has a new owner token (or length).
+    let same = whole.len() as u64 == len && unchanged(conn, key, &whole, step).await?;
+    Ok(same.then(|| (whole.freeze(), ttl)))
+}
+
+/// Is the record read piece by piece as `whole` still there? Written anew
+/// meanwhile, it has a new owner token (or length).
+async fn unchanged<C: ConnectionLike>(
+    conn: &mut C,
+    key: &str,
+    whole: &[u8],
+    step: &Step<'_>,
+) -> Result<bool, StoreError> {
     let (len_now, token): (u64, Vec<u8>) = step
         .run(
             redis::pipe()
@@ -178,9 +189,7 @@ pub async fn get<C: ConnectionLike>(
                 .query_async(conn),
         )
         .await?;
-    let same =
-        whole.len() as u64 == len && len_now == len && whole.get(TOKEN_RANGE) == Some(&token[..]);
-    Ok(same.then(|| (whole.freeze(), ttl)))
+    Ok(len_now == whole.len() as u64 && whole.get(TOKEN_RANGE) == Some(&token[..]))
 }
 
 /// Stores a large finished record in place of the reservation `token` owns,
