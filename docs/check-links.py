@@ -80,6 +80,40 @@ def pages():
                 yield os.path.join(d, f)
 
 
+CITATION = re.compile(r"(?:README\.md|docs/[A-Za-z0-9_/.-]+?\.md)(?:#[A-Za-z0-9_.-]*[A-Za-z0-9_-])?")
+SECTION = re.compile(r"§\s*\d")
+RFC_SECTION = re.compile(r"RFC \d+[^§]{0,3}§\s*\d")
+
+
+def check_citations(cache, broken):
+    """The code cites the guide by path and anchor (`docs/reference/behaviour.md#conflict`):
+    each cited page and anchor must exist. A numbered section (`§8`) may only be an RFC's."""
+    count = 0
+    for top in ("src", "tests", "bench", "examples"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in sorted(files):
+                if not f.endswith((".rs", ".py", ".sh")):
+                    continue
+                path = os.path.join(d, f)
+                for n, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1):
+                    where = f"{os.path.relpath(path, ROOT)}:{n}"
+                    if top == "src" and SECTION.search(line) and not RFC_SECTION.search(line):
+                        broken.append(f"{where}: a numbered section (§) that is not an RFC's: cite the guide")
+                    for m in CITATION.finditer(line):
+                        count += 1
+                        file_part, _, anchor = m.group(0).partition("#")
+                        dest = os.path.join(ROOT, file_part)
+                        if not os.path.exists(dest):
+                            broken.append(f"{where}: {m.group(0)}: no such file")
+                            continue
+                        if anchor:
+                            if dest not in cache:
+                                cache[dest] = anchors(dest)
+                            if anchor not in cache[dest]:
+                                broken.append(f"{where}: {m.group(0)}: no anchor #{anchor}")
+    return count
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--allow-missing", action="append", default=[], metavar="FILE",
@@ -108,9 +142,10 @@ def main():
                         cache[dest] = anchors(dest)
                     if anchor not in cache[dest]:
                         broken.append(f"{where}: {target}: no anchor #{anchor} in {os.path.relpath(dest, ROOT)}")
+    cited = check_citations(cache, broken)
     for b in broken:
         print(b)
-    print(f"{count} links checked, {len(broken)} broken")
+    print(f"{count} links and {cited} citations in the code checked, {len(broken)} broken")
     return 1 if broken else 0
 
 

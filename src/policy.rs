@@ -31,7 +31,7 @@ pub struct Policy {
     pub concurrent: Concurrent,
     pub wait_timeout: Duration,
     pub release_statuses: Vec<u16>,
-    /// gRPC answers (§9) whose `grpc-status` frees the key, like a release status.
+    /// gRPC answers (docs/reference/behaviour.md#release) whose `grpc-status` frees the key, like a release status.
     pub release_grpc_statuses: Vec<u32>,
     pub unknown_outcome: UnknownOutcome,
     pub fingerprint_body: FingerprintBody,
@@ -67,10 +67,10 @@ impl Default for Policy {
     }
 }
 
-/// Where a route's key comes from (`key_from`, §10).
+/// Where a route's key comes from (`key_from`, docs/reference/behaviour.md#webhook-keys).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeySource {
-    /// A request header, its value in the key syntax of §7.
+    /// A request header, its value in the key syntax of docs/reference/behaviour.md#key-syntax.
     Header(HeaderName),
     /// A string or an integer in the JSON request body: the body is read
     /// (and its size checked) before the key.

@@ -323,7 +323,7 @@ impl Problem {
     }
 
     /// The answer to a request: a problem document, or on a gRPC request
-    /// the same problem as a Trailers-Only gRPC error (§9).
+    /// the same problem as a Trailers-Only gRPC error (docs/reference/behaviour.md#grpc-errors).
     pub fn response_to(&self, request_id: &uuid::Uuid, grpc: bool) -> Response<Body> {
         if !grpc {
             return self.response(request_id);

@@ -5,7 +5,7 @@
 //! connection, the forward-and-store job, the store connection's reader and
 //! writer) then wake one another without crossing threads.
 //!
-//! Measured (`docs/benchmarks.md`, "A runtime per worker thread"): with two
+//! Measured (`docs/dev/benchmarks-journal.md`, "A runtime per worker thread"): with two
 //! workers on two CPUs, tokio's work-stealing runtime spent 8 % more CPU per
 //! pass-through request, 21 % more per replay and 40 % more per new key than
 //! one worker did: a task woken from another thread costs a futex call and

@@ -214,8 +214,8 @@ async fn the_only_seed_master_dies_under_traffic() {
     .await;
 
     // Redis replicates asynchronously: a write its master acknowledged and
-    // then died with is lost, whatever the proxy does (README, "Where a
-    // duplicate is still possible"). So the victim's own traffic pauses until
+    // then died with is lost, whatever the proxy does
+    // (docs/how-it-works.md#duplicates). So the victim's own traffic pauses until
     // its replica has every write, and the kill cannot fall into that window;
     // what is under test is the proxy's part (completions retried in the
     // background, reconnecting through learned nodes), not Redis's.

@@ -1,4 +1,4 @@
-//! Canonical JSON: the contract's cases, the three faults, and properties over generated values.
+//! Canonical JSON: the documented cases, the three faults, and properties over generated values.
 
 use super::*;
 use proptest::prelude::*;

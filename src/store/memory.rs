@@ -34,7 +34,7 @@ const EXPIRE_PER_WRITE: usize = 4;
 pub struct MemoryStore {
     map: Mutex<Map>,
     /// New reservations are refused once the records hold this many bytes;
-    /// records are never evicted before their TTL (§8).
+    /// records are never evicted before their TTL (docs/reference/store.md#memory).
     limit: u64,
 }
 

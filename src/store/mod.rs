@@ -113,7 +113,7 @@ pub struct Inspected {
 }
 
 /// The largest record a reserve brings back with its answer; a larger one is
-/// fetched only once there is room for it in the memory budget (§8).
+/// fetched only once there is room for it in the memory budget (docs/reference/store.md#pieces).
 pub const INLINE_RECORD: u64 = 64 * 1024;
 
 /// How many larger records one proxy reads from the store at a time; the
@@ -122,7 +122,7 @@ pub const INLINE_RECORD: u64 = 64 * 1024;
 /// Redis is single-threaded and shared: two reads keep large replays' pace
 /// (one alone is latency-bound at about half of it) while leaving it free
 /// for small keys' reserves and completions, which otherwise queue behind
-/// a stream of 256 KiB pieces (`docs/benchmarks.md`, "Large replays").
+/// a stream of 256 KiB pieces (`docs/dev/benchmarks-journal.md`, "Large replays").
 pub const LARGE_READS: usize = 2;
 
 /// Runs `op` up to `attempts` times, doubling a pause of `first_pause` between
@@ -179,7 +179,7 @@ pub struct Store {
     /// A finished record that is not sealed is unreadable (`require_sealed`).
     require_sealed: bool,
     /// The longest record the proxy writes ([`Store::limit_records`]): the
-    /// store's word for a longer one is not believed (§8, the store's bytes
+    /// store's word for a longer one is not believed (docs/reference/store.md#untrusted-replies, the store's bytes
     /// are untrusted), so nothing is allocated for it.
     record_limit: AtomicU64,
 }

@@ -212,7 +212,7 @@ impl Operations for RedisStore {
     /// length (a large record's bytes are fetched once the caller has room
     /// for them). Two plain commands cost Redis a
     /// third less than a script for a new key and two thirds less for a
-    /// taken one (`docs/benchmarks.md`). They are not atomic, and need not
+    /// taken one (`docs/dev/benchmarks-journal.md`). They are not atomic, and need not
     /// be: the read names whatever holds the key after the `SET` failed, and
     /// a key gone in between is reserved again. The remaining lease is not
     /// read here (only a 409 needs it: [`Operations::pttl`]).
@@ -438,7 +438,7 @@ mod tests {
     /// A future is copied whole where it is made and where it is awaited, so
     /// the per-request operations carry only their common path: connecting,
     /// `WAIT` and a large record's pieces are boxed where they start. With
-    /// connecting inline, each of these was over 3.5 KiB (`docs/benchmarks.md`,
+    /// connecting inline, each of these was over 3.5 KiB (`docs/dev/benchmarks-journal.md`,
     /// "Futures copied whole").
     #[test]
     fn the_per_request_operations_futures_stay_small() {
