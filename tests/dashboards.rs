@@ -73,7 +73,7 @@ impl Prometheus {
             .stderr(log)
             .spawn()
             .expect("spawn prometheus");
-        let prometheus = Prometheus {
+        let mut prometheus = Prometheus {
             child: Some(child),
             addr,
             dir,
@@ -83,6 +83,13 @@ impl Prometheus {
         loop {
             if matches!(get(&ready).await, Ok(r) if r.status == 200) {
                 break;
+            }
+            // One that exits (a configuration or rules file it refuses) says why in its log.
+            if let Some(status) = prometheus.child.as_mut().and_then(|c| c.try_wait().ok()?) {
+                panic!(
+                    "prometheus exited ({status}); its log:\n{}",
+                    prometheus.log()
+                );
             }
             assert!(
                 tokio::time::Instant::now() < until,
