@@ -549,3 +549,30 @@ fn the_metric_name_rule() {
     ];
     assert_eq!(exported, want.iter().map(|s| s.to_string()).collect());
 }
+
+/// `docs/operations.md` describes the alerts the rules file holds: its
+/// "Metrics and alerts" section names each alert, and no other.
+#[test]
+fn the_operations_guide_names_every_alert_and_no_other() {
+    let rules =
+        std::fs::read_to_string(repo("deploy/prometheus/idemproxy-rules.yaml")).expect("rules");
+    let in_rules: BTreeSet<String> = rule_queries(&rules)
+        .into_iter()
+        .map(|q| q.source.trim_start_matches("alert ").to_string())
+        .collect();
+    let guide = std::fs::read_to_string(repo("docs/operations.md")).expect("guide");
+    let start = guide
+        .find("## Metrics and alerts")
+        .expect("a \"Metrics and alerts\" section");
+    let section = &guide[start..];
+    let section = &section[..section[2..].find("\n## ").map_or(section.len(), |e| e + 2)];
+    let in_guide: BTreeSet<String> = section
+        .split('`')
+        .filter(|w| w.starts_with("Idempotency") && w.chars().all(|c| c.is_ascii_alphanumeric()))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        in_guide, in_rules,
+        "alerts in docs/operations.md vs the rules file"
+    );
+}
