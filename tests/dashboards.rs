@@ -19,10 +19,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// How long Prometheus may take to start, scrape and have two samples of
-/// every series (it scrapes each second).
+/// every series (it scrapes every 200 ms).
 const PROMETHEUS_DEADLINE: Duration = Duration::from_secs(60);
 
-/// What Grafana's `$__rate_interval` becomes here: with a 1 s scrape
+/// What Grafana's `$__rate_interval` becomes here: with a 200 ms scrape
 /// interval, a window that always holds several samples.
 const RATE_INTERVAL: &str = "1m";
 
@@ -53,7 +53,7 @@ impl Prometheus {
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
+                "global:\n  scrape_interval: 200ms\n  scrape_timeout: 200ms\n  evaluation_interval: 200ms\n\
                  rule_files:\n  - {rules:?}\n\
                  scrape_configs:\n  - job_name: idemproxy\n    static_configs:\n      - targets: [\"{target}\"]\n"
             ),
