@@ -505,7 +505,8 @@ async fn completion_failure_still_answers_the_client_and_is_counted() {
         r.status, 201,
         "the client gets the upstream's answer although the store is gone"
     );
-    // The completion fails after the client has its answer: waited for.
+    // The first completion attempt fails before the answer is sent (and is
+    // retried in the background after it): counted, and waited for.
     env.metric_reaching("idemproxy_store_errors_total{op=\"complete\"}", 1.0)
         .await;
     env.proxy
@@ -531,7 +532,7 @@ async fn a_store_outage_shorter_than_the_lease_loses_no_record() {
     env.upstream.release(1);
     let r = first.await.unwrap();
     assert_eq!(r.status, 201, "answered at once, not after the outage");
-    // The first completion attempt fails after the client has its answer: waited for.
+    // The first completion attempt fails before the answer is sent: counted, waited for.
     env.metric_reaching("idemproxy_store_errors_total{op=\"complete\"}", 1.0)
         .await;
     relay.set(Fault::Pass);

@@ -127,7 +127,8 @@ pub(super) fn command(args: &[&[u8]]) -> Cmd {
 }
 
 /// A client error as a store error; the client's own response timeout counts
-/// as a timeout (of `op_timeout`). (The crate's messages can carry
+/// as a timeout (of `op_timeout`), and a reply that could not be parsed is
+/// not believed. (The crate's messages can carry
 /// addresses: callers log them, problems never show them.)
 pub(super) fn store_error(e: redis::RedisError, op_timeout: Duration) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
@@ -140,6 +141,9 @@ pub(super) fn store_error(e: redis::RedisError, op_timeout: Duration) -> StoreEr
         );
     if e.is_timeout() {
         StoreError::Timeout(op_timeout)
+    } else if e.kind() == ErrorKind::Parse {
+        // A reply no store keeping our records would give (`wire::failed`).
+        StoreError::Untrue(e.to_string())
     } else if broken {
         StoreError::Unavailable(e.to_string())
     } else {

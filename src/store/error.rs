@@ -22,7 +22,8 @@ pub enum StoreError {
     #[error("reservation written, but its replication could not be confirmed: {0}")]
     Unconfirmed(String),
     /// The store answered something no record the proxy wrote could give
-    /// (a length over any record, more bytes than asked for): the key may be
+    /// (a length over any record, more bytes than asked for, a reply beyond
+    /// the reader's bounds or malformed): the key may be
     /// taken, so the request is never forwarded unprotected.
     #[error("the store's answer is not believed: {0}")]
     Untrue(String),

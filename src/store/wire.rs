@@ -210,7 +210,7 @@ impl Wire {
         let rx = {
             let mut state = shared.state();
             if let Some((kind, why)) = state.failure {
-                return Err(io::Error::new(kind, why).into());
+                return Err(failed(kind, why));
             }
             if state.unwritten.len() > MAX_UNWRITTEN {
                 return Err(io::Error::new(
@@ -236,7 +236,7 @@ impl Wire {
                 .state()
                 .failure
                 .unwrap_or((io::ErrorKind::ConnectionAborted, "connection closed"));
-            io::Error::new(kind, why).into()
+            failed(kind, why)
         })
     }
 
@@ -455,6 +455,19 @@ async fn read_replies(shared: Arc<Shared>) {
 #[doc(hidden)]
 pub mod fuzzing {
     pub use crate::store::reply::{in_reads as replies_in_reads, parse as reply};
+}
+
+/// The error a request on a failed connection gets. A reply the reader
+/// refused (`InvalidData`: beyond the parser's bounds, malformed, or not
+/// asked for) is the store's answer not believed, a parse error, never a
+/// store that is merely down: `on_store_error = "pass"` must not forward
+/// on it (the key may be taken).
+fn failed(kind: io::ErrorKind, why: &'static str) -> redis::RedisError {
+    if kind == io::ErrorKind::InvalidData {
+        redis::RedisError::from((redis::ErrorKind::Parse, why))
+    } else {
+        io::Error::new(kind, why).into()
+    }
 }
 
 #[cfg(test)]
