@@ -78,7 +78,7 @@ async fn fake_redis(lie: Lie) -> SocketAddr {
                         ("SET", Lie::TakenThenOversizedHead) => b"$-1\r\n".to_vec(),
                         ("GETRANGE", Lie::TakenThenOversizedHead) => {
                             let mut out = format!("${}\r\n", 300 << 10).into_bytes();
-                            out.extend(std::iter::repeat(b'x').take(300 << 10));
+                            out.extend(std::iter::repeat_n(b'x', 300 << 10));
                             out.extend_from_slice(b"\r\n");
                             out
                         }
