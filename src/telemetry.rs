@@ -88,6 +88,11 @@ impl Telemetry {
         dropped: Counter,
     ) -> Option<Telemetry> {
         let endpoint = config.otlp_endpoint.clone()?;
+        // `service.name`, and `OTEL_RESOURCE_ATTRIBUTES` (read by the SDK's detectors).
+        let resource = Resource::builder()
+            .with_service_name(config.service_name.clone())
+            .build();
+        let for_export = resource.clone();
         let (spans, queue) = mpsc::channel(QUEUE);
         let (flush, flushes) = mpsc::unbounded_channel();
         let (ready, built) = std::sync::mpsc::sync_channel(1);
@@ -95,7 +100,10 @@ impl Telemetry {
         let exported = dropped.clone();
         let thread = std::thread::Builder::new()
             .name("otel-export".into())
-            .spawn(move || export_thread(protocol, endpoint, queue, flushes, exported, ready));
+            .spawn(move || {
+                let to = (protocol, endpoint, for_export);
+                export_thread(to, queue, flushes, exported, ready)
+            });
         if let Err(e) = thread {
             tracing::error!(error = %e, "cannot start the span export thread; tracing is off");
             return None;
@@ -108,9 +116,6 @@ impl Telemetry {
             }
             Err(_) => return None,
         }
-        let resource = Resource::builder()
-            .with_service_name(config.service_name.clone())
-            .build();
         let sampler =
             Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(config.sample_ratio)));
         let provider = SdkTracerProvider::builder()
@@ -384,8 +389,7 @@ impl SpanProcessor for Queue {
 
 /// The export thread: a runtime of its own, for the life of the process.
 fn export_thread(
-    protocol: OtlpProtocol,
-    endpoint: String,
+    (protocol, endpoint, resource): (OtlpProtocol, String, Resource),
     queue: mpsc::Receiver<SpanData>,
     flushes: mpsc::UnboundedReceiver<std::sync::mpsc::SyncSender<()>>,
     dropped: Counter,
@@ -403,13 +407,16 @@ fn export_thread(
     };
     runtime.block_on(async move {
         // Built in the runtime: the gRPC channel's tasks run on it.
-        let exporter = match exporter(protocol, &endpoint) {
+        let mut exporter = match exporter(protocol, &endpoint) {
             Ok(e) => e,
             Err(e) => {
                 let _ = ready.send(Err(e));
                 return;
             }
         };
+        // The resource goes with every batch (our queue stands in for the
+        // SDK's processor, which would pass it on).
+        opentelemetry_sdk::trace::SpanExporter::set_resource(&mut exporter, &resource);
         let _ = ready.send(Ok(()));
         export_loop(exporter, queue, flushes, dropped).await;
     });
