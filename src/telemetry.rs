@@ -289,11 +289,12 @@ pub fn log_ids(cx: &Context) -> Option<(String, String)> {
     Some((sc.trace_id().to_string(), sc.span_id().to_string()))
 }
 
-/// The context of a request's SERVER span, to be stored with its records.
+/// The context of a request's SERVER span, to be stored with its records:
+/// only a sampled one (a link to a span never exported leads nowhere).
 pub fn trace_ref(cx: &Context) -> Option<TraceRef> {
     let span = cx.span();
     let sc = span.span_context();
-    sc.is_valid().then(|| TraceRef {
+    (sc.is_valid() && sc.is_sampled()).then(|| TraceRef {
         trace_id: sc.trace_id().to_bytes(),
         span_id: sc.span_id().to_bytes(),
     })

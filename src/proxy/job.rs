@@ -172,6 +172,14 @@ fn fields(map: &HeaderMap) -> Fields {
 type Exchanged = (Parts, Capped<Inbound>, Room);
 
 impl Job {
+    /// The trace and span ids of the request's SERVER span for a log line, while it records.
+    fn log_ids(&self) -> (Option<String>, Option<String>) {
+        self.trace
+            .as_ref()
+            .and_then(|t| telemetry::log_ids(&t.server))
+            .unzip()
+    }
+
     /// Forwards, records the outcome (or releases the key), and returns the
     /// client's answer. A record the store did not take is kept for [`Job::settle`].
     pub async fn run(&mut self, request: Request<Body>) -> (Response<Body>, Outcome) {
@@ -309,7 +317,8 @@ impl Job {
     async fn failed(&mut self, e: UpstreamError) -> (Response<Body>, Outcome) {
         let released = matches!(e, UpstreamError::Connect(_) | UpstreamError::Invalid(_))
             || self.policy.unknown_outcome == UnknownOutcome::Release;
-        warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
+        let (trace_id, span_id) = self.log_ids();
+        warn!(request_id = %self.request_id, error = %e, released, trace_id, span_id, "upstream failed");
         let problem = Problem::from_upstream(&e, released);
         // On a gRPC call, Trailers-Only (no body, no trailers), stored so too.
         let (status, headers, body) = if self.grpc {

@@ -105,6 +105,12 @@ impl Ctx<'_> {
         Some(self.app.telemetry.as_ref()?.client_span(cx, request))
     }
 
+    /// The trace and span ids of the request's SERVER span for a log line,
+    /// while it records (else both `None`: no field).
+    fn log_ids(&self) -> (Option<String>, Option<String>) {
+        self.trace.as_ref().and_then(telemetry::log_ids).unzip()
+    }
+
     /// The execution's trace context, to be kept with its records.
     fn trace_ref(&self) -> Option<TraceRef> {
         self.trace.as_ref().and_then(telemetry::trace_ref)
@@ -234,7 +240,8 @@ async fn send(
         Err(e) => Err(e),
     };
     sent.map_err(|e| {
-        warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
+        let (trace_id, span_id) = ctx.log_ids();
+        warn!(request_id = %ctx.request_id, error = %e, trace_id, span_id, "upstream failed (unprotected request)");
         ctx.problem(&Problem::from_upstream(&e, true))
     })
 }
@@ -729,7 +736,8 @@ async fn judge(
     found: Reservation,
 ) -> Result<Judged, Stop> {
     let unreadable = |e: &dyn std::fmt::Display| {
-        error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "the record under this key cannot be read; not forwarding");
+        let (trace_id, span_id) = ctx.log_ids();
+        error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, trace_id, span_id, "the record under this key cannot be read; not forwarding");
         Ok(Judged::verdict(Verdict::Unreadable))
     };
     let (record, ttl, room) = match found {
@@ -844,7 +852,8 @@ enum Taken {
 /// taken whose record could not then be read in time (the operation may have
 /// run, or be running).
 fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError, taken: Taken) -> Stop {
-    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, taken = taken == Taken::Yes, "store unavailable while reserving");
+    let (trace_id, span_id) = ctx.log_ids();
+    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, taken = taken == Taken::Yes, trace_id, span_id, "store unavailable while reserving");
     Stop::StoreDown {
         may_pass: taken == Taken::No
             && !matches!(
