@@ -524,3 +524,115 @@ pub fn upstream_error_type(e: &crate::upstream::UpstreamError) -> &'static str {
         _ => "upstream_error",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::Span as _;
+
+    #[test]
+    fn off_without_an_endpoint() {
+        let config = TelemetryConfig::default();
+        let upstream = UpstreamUrl::parse("http://127.0.0.1:9").unwrap();
+        assert!(Telemetry::start(&config, &upstream, Counter::default()).is_none());
+    }
+
+    #[test]
+    fn http_endpoints_take_spans_at_v1_traces() {
+        for (given, url) in [
+            ("http://c:4318", "http://c:4318/v1/traces"),
+            ("http://c:4318/", "http://c:4318/v1/traces"),
+            ("http://c:4318/otlp", "http://c:4318/otlp/v1/traces"),
+            ("http://c:4318/v1/traces", "http://c:4318/v1/traces"),
+        ] {
+            assert_eq!(http_traces_url(given), url);
+        }
+    }
+
+    /// A full queue drops the span at once, and counts it: nothing waits.
+    #[test]
+    fn spans_without_room_in_the_queue_are_dropped_and_counted() {
+        let (spans, mut queue) = mpsc::channel(2);
+        let dropped = Counter::<u64>::default();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(Queue {
+                spans,
+                dropped: dropped.clone(),
+            })
+            .build();
+        let tracer = provider.tracer("t");
+        for _ in 0..5 {
+            tracer.start("s").end();
+        }
+        assert_eq!(dropped.get(), 3);
+        assert!(queue.try_recv().is_ok());
+        assert!(queue.try_recv().is_ok());
+        assert!(queue.try_recv().is_err());
+    }
+
+    /// The client's sampled flag decides; a root is sampled by the ratio; the
+    /// execution's ids are kept only when sampled.
+    #[test]
+    fn parent_based_sampling_and_kept_ids() {
+        let (spans, _queue) = mpsc::channel(16);
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(Queue {
+                spans,
+                dropped: Counter::default(),
+            })
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                0.0,
+            ))))
+            .build();
+        let telemetry = Telemetry {
+            tracer: provider.tracer("t"),
+            provider: provider.clone(),
+            flush: mpsc::unbounded_channel().0,
+            upstream_origin: "http://up:80".into(),
+            upstream_host: "up".into(),
+        };
+        let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
+        let request = |traceparent: Option<&str>| {
+            let mut b = Request::builder()
+                .uri("/v1/pay")
+                .header("host", "proxy:8080");
+            if let Some(tp) = traceparent {
+                b = b.header("traceparent", tp);
+            }
+            b.body(()).unwrap()
+        };
+        let sampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let cx = telemetry.server_span(&request(Some(sampled)), None, "http", caller);
+        assert!(cx.span().is_recording(), "a sampled parent is followed");
+        let kept = trace_ref(&cx).unwrap();
+        assert_eq!(
+            TraceId::from_bytes(kept.trace_id).to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        assert!(log_ids(&cx).is_some());
+        // The upstream gets our span's context, not the client's.
+        let mut upstream = request(Some(sampled));
+        let client = telemetry.client_span(&cx, &mut upstream);
+        let sent = upstream.headers()["traceparent"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            sent.starts_with("00-0af7651916cd43dd8448eb211c80319c-"),
+            "{sent}"
+        );
+        assert!(!sent.contains("b7ad6b7169203331"), "{sent}");
+        assert!(sent.ends_with("-01"), "{sent}");
+        client.end(Ok(201));
+        let unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+        let cx = telemetry.server_span(&request(Some(unsampled)), None, "http", caller);
+        assert!(!cx.span().is_recording(), "an unsampled parent is followed");
+        assert_eq!(trace_ref(&cx), None);
+        assert!(log_ids(&cx).is_none());
+        let cx = telemetry.server_span(&request(None), None, "http", caller);
+        assert!(
+            !cx.span().is_recording(),
+            "a root at ratio 0 is not sampled"
+        );
+    }
+}
