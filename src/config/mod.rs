@@ -569,9 +569,9 @@ mod telemetry_tests {
         assert_eq!(t.service_name, "from-env");
         assert_eq!(t.sample_ratio, 0.5);
         // The file wins over every one of them.
-        let text = "[telemetry]\notlp_endpoint = \"https://file:4317\"\notlp_protocol = \"grpc\"\nservice_name = \"file\"\nsample_ratio = 1.0\n";
+        let text = "[telemetry]\notlp_endpoint = \"http://file:4317\"\notlp_protocol = \"grpc\"\nservice_name = \"file\"\nsample_ratio = 1.0\n";
         let t = load(text, &vars).unwrap();
-        assert_eq!(t.otlp_endpoint.as_deref(), Some("https://file:4317"));
+        assert_eq!(t.otlp_endpoint.as_deref(), Some("http://file:4317"));
         assert_eq!(t.otlp_protocol, OtlpProtocol::Grpc);
         assert_eq!(t.service_name, "file");
         assert_eq!(t.sample_ratio, 1.0);
@@ -588,6 +588,10 @@ mod telemetry_tests {
                 "telemetry.otlp_endpoint",
             ),
             ("otlp_endpoint = \"ftp://c:1\"", "telemetry.otlp_endpoint"),
+            (
+                "otlp_endpoint = \"https://c:4317\"",
+                "telemetry.otlp_endpoint",
+            ),
             ("otlp_protocol = \"http/json\"", "telemetry.otlp_protocol"),
             ("service_name = \"\"", "telemetry.service_name"),
             ("sample_ratio = 1.5", "telemetry.sample_ratio"),
