@@ -209,6 +209,7 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
         fingerprint,
         created_ms: now_ms(),
         route: "payments".into(),
+        trace: None,
     })
     .encode();
     let k = store_key.as_bytes();
@@ -236,6 +237,7 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
                 fingerprint,
                 created_ms: now_ms(),
                 route: "payments".into(),
+                trace: None,
                 completed_ms: now_ms(),
                 status: 200,
                 body_stored: true,

@@ -33,6 +33,7 @@ fn main() {
         fingerprint: [1; 32],
         created_ms: 1,
         route: "payments".into(),
+        trace: None,
         completed_ms: 2,
         status: 201,
         body_stored: true,

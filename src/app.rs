@@ -40,6 +40,8 @@ pub struct App {
     pub body_read_timeout: std::time::Duration,
     /// The key admin API's token; `None` switches the API off.
     pub admin_token: Option<AdminToken>,
+    /// Tracing, when `[telemetry]` names an endpoint; `None` costs nothing.
+    pub telemetry: Option<crate::telemetry::Telemetry>,
     /// What was loaded at start, to tell on reload which changes need a restart.
     started_with: Config,
 }
@@ -51,7 +53,14 @@ impl App {
         let store = Store::new(&config.store, metrics.clone(), slots)?;
         store.limit_records(config.routes.largest_response_body());
         let upstream = Upstream::new(&config.server, slots);
+        // Started once: a changed `[telemetry]` needs a restart (see `reload`).
+        let telemetry = crate::telemetry::Telemetry::start(
+            &config.telemetry,
+            &config.server.upstream,
+            metrics.spans_dropped.clone(),
+        );
         Ok(Arc::new(App {
+            telemetry,
             routes: RwLock::new(config.routes.clone()),
             store,
             upstream,
@@ -114,6 +123,11 @@ impl App {
         }
         if old.store != new.store {
             restart_needed.push("[store]");
+        }
+        // Tracing is started with the process (its exporter thread and
+        // tracer); SIGHUP does not restart it.
+        if old.telemetry != new.telemetry {
+            restart_needed.push("[telemetry]");
         }
         self.store
             .raise_record_limit(new.routes.largest_response_body());

@@ -93,6 +93,8 @@ pub mod seal;
 pub mod store;
 // Prometheus metrics.
 pub mod metrics;
+// Distributed tracing: spans exported over OTLP (`[telemetry]`).
+pub mod telemetry;
 
 #[cfg(test)]
 mod sizes;

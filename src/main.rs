@@ -124,8 +124,13 @@ fn main() -> ExitCode {
             cli.config.clone(),
             overrides,
         ));
+        let app = server.app();
         server.run(shutdown_signal()).await;
         reloader.abort();
+        // The last spans, with a short deadline (a collector that is down does not hold up the exit).
+        if let Some(telemetry) = &app.telemetry {
+            telemetry.flush(idemproxy::telemetry::FLUSH_DEADLINE);
+        }
         ExitCode::SUCCESS
     })
 }
@@ -227,6 +232,14 @@ fn print_check(config: &Config) {
     }
     if config.routes.is_empty() {
         println!("no routes: every request is passed through unprotected");
+    }
+    let t = &config.telemetry;
+    match &t.otlp_endpoint {
+        Some(endpoint) => println!(
+            "telemetry otlp_endpoint={endpoint} otlp_protocol={} service_name={} sample_ratio={}",
+            t.otlp_protocol, t.service_name, t.sample_ratio
+        ),
+        None => println!("telemetry off (no otlp_endpoint)"),
     }
 }
 

@@ -186,6 +186,9 @@ pub struct Metrics {
     pub store_up: Gauge,
     /// The memory budget in use; set when the metrics are read.
     pub buffered_bytes: Gauge,
+    /// Spans that could not be exported (a full queue, a collector slow,
+    /// down or refusing); zero while tracing is off.
+    pub spans_dropped: Counter,
 }
 
 /// The request path's metrics, registered by [`Traffic::register`]: what
@@ -373,7 +376,14 @@ impl Metrics {
             store_up,
             buffered_bytes,
         } = Gauges::register(&mut registry);
+        let spans_dropped = registered(
+            &mut registry,
+            "spans_dropped",
+            "Spans not exported: no room in the export queue, or the collector did not take them (docs/telemetry.md)",
+            Counter::default(),
+        );
         Metrics {
+            spans_dropped,
             buffered_bytes,
             registry,
             requests,

@@ -283,6 +283,7 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
         fingerprint: [1; 32],
         created_ms: 1,
         route: "r".into(),
+        trace: None,
         completed_ms: 2,
         status: 201,
         body_stored: true,
@@ -655,6 +656,7 @@ fn processing(token: idemproxy::record::Token) -> bytes::Bytes {
         fingerprint: [1; 32],
         created_ms: 1,
         route: "r".into(),
+        trace: None,
     })
     .encode()
 }

@@ -153,6 +153,7 @@ static RECORD: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
         fingerprint,
         created_ms: 1,
         route: "payments".into(),
+        trace: None,
         completed_ms: 2,
         status: 201,
         body_stored: true,

@@ -9,10 +9,10 @@ use http::{HeaderName, Method};
 use toml::Spanned;
 
 use super::grammar::{ConfHeader, ConfKeyFrom, HumanDuration};
-use super::raw::{RawFile, RawPolicy, RawServer, RawStore};
+use super::raw::{RawFile, RawPolicy, RawServer, RawStore, RawTelemetry};
 use super::{
-    Backend, Config, ConfigError, Flag, Origin, Overrides, RedisMode, Runtime, ServerConfig,
-    Source, StoreConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
+    Backend, Config, ConfigError, Flag, Origin, OtlpProtocol, Overrides, RedisMode, Runtime,
+    ServerConfig, Source, StoreConfig, TelemetryConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
 };
 use crate::policy::{KeySource, Policy};
 use crate::routes::{Route, RouteName, RouteTable};
@@ -22,12 +22,129 @@ pub(super) fn build(raw: RawFile, src: &Source, ov: &Overrides) -> Result<Config
     let store = store(raw.store, src, ov)?;
     let routes = routes(&raw.defaults, &raw.routes, src)?;
     within_budget(&server, &raw.defaults, &raw.routes, &routes, src)?;
+    let telemetry = telemetry(raw.telemetry, src, &|var| std::env::var(var).ok())?;
     Ok(Config {
         source: src.file.to_string(),
         server,
         store,
         routes: Arc::new(routes),
+        telemetry,
     })
+}
+
+/// The standard variables that fill in `[telemetry]` keys the file does not set.
+pub(super) const OTEL_EXPORTER_OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+pub(super) const OTEL_EXPORTER_OTLP_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
+pub(super) const OTEL_SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
+pub(super) const OTEL_TRACES_SAMPLER_ARG: &str = "OTEL_TRACES_SAMPLER_ARG";
+
+/// A `[telemetry]` value from the file (at its span) or from a variable.
+enum Told<T> {
+    File(Spanned<T>),
+    Env(&'static str, String),
+}
+
+/// `[telemetry]`: each key from the file, else from its standard variable
+/// (`env` reads one; empty counts as unset), else its default. A wrong value
+/// is an error at its place in the file, or naming its variable.
+/// (`OTEL_RESOURCE_ATTRIBUTES` is read by the SDK when tracing starts.)
+pub(super) fn telemetry(
+    raw: RawTelemetry,
+    src: &Source,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<TelemetryConfig, ConfigError> {
+    let told = |file: Option<Spanned<String>>, var: &'static str| -> Option<Told<String>> {
+        match file {
+            Some(v) => Some(Told::File(v)),
+            None => env(var)
+                .filter(|v| !v.trim().is_empty())
+                .map(|v| Told::Env(var, v.trim().to_string())),
+        }
+    };
+    let fail = |told: &Told<String>, key: &str, message: String| match told {
+        Told::File(v) => src.entry(&v.span(), key, message),
+        Told::Env(var, _) => ConfigError::Env { var, message },
+    };
+    let text = |told: &Told<String>| match told {
+        Told::File(v) => v.get_ref().clone(),
+        Told::Env(_, v) => v.clone(),
+    };
+    let mut t = TelemetryConfig::default();
+    if let Some(told) = told(raw.otlp_endpoint, OTEL_EXPORTER_OTLP_ENDPOINT) {
+        let url = text(&told);
+        check_otlp_endpoint(&url).map_err(|m| fail(&told, "telemetry.otlp_endpoint", m))?;
+        t.otlp_endpoint = Some(url);
+    }
+    if let Some(told) = told(raw.otlp_protocol, OTEL_EXPORTER_OTLP_PROTOCOL) {
+        let p = text(&told);
+        t.otlp_protocol = OtlpProtocol::parse(&p).ok_or_else(|| {
+            let m =
+                format!("invalid OTLP protocol \"{p}\": expected \"grpc\" or \"http/protobuf\"");
+            fail(&told, "telemetry.otlp_protocol", m)
+        })?;
+    }
+    if let Some(told) = told(raw.service_name, OTEL_SERVICE_NAME) {
+        let name = text(&told);
+        if name.trim().is_empty() || name.chars().any(char::is_control) {
+            let m = "invalid service name: empty, or with control characters".to_string();
+            return Err(fail(&told, "telemetry.service_name", m));
+        }
+        t.service_name = name;
+    }
+    let ratio = match raw.sample_ratio {
+        Some(v) => Some(Told::File(v)),
+        None => env(OTEL_TRACES_SAMPLER_ARG)
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| Told::Env(OTEL_TRACES_SAMPLER_ARG, v.trim().to_string())),
+    };
+    if let Some(told) = ratio {
+        let (value, fail_at): (Option<f64>, Box<dyn Fn(String) -> ConfigError>) = match &told {
+            Told::File(v) => {
+                let span = v.span();
+                (
+                    Some(*v.get_ref()),
+                    Box::new(move |m| src.entry(&span, "telemetry.sample_ratio", m)),
+                )
+            }
+            Told::Env(var, v) => (
+                v.parse::<f64>().ok(),
+                Box::new(move |message| ConfigError::Env { var, message }),
+            ),
+        };
+        match value {
+            Some(r) if (0.0..=1.0).contains(&r) => t.sample_ratio = r,
+            _ => {
+                return Err(fail_at(
+                    "invalid sample ratio: expected a number from 0.0 to 1.0".to_string(),
+                ))
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// An OTLP endpoint: an `http://` URL with a host. (This build speaks to
+/// the collector without TLS: an `https://` one is refused here rather than
+/// every export failing later.)
+fn check_otlp_endpoint(url: &str) -> Result<(), String> {
+    let bad = |why: &str| format!("invalid OTLP endpoint \"{url}\": {why}");
+    let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(bad(
+                "TLS to the collector is not supported; use http:// (a collector beside the proxy)",
+            ))
+        }
+        _ => return Err(bad("expected http://")),
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(bad("missing host"));
+    }
+    if uri.query().is_some() {
+        return Err(bad("a query is not allowed"));
+    }
+    Ok(())
 }
 
 /// A route whose largest body could never get room in the memory budget

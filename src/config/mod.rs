@@ -58,6 +58,10 @@ pub enum ConfigError {
     /// A value given on the command line or in the environment is wrong.
     #[error("{} ({}): {message}", flag.name, flag.env)]
     Override { flag: Flag, message: String },
+    /// A standard OpenTelemetry environment variable that fills in a
+    /// `[telemetry]` key the file does not set is wrong.
+    #[error("environment variable {var}: {message}")]
+    Env { var: &'static str, message: String },
 }
 
 /// A command-line flag and the environment variable that stands in for it.
@@ -74,6 +78,62 @@ pub struct Config {
     pub server: ServerConfig,
     pub store: StoreConfig,
     pub routes: Arc<RouteTable>,
+    /// Distributed tracing (docs/telemetry.md); read at start only: a
+    /// change needs a restart (SIGHUP does not apply it).
+    pub telemetry: TelemetryConfig,
+}
+
+/// `[telemetry]`, with the standard OpenTelemetry environment variables
+/// filling in what the file does not set (docs/telemetry.md#configuration).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TelemetryConfig {
+    /// Where spans go (OTLP); `None`: tracing is off, and costs nothing.
+    pub otlp_endpoint: Option<String>,
+    pub otlp_protocol: OtlpProtocol,
+    /// The `service.name` resource attribute.
+    pub service_name: String,
+    /// Root spans sampled at this ratio; a client's sampled flag is followed.
+    pub sample_ratio: f64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: None,
+            otlp_protocol: OtlpProtocol::Grpc,
+            service_name: "idemproxy".to_string(),
+            sample_ratio: 1.0,
+        }
+    }
+}
+
+/// How spans are sent to the collector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// OTLP/gRPC (a collector's port 4317).
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies (port 4318, path `/v1/traces`).
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    pub fn parse(text: &str) -> Option<OtlpProtocol> {
+        match text {
+            "grpc" => Some(OtlpProtocol::Grpc),
+            "http/protobuf" => Some(OtlpProtocol::HttpProtobuf),
+            _ => None,
+        }
+    }
+}
+
+/// The spelling the configuration file uses.
+impl fmt::Display for OtlpProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OtlpProtocol::Grpc => "grpc",
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+        })
+    }
 }
 
 /// Values given on the command line or in the environment; they win over the file.
@@ -442,5 +502,127 @@ mod tests {
         assert_eq!(line_column(text, cup), (2, 8));
         assert_eq!(line_column(text, cup + 1), (2, 8), "inside a character");
         assert_eq!(line_column(text, text.len() + 10), (3, 4), "past the end");
+    }
+}
+
+#[cfg(test)]
+mod telemetry_tests {
+    use super::build::telemetry;
+    use super::raw::RawFile;
+    use super::{ConfigError, OtlpProtocol, Source, TelemetryConfig};
+
+    /// `[telemetry]` from `text`, with `vars` as the whole environment.
+    fn load(text: &str, vars: &[(&str, &str)]) -> Result<TelemetryConfig, ConfigError> {
+        let raw: RawFile = toml::from_str(text).map_err(|e| {
+            let src = Source {
+                file: "t.toml",
+                text,
+            };
+            src.toml_error(&e)
+        })?;
+        let src = Source {
+            file: "t.toml",
+            text,
+        };
+        let env = |k: &str| {
+            vars.iter()
+                .find(|(name, _)| *name == k)
+                .map(|(_, v)| v.to_string())
+        };
+        telemetry(raw.telemetry, &src, &env)
+    }
+
+    #[test]
+    fn off_by_default() {
+        let t = load("", &[]).unwrap();
+        assert_eq!(t, TelemetryConfig::default());
+        assert_eq!(t.otlp_endpoint, None);
+        assert_eq!(t.otlp_protocol, OtlpProtocol::Grpc);
+        assert_eq!(t.service_name, "idemproxy");
+        assert_eq!(t.sample_ratio, 1.0);
+    }
+
+    #[test]
+    fn the_file_sets_every_key() {
+        let text = "[telemetry]\notlp_endpoint = \"http://collector:4318\"\notlp_protocol = \"http/protobuf\"\nservice_name = \"pay-proxy\"\nsample_ratio = 0.25\n";
+        let t = load(text, &[]).unwrap();
+        assert_eq!(t.otlp_endpoint.as_deref(), Some("http://collector:4318"));
+        assert_eq!(t.otlp_protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(t.service_name, "pay-proxy");
+        assert_eq!(t.sample_ratio, 0.25);
+        // A whole number is a ratio too.
+        let t = load("[telemetry]\nsample_ratio = 0\n", &[]).unwrap();
+        assert_eq!(t.sample_ratio, 0.0);
+    }
+
+    #[test]
+    fn the_standard_variables_fill_in_what_the_file_does_not_set() {
+        let vars = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_SERVICE_NAME", "from-env"),
+            ("OTEL_TRACES_SAMPLER_ARG", "0.5"),
+        ];
+        let t = load("", &vars).unwrap();
+        assert_eq!(t.otlp_endpoint.as_deref(), Some("http://env:4317"));
+        assert_eq!(t.otlp_protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(t.service_name, "from-env");
+        assert_eq!(t.sample_ratio, 0.5);
+        // The file wins over every one of them.
+        let text = "[telemetry]\notlp_endpoint = \"http://file:4317\"\notlp_protocol = \"grpc\"\nservice_name = \"file\"\nsample_ratio = 1.0\n";
+        let t = load(text, &vars).unwrap();
+        assert_eq!(t.otlp_endpoint.as_deref(), Some("http://file:4317"));
+        assert_eq!(t.otlp_protocol, OtlpProtocol::Grpc);
+        assert_eq!(t.service_name, "file");
+        assert_eq!(t.sample_ratio, 1.0);
+        // An empty variable is unset.
+        let t = load("", &[("OTEL_EXPORTER_OTLP_ENDPOINT", "")]).unwrap();
+        assert_eq!(t.otlp_endpoint, None);
+    }
+
+    #[test]
+    fn bad_values_are_errors_at_their_place() {
+        let cases = [
+            (
+                "otlp_endpoint = \"collector:4317\"",
+                "telemetry.otlp_endpoint",
+            ),
+            ("otlp_endpoint = \"ftp://c:1\"", "telemetry.otlp_endpoint"),
+            (
+                "otlp_endpoint = \"https://c:4317\"",
+                "telemetry.otlp_endpoint",
+            ),
+            ("otlp_protocol = \"http/json\"", "telemetry.otlp_protocol"),
+            ("service_name = \"\"", "telemetry.service_name"),
+            ("sample_ratio = 1.5", "telemetry.sample_ratio"),
+            ("sample_ratio = -0.1", "telemetry.sample_ratio"),
+        ];
+        for (line, key) in cases {
+            let text = format!("[telemetry]\n{line}\n");
+            match load(&text, &[]) {
+                Err(ConfigError::Invalid {
+                    line: 2, key: k, ..
+                }) => assert_eq!(k, key, "{line}"),
+                other => panic!("{line}: {other:?}"),
+            }
+        }
+        // Unknown keys are refused, like in every other table.
+        let e = load("[telemetry]\notlp_endpont = \"http://c:4317\"\n", &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("unknown field `otlp_endpont`"),
+            "{e}"
+        );
+        // A bad variable names itself.
+        for (var, value) in [
+            ("OTEL_TRACES_SAMPLER_ARG", "half"),
+            ("OTEL_TRACES_SAMPLER_ARG", "2"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url"),
+        ] {
+            match load("", &[(var, value)]) {
+                Err(ConfigError::Env { var: v, .. }) => assert_eq!(v, var),
+                other => panic!("{var}={value}: {other:?}"),
+            }
+        }
     }
 }

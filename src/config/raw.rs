@@ -26,6 +26,8 @@ pub(super) struct RawFile {
     #[serde(default)]
     pub store: RawStore,
     #[serde(default)]
+    pub telemetry: RawTelemetry,
+    #[serde(default)]
     pub defaults: RawPolicy,
     /// Spanned so that a route missing its `name` or `path` can be pointed at.
     #[serde(default)]
@@ -74,6 +76,15 @@ pub(super) struct RawStore {
     pub memory_limit: Option<ByteSize>,
     pub encryption_key_file: Option<Spanned<PathBuf>>,
     pub require_sealed: Option<Spanned<bool>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTelemetry {
+    pub otlp_endpoint: Option<Spanned<String>>,
+    pub otlp_protocol: Option<Spanned<String>>,
+    pub service_name: Option<Spanned<String>>,
+    pub sample_ratio: Option<Spanned<f64>>,
 }
 
 /// A `[[routes]]` entry or the `[defaults]` table.

@@ -20,6 +20,7 @@ use crate::metrics::Counted;
 use crate::permit::Permit;
 use crate::routes::Route;
 use crate::store::RecordKey;
+use crate::telemetry;
 
 /// What every request has from its start to its log line.
 pub(super) struct Begun {
@@ -52,13 +53,26 @@ impl Begun {
         }
     }
 
-    pub(super) fn ctx<'c>(&self, app: &'c Arc<App>, caller: Caller) -> Ctx<'c> {
+    /// The request's context; with tracing on, its SERVER span starts here
+    /// (under `route`, when one protects the request).
+    pub(super) fn ctx<'c>(
+        &self,
+        app: &'c Arc<App>,
+        caller: Caller,
+        req: &Request<Incoming>,
+        route: Option<&Route>,
+    ) -> Ctx<'c> {
+        let trace = app.telemetry.as_ref().map(|t| {
+            let route = route.map(|r| (r.name.as_str(), r.path.to_string()));
+            t.server_span(req, route, caller.scheme, caller.addr)
+        });
         Ctx {
             app,
             caller,
             request_id: self.request_id,
             grpc: self.grpc,
             start: self.start,
+            trace,
         }
     }
 
@@ -88,6 +102,14 @@ impl Begun {
                 .request_on(&route.name, &route.series, handled.outcome),
             None => app.metrics.request(route_name, handled.outcome),
         }
+        let status = handled.response.status().as_u16();
+        let record_id = handled.record_id.as_ref().map(RecordKey::id);
+        let ids = ctx.trace.as_ref().and_then(|cx| {
+            let ids = telemetry::log_ids(cx);
+            telemetry::end_server(cx, status, handled.outcome.as_str(), record_id);
+            ids
+        });
+        let (trace_id, span_id) = ids.unzip();
         info!(
             target: "idemproxy::access",
             request_id = %ctx.request_id,
@@ -95,10 +117,12 @@ impl Begun {
             path = self.uri.path(),
             route = route_name.as_str(),
             outcome = handled.outcome.as_str(),
-            status = handled.response.status().as_u16(),
+            status,
             duration_ms = millis(self.start.elapsed()),
-            record_id = handled.record_id.as_ref().map(RecordKey::id),
+            record_id,
             client_request_id = self.client_request_id,
+            trace_id,
+            span_id,
             "request"
         );
         (handled.response, self.permit)

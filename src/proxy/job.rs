@@ -21,9 +21,10 @@ use crate::grpc;
 use crate::metrics::{Degraded, Outcome};
 use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::{self, Problem};
-use crate::record::{now_ms, Finished, Record, Token};
+use crate::record::{now_ms, Finished, Record, Token, TraceRef};
 use crate::routes::RouteName;
 use crate::store::{self, Completion, RecordKey, INLINE_RECORD};
+use crate::telemetry;
 use crate::typical::Typical;
 use crate::upstream::{Inbound, UpstreamError};
 
@@ -86,8 +87,19 @@ impl Drop for Claim {
     }
 }
 
+/// A reserved request's spans (tracing on): its SERVER span's context, for
+/// the completion's span; the upstream exchange's CLIENT span; the trace
+/// context its record keeps.
+pub struct JobTrace {
+    pub server: opentelemetry::Context,
+    pub client: Option<telemetry::ClientSpan>,
+    pub record: Option<TraceRef>,
+}
+
 /// A reserved request: everything needed to finish it, owned, so it can outlive the client.
 pub struct Job {
+    /// Tracing on: the request's spans (boxed: `None` costs a word).
+    pub trace: Option<Box<JobTrace>>,
     pub claim: Claim,
     pub route_name: RouteName,
     pub policy: Arc<Policy>,
@@ -160,6 +172,14 @@ fn fields(map: &HeaderMap) -> Fields {
 type Exchanged = (Parts, Capped<Inbound>, Room);
 
 impl Job {
+    /// The trace and span ids of the request's SERVER span for a log line, while it records.
+    fn log_ids(&self) -> (Option<String>, Option<String>) {
+        self.trace
+            .as_ref()
+            .and_then(|t| telemetry::log_ids(&t.server))
+            .unzip()
+    }
+
     /// Forwards, records the outcome (or releases the key), and returns the
     /// client's answer. A record the store did not take is kept for [`Job::settle`].
     pub async fn run(&mut self, request: Request<Body>) -> (Response<Body>, Outcome) {
@@ -177,6 +197,12 @@ impl Job {
             }
             exchanged
         };
+        if let Some(client) = self.trace.as_mut().and_then(|t| t.client.take()) {
+            client.end(match &exchanged {
+                Ok((parts, ..)) => Ok(parts.status.as_u16()),
+                Err(e) => Err(telemetry::upstream_error_type(e)),
+            });
+        }
         self.request_room = None;
         match exchanged {
             Ok((parts, Capped::Whole(body, trailers), room)) => {
@@ -291,7 +317,8 @@ impl Job {
     async fn failed(&mut self, e: UpstreamError) -> (Response<Body>, Outcome) {
         let released = matches!(e, UpstreamError::Connect(_) | UpstreamError::Invalid(_))
             || self.policy.unknown_outcome == UnknownOutcome::Release;
-        warn!(request_id = %self.request_id, error = %e, released, "upstream failed");
+        let (trace_id, span_id) = self.log_ids();
+        warn!(request_id = %self.request_id, error = %e, released, trace_id, span_id, "upstream failed");
         let problem = Problem::from_upstream(&e, released);
         // On a gRPC call, Trailers-Only (no body, no trailers), stored so too.
         let (status, headers, body) = if self.grpc {
@@ -370,12 +397,21 @@ impl Job {
         body: Bytes,
         body_stored: bool,
     ) {
+        // Ended when this returns: the first attempt (retries are the background's).
+        let _span = self.trace.as_ref().and_then(|t| {
+            let attributes =
+                telemetry::record_attributes(self.route_name.as_str(), self.claim.store_key.id());
+            let kind = opentelemetry::trace::SpanKind::Internal;
+            let tracer = self.claim.app.telemetry.as_ref()?;
+            Some(tracer.child(&t.server, "idempotency.complete", kind, attributes))
+        });
         let (room, (body_stored, body, trailers)) = self.room_for_copy(body_stored, body, trailers);
         let finished = Finished {
             token: self.claim.token,
             fingerprint: self.fingerprint,
             created_ms: self.created_ms,
             route: self.route_name.to_string(),
+            trace: self.trace.as_ref().and_then(|t| t.record),
             completed_ms: now_ms(),
             status,
             body_stored,

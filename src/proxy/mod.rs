@@ -20,13 +20,14 @@ use bytes::Bytes;
 use http::header::{HeaderValue, CONNECTION};
 use http::{HeaderMap, HeaderName, Request, Response};
 use hyper::body::Incoming;
+use opentelemetry::trace::SpanKind;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 use uuid::Uuid;
 
 use self::access::{Begun, Held};
-use self::job::{Claim, Job};
+use self::job::{Claim, Job, JobTrace};
 pub use self::tunnel::is_upgrade;
 use self::verdict::{replay, Verdict};
 use crate::app::App;
@@ -38,9 +39,10 @@ use crate::metrics::Outcome;
 use crate::permit::Permit;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
-use crate::record::{now_ms, DecodeError, Finished, Processing, Record, Token};
+use crate::record::{now_ms, DecodeError, Finished, Processing, Record, Token, TraceRef};
 use crate::routes::{Route, RouteName, RouteTable};
 use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
+use crate::telemetry;
 use crate::upstream::{Inbound, UpstreamError};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -75,11 +77,50 @@ struct Ctx<'a> {
     grpc: bool,
     /// When the request's handling began (its body is due `body_read_timeout` after).
     start: Instant,
+    /// The request's SERVER span (tracing on), else `None`: then no span is made.
+    trace: Option<opentelemetry::Context>,
 }
 
 impl Ctx<'_> {
     fn problem(&self, p: &Problem) -> Handled {
         Handled::new(p.response_to(&self.request_id, self.grpc), p.outcome())
+    }
+
+    /// A child of the request's SERVER span, when tracing is on; it ends
+    /// when the context returned is dropped.
+    fn span(
+        &self,
+        name: &'static str,
+        kind: opentelemetry::trace::SpanKind,
+        attributes: impl FnOnce() -> Vec<opentelemetry::KeyValue>,
+    ) -> Option<opentelemetry::Context> {
+        let cx = self.trace.as_ref()?;
+        let t = self.app.telemetry.as_ref()?;
+        Some(t.child(cx, name, kind, attributes()))
+    }
+
+    /// The CLIENT span of an upstream exchange, its context put in `request`.
+    fn client_span(&self, request: &mut Request<Body>) -> Option<telemetry::ClientSpan> {
+        let cx = self.trace.as_ref()?;
+        Some(self.app.telemetry.as_ref()?.client_span(cx, request))
+    }
+
+    /// The trace and span ids of the request's SERVER span for a log line,
+    /// while it records (else both `None`: no field).
+    fn log_ids(&self) -> (Option<String>, Option<String>) {
+        self.trace.as_ref().and_then(telemetry::log_ids).unzip()
+    }
+
+    /// The execution's trace context, to be kept with its records.
+    fn trace_ref(&self) -> Option<TraceRef> {
+        self.trace.as_ref().and_then(telemetry::trace_ref)
+    }
+
+    /// A replay, a 409 or a 422: the SERVER span links to the execution.
+    fn link_original(&self, original: Option<TraceRef>) {
+        if let (Some(cx), Some(original)) = (&self.trace, original) {
+            telemetry::link_original(cx, original);
+        }
     }
 }
 
@@ -116,7 +157,7 @@ async fn pass_through(
     permit: Permit,
 ) -> (Response<Body>, Permit) {
     let begun = Begun::new(&app, &req, permit);
-    let ctx = begun.ctx(&app, caller);
+    let ctx = begun.ctx(&app, caller, &req, None);
     let (parts, body) = req.into_parts();
     let handled = forward(&ctx, parts, Body::Stream(body.into()), Outcome::Passthrough).await;
     begun.finish(&app, &ctx, None, handled)
@@ -132,8 +173,8 @@ async fn any_path(
     permit: Permit,
 ) -> (Response<Body>, Permit) {
     let mut begun = Begun::new(&app, &req, permit);
-    let ctx = begun.ctx(&app, caller);
     let route = position.map(|i| routes.at(i));
+    let ctx = begun.ctx(&app, caller, &req, route);
     // The protected path's phases are awaited here, not in a function of
     // their own: each layer of future is one more copy of its state.
     let handled = match route {
@@ -171,8 +212,19 @@ async fn forward(
     body: Body,
     outcome: Outcome,
 ) -> Handled {
-    let prepared = ctx.app.upstream.prepare(parts, body, ctx.caller);
-    match send(ctx, prepared).await {
+    let mut prepared = ctx.app.upstream.prepare(parts, body, ctx.caller);
+    let span = match &mut prepared {
+        Ok(req) => ctx.client_span(req),
+        Err(_) => None,
+    };
+    let sent = send(ctx, prepared).await;
+    if let Some(span) = span {
+        span.end(match &sent {
+            Ok(resp) => Ok(resp.status().as_u16()),
+            Err(_) => Err("upstream_error"),
+        });
+    }
+    match sent {
         Ok(resp) => Handled::new(resp.map(Body::Stream), outcome),
         Err(problem) => problem,
     }
@@ -188,7 +240,8 @@ async fn send(
         Err(e) => Err(e),
     };
     sent.map_err(|e| {
-        warn!(request_id = %ctx.request_id, error = %e, "upstream failed (unprotected request)");
+        let (trace_id, span_id) = ctx.log_ids();
+        warn!(request_id = %ctx.request_id, error = %e, trace_id, span_id, "upstream failed (unprotected request)");
         ctx.problem(&Problem::from_upstream(&e, true))
     })
 }
@@ -488,7 +541,13 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let (app, policy) = (ctx.app, &route.policy);
     let token = Token::new();
     let created_ms = now_ms();
-    let processing = processing(route, id, token, created_ms);
+    // The reserve's span (and, while a duplicate waits, the wait's): ended
+    // when this returns. Its own trace context goes with the reservation.
+    let span = ctx.span("idempotency.reserve", SpanKind::Internal, || {
+        telemetry::record_attributes(route.name.as_str(), id.key.id())
+    });
+    let mut waiting = None;
+    let processing = processing(route, id, token, created_ms, ctx.trace_ref());
     // Room for what a reserve may bring back with its answer (a record up to INLINE_RECORD).
     let inline = app
         .budget
@@ -510,8 +569,13 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             Reservation::Reserved => Ok(Judged::OURS),
             found => judge(ctx, id, token, found).await,
         };
-        let (verdict, ttl, fetched) = match judged {
-            Ok(Judged::Verdict { verdict, ttl, room }) => (verdict, ttl, room),
+        let (verdict, ttl, fetched, original) = match judged {
+            Ok(Judged::Verdict {
+                verdict,
+                ttl,
+                room,
+                original,
+            }) => (verdict, ttl, room, original),
             Ok(Judged::Gone) if gone < GONE_TRIES => {
                 gone += 1;
                 continue;
@@ -526,11 +590,22 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 return Err(stop);
             }
         };
-        if matches!(verdict, Verdict::InFlight { .. }) && patience.wait().await {
-            continue;
+        if matches!(verdict, Verdict::InFlight { .. }) {
+            if patience.waits && waiting.is_none() {
+                waiting = span.as_ref().and_then(|cx| {
+                    let t = app.telemetry.as_ref()?;
+                    Some(t.child(cx, "idempotency.wait", SpanKind::Internal, Vec::new()))
+                });
+            }
+            if patience.wait().await {
+                continue;
+            }
         }
+        drop(waiting);
         if !matches!(verdict, Verdict::Ours) {
             claim.disarm();
+            // A replay, a 409, a 422: linked to the request that executed.
+            ctx.link_original(original);
         }
         return match verdict {
             Verdict::Ours => Ok(Reserved {
@@ -632,12 +707,19 @@ async fn conflict(
 }
 
 /// The `processing` record a reserve writes.
-fn processing(route: &Route, id: &Identity, token: Token, created_ms: u64) -> Bytes {
+fn processing(
+    route: &Route,
+    id: &Identity,
+    token: Token,
+    created_ms: u64,
+    trace: Option<TraceRef>,
+) -> Bytes {
     Record::Processing(Processing {
         token,
         fingerprint: id.fingerprint,
         created_ms,
         route: route.name.to_string(),
+        trace,
     })
     .encode()
 }
@@ -654,7 +736,8 @@ async fn judge(
     found: Reservation,
 ) -> Result<Judged, Stop> {
     let unreadable = |e: &dyn std::fmt::Display| {
-        error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, "the record under this key cannot be read; not forwarding");
+        let (trace_id, span_id) = ctx.log_ids();
+        error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, trace_id, span_id, "the record under this key cannot be read; not forwarding");
         Ok(Judged::verdict(Verdict::Unreadable))
     };
     let (record, ttl, room) = match found {
@@ -664,7 +747,14 @@ async fn judge(
         // Only a replay needs more than the head (boxed: the large read's
         // state is not carried by every replay's).
         Reservation::Large { len, head } => match Verdict::of_head(&head, token, &id.fingerprint) {
-            Some(verdict) => return Ok(Judged::verdict(verdict)),
+            Some(verdict) => {
+                return Ok(Judged::Verdict {
+                    verdict,
+                    ttl: None,
+                    room: None,
+                    original: head.trace,
+                })
+            }
             None => match Box::pin(fetch_large(ctx, id, len)).await? {
                 Fetched::Gone => return Ok(Judged::Gone),
                 Fetched::Unreadable(e) => return unreadable(&e),
@@ -672,10 +762,12 @@ async fn judge(
             },
         },
     };
+    let original = record.trace();
     Ok(Judged::Verdict {
         verdict: Verdict::of(record, token, &id.fingerprint),
         ttl,
         room,
+        original,
     })
 }
 
@@ -691,6 +783,8 @@ enum Judged {
         verdict: Verdict,
         ttl: Option<Duration>,
         room: Option<Room>,
+        /// The trace context of the request that executed, when its record keeps it.
+        original: Option<TraceRef>,
     },
     /// The record went away between the reserve and its fetch: reserve again.
     Gone,
@@ -702,6 +796,7 @@ impl Judged {
         verdict: Verdict::Ours,
         ttl: None,
         room: None,
+        original: None,
     };
 
     /// A verdict with no TTL known and no room of its own.
@@ -710,6 +805,7 @@ impl Judged {
             verdict,
             ttl: None,
             room: None,
+            original: None,
         }
     }
 }
@@ -756,7 +852,8 @@ enum Taken {
 /// taken whose record could not then be read in time (the operation may have
 /// run, or be running).
 fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError, taken: Taken) -> Stop {
-    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, taken = taken == Taken::Yes, "store unavailable while reserving");
+    let (trace_id, span_id) = ctx.log_ids();
+    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, taken = taken == Taken::Yes, trace_id, span_id, "store unavailable while reserving");
     Stop::StoreDown {
         may_pass: taken == Taken::No
             && !matches!(
@@ -788,7 +885,7 @@ async fn forward_reserved(
             parts.headers.insert(X_REQUEST_ID, v);
         }
     }
-    let request = match app.upstream.prepare(parts, Body::full(body), ctx.caller) {
+    let mut request = match app.upstream.prepare(parts, Body::full(body), ctx.caller) {
         Ok(r) => r,
         Err(e) => {
             // Dropping the claim releases the key.
@@ -796,7 +893,15 @@ async fn forward_reserved(
             return ctx.problem(&Problem::UpstreamUnreachable);
         }
     };
+    let trace = ctx.trace.as_ref().map(|server| {
+        Box::new(JobTrace {
+            server: server.clone(),
+            client: ctx.client_span(&mut request),
+            record: ctx.trace_ref(),
+        })
+    });
     let mut job = Job {
+        trace,
         claim: reserved.claim,
         route_name: route.name.clone(),
         policy: route.policy.clone(),
@@ -868,6 +973,7 @@ mod tests {
             fingerprint: [1; 32],
             created_ms: 1,
             route: "r".into(),
+            trace: None,
             completed_ms: 2,
             status: 200,
             body_stored: true,

@@ -104,6 +104,7 @@ mod tests {
             fingerprint,
             created_ms: 1,
             route: "r".into(),
+            trace: None,
         })
     }
 
@@ -113,6 +114,7 @@ mod tests {
             fingerprint,
             created_ms: 1,
             route: "r".into(),
+            trace: None,
             completed_ms: 2,
             status: 201,
             body_stored,
@@ -198,6 +200,7 @@ mod tests {
             fingerprint,
             created_ms: 7,
             route: "r".into(),
+            trace: None,
             finished: finished.map(|body_stored| Answered {
                 completed_ms: 8,
                 status: 201,

@@ -4,19 +4,34 @@
 //! version and state, so the store scripts can check the owner token without decoding:
 //!
 //! ```text
-//! 0      version (1, 2 or 3)
+//! 0      version (1 to 5)
 //! 1      state: 'P' processing | 'F' finished
 //! 2..18  owner token (16 bytes)
 //! 18..50 request fingerprint (SHA-256)
 //! 50..58 created, unix ms
 //! u16 + route name
+//! version 4 and 5 only: 16-byte trace id, 8-byte span id (the execution's)
 //! 'F' only: u64 completed unix ms, u16 status, u8 flags (bit 0: body stored)
 //!   — the head ends here; then the answer section:
 //! version 1: u16 header count, per header: u16 + name, u32 + value; u32 + body
 //! version 2: as version 1, then u16 trailer count, per trailer as per header
 //! version 3 (sealed, docs/reference/store.md#record-format): u8 + key id, 12-byte nonce, then the version-2
 //!   answer section sealed with AES-256-GCM, followed by its 16-byte tag
+//! version 4 (traced): as version 2 (trailers section always present), with
+//!   the trace block in the head; also every traced reservation
+//! version 5 (traced, sealed): as version 3, with the trace block in the
+//!   (clear, authenticated) head
 //! ```
+//!
+//! Versions 4 and 5 (docs/telemetry.md#what-is-stored) are written only when
+//! the record carries the trace and span ids of the request that executed
+//! (tracing on, `[telemetry]`): a proxy without tracing writes versions 1 to
+//! 3 exactly as before, and every version is read by this build. The ids are
+//! not secret and stay in the clear head, sealed or not, so that a replay, a
+//! 409 or a 422 can link to the execution without opening the answer. An
+//! older build reads a version 4 or 5 record as an unknown format version
+//! (500 `record-unreadable`, never a second execution): switch tracing on
+//! once every replica runs this build.
 //!
 //! Version 2 (trailers, docs/reference/store.md#format-versions) is written only for an answer that has trailers;
 //! every other clear record is still written as version 1, which both versions
@@ -48,6 +63,29 @@ const VERSION_1: u8 = 1;
 const VERSION_2: u8 = 2;
 /// A finished record whose answer is sealed (docs/reference/store.md#sealing).
 pub const VERSION_SEALED: u8 = 3;
+/// A clear record with the execution's trace context (answers as version 2).
+const VERSION_TRACED: u8 = 4;
+/// A sealed finished record with the execution's trace context in its clear head.
+pub const VERSION_TRACED_SEALED: u8 = 5;
+/// The trace block of versions 4 and 5: trace id and span id.
+const TRACE_BLOCK: usize = 16 + 8;
+
+/// Is this encoded record sealed (version 3 or 5)?
+pub fn is_sealed(encoded: &[u8]) -> bool {
+    matches!(
+        encoded.first(),
+        Some(&VERSION_SEALED | &VERSION_TRACED_SEALED)
+    )
+}
+
+/// The trace context of the request that executed (its SERVER span), kept
+/// with its reservation and its finished record so that replays, 409s and
+/// 422s can link to it. Not secret: ids, no header or key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceRef {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+}
 pub const STATE_PROCESSING: u8 = b'P';
 pub const STATE_FINISHED: u8 = b'F';
 /// Where the owner token sits; the Lua scripts read `string.sub(v, 3, 18)`.
@@ -94,6 +132,8 @@ pub struct Processing {
     pub fingerprint: [u8; 32],
     pub created_ms: u64,
     pub route: String,
+    /// The executing request's trace context (tracing on), else `None`.
+    pub trace: Option<TraceRef>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,6 +144,8 @@ pub struct Finished {
     pub route: String,
     pub completed_ms: u64,
     pub status: u16,
+    /// The executing request's trace context (tracing on), else `None`.
+    pub trace: Option<TraceRef>,
     /// False when the answer was larger than `max_response_body`: retries get a 410.
     pub body_stored: bool,
     /// End-to-end headers only (no hop-by-hop, `Set-Cookie`, `Date`, `Content-Length`).
@@ -126,6 +168,8 @@ pub struct Head {
     pub fingerprint: [u8; 32],
     pub created_ms: u64,
     pub route: String,
+    /// The executing request's trace context, when the record keeps it.
+    pub trace: Option<TraceRef>,
     /// `None` while processing.
     pub finished: Option<Answered>,
     /// The id of the key that sealed the answer; `None` for a clear record.
@@ -166,7 +210,7 @@ impl Head {
     /// The clear head of a record of any version, sealed or not.
     pub fn decode(mut b: Bytes) -> Result<Head, DecodeError> {
         let (version, mut head) = read_head(&mut b)?;
-        if version == VERSION_SEALED && head.finished.is_some() {
+        if is_sealed(&[version]) && head.finished.is_some() {
             head.sealed_with = Some(read_key_id(&mut b)?);
         }
         Ok(head)
@@ -177,7 +221,7 @@ impl Head {
 fn read_head(b: &mut Bytes) -> Result<(u8, Head), DecodeError> {
     need(b, FIXED_HEAD)?;
     let version = b.get_u8();
-    if !(VERSION_1..=VERSION_SEALED).contains(&version) {
+    if !(VERSION_1..=VERSION_TRACED_SEALED).contains(&version) {
         return Err(DecodeError::Malformed("unknown format version"));
     }
     let state = b.get_u8();
@@ -189,6 +233,18 @@ fn read_head(b: &mut Bytes) -> Result<(u8, Head), DecodeError> {
     let route = get_str16(b)?;
     let route = String::from_utf8(route.to_vec())
         .map_err(|_| DecodeError::Malformed("route is not UTF-8"))?;
+    let trace = if version >= VERSION_TRACED {
+        need(b, TRACE_BLOCK)?;
+        let mut t = TraceRef {
+            trace_id: [0; 16],
+            span_id: [0; 8],
+        };
+        b.copy_to_slice(&mut t.trace_id);
+        b.copy_to_slice(&mut t.span_id);
+        Some(t)
+    } else {
+        None
+    };
     let finished = match state {
         // A record being written piece by piece reads as a reservation: what follows is not read.
         STATE_PROCESSING => None,
@@ -207,6 +263,7 @@ fn read_head(b: &mut Bytes) -> Result<(u8, Head), DecodeError> {
         fingerprint,
         created_ms,
         route,
+        trace,
         finished,
         sealed_with: None,
     };
@@ -254,6 +311,14 @@ impl Record {
         }
     }
 
+    /// The executing request's trace context, when the record keeps it.
+    pub fn trace(&self) -> Option<TraceRef> {
+        match self {
+            Record::Processing(p) => p.trace,
+            Record::Finished(f) => f.trace,
+        }
+    }
+
     pub fn created_ms(&self) -> u64 {
         match self {
             Record::Processing(p) => p.created_ms,
@@ -261,23 +326,34 @@ impl Record {
         }
     }
 
-    /// The clear encoding: version 1, or 2 for an answer with trailers.
+    /// The clear encoding: version 1, or 2 for an answer with trailers; 4
+    /// for a record with a trace context.
     pub fn encode(&self) -> Bytes {
         match self {
             Record::Processing(p) => {
-                let mut b = BytesMut::with_capacity(FIXED_HEAD + 2 + p.route.len());
+                let mut b = BytesMut::with_capacity(FIXED_HEAD + 2 + p.route.len() + TRACE_BLOCK);
                 let common = Common {
                     token: p.token,
                     fingerprint: &p.fingerprint,
                     created_ms: p.created_ms,
                     route: &p.route,
+                    trace: p.trace,
                 };
-                put_head(&mut b, VERSION_1, common, None);
+                let version = if p.trace.is_some() {
+                    VERSION_TRACED
+                } else {
+                    VERSION_1
+                };
+                put_head(&mut b, version, common, None);
                 b.freeze()
             }
             Record::Finished(f) => {
-                let trailers = !f.trailers.is_empty();
-                let version = if trailers { VERSION_2 } else { VERSION_1 };
+                let trailers = !f.trailers.is_empty() || f.trace.is_some();
+                let version = match (f.trace.is_some(), trailers) {
+                    (true, _) => VERSION_TRACED,
+                    (false, true) => VERSION_2,
+                    (false, false) => VERSION_1,
+                };
                 let mut b = BytesMut::with_capacity(head_len(f) + answer_len(f, trailers));
                 put_finished_head(&mut b, version, f);
                 put_answer(&mut b, f, trailers);
@@ -295,7 +371,12 @@ impl Record {
         let key_id = keys.sealing_id();
         let len = head_len(f) + 1 + key_id.len() + NONCE_BYTES + answer_len(f, true) + TAG_LEN;
         let mut b = BytesMut::with_capacity(len);
-        put_finished_head(&mut b, VERSION_SEALED, f);
+        let version = if f.trace.is_some() {
+            VERSION_TRACED_SEALED
+        } else {
+            VERSION_SEALED
+        };
+        put_finished_head(&mut b, version, f);
         let aad = associated_data(record_id, &b);
         put_str8(&mut b, key_id.as_bytes());
         b.put_bytes(0, NONCE_BYTES);
@@ -327,9 +408,10 @@ impl Record {
                 fingerprint: head.fingerprint,
                 created_ms: head.created_ms,
                 route: head.route,
+                trace: head.trace,
             }));
         };
-        let answer = if version == VERSION_SEALED {
+        let answer = if is_sealed(&[version]) {
             let head_len = value.len() - rest.remaining();
             let key_id = read_key_id(&mut rest)?;
             need(&rest, NONCE_BYTES + TAG_LEN)?;
@@ -357,6 +439,7 @@ impl Record {
             route: head.route,
             completed_ms: answered.completed_ms,
             status: answered.status,
+            trace: head.trace,
             body_stored: answered.body_stored,
             headers,
             body,
@@ -375,7 +458,7 @@ fn fields_len(h: &[(HeaderName, HeaderValue)]) -> usize {
 }
 
 fn head_len(f: &Finished) -> usize {
-    FIXED_HEAD + 2 + f.route.len() + 11
+    FIXED_HEAD + 2 + f.route.len() + 11 + if f.trace.is_some() { TRACE_BLOCK } else { 0 }
 }
 
 fn answer_len(f: &Finished, trailers: bool) -> usize {
@@ -389,6 +472,8 @@ struct Common<'a> {
     fingerprint: &'a [u8; 32],
     created_ms: u64,
     route: &'a str,
+    /// Written only by versions 4 and 5.
+    trace: Option<TraceRef>,
 }
 
 /// The head: a reservation's whole record, or a finished one's clear part.
@@ -403,6 +488,10 @@ fn put_head(b: &mut BytesMut, version: u8, c: Common<'_>, finished: Option<Answe
     b.put_slice(c.fingerprint);
     b.put_u64(c.created_ms);
     put_str16(b, c.route.as_bytes());
+    if let Some(t) = c.trace.filter(|_| version >= VERSION_TRACED) {
+        b.put_slice(&t.trace_id);
+        b.put_slice(&t.span_id);
+    }
     if let Some(a) = finished {
         b.put_u64(a.completed_ms);
         b.put_u16(a.status);
@@ -416,6 +505,7 @@ fn put_finished_head(b: &mut BytesMut, version: u8, f: &Finished) {
         fingerprint: &f.fingerprint,
         created_ms: f.created_ms,
         route: &f.route,
+        trace: f.trace,
     };
     let answered = Answered {
         completed_ms: f.completed_ms,

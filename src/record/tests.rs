@@ -9,6 +9,7 @@ fn roundtrip_both_states() {
         fingerprint: [7; 32],
         created_ms: 123,
         route: "payments".into(),
+        trace: None,
     });
     assert_eq!(Record::decode(p.encode()).unwrap(), p);
     let f = Record::Finished(Finished {
@@ -16,6 +17,7 @@ fn roundtrip_both_states() {
         fingerprint: [9; 32],
         created_ms: 1,
         route: "r".into(),
+        trace: None,
         completed_ms: 2,
         status: 201,
         body_stored: true,
@@ -42,6 +44,7 @@ fn trailers_make_a_version_2_record_that_roundtrips() {
         fingerprint: [3; 32],
         created_ms: 1,
         route: "grpc".into(),
+        trace: None,
         completed_ms: 2,
         status: 200,
         body_stored: true,
@@ -85,6 +88,7 @@ fn garbage_is_an_error_not_a_panic() {
         fingerprint: [7; 32],
         created_ms: 123,
         route: "payments".into(),
+        trace: None,
     })
     .encode();
     for cut in 0..p.len() {
@@ -106,6 +110,7 @@ fn answer() -> Finished {
         fingerprint: [5; 32],
         created_ms: 10,
         route: "payments".into(),
+        trace: None,
         completed_ms: 20,
         status: 201,
         body_stored: true,
@@ -208,6 +213,136 @@ fn a_sealed_record_being_written_in_pieces_reads_as_a_reservation() {
         fingerprint: [1; 32],
         created_ms: 1,
         route: "r".into(),
+        trace: None,
     });
     assert_eq!(p.seal(&keys(OLD), ID).unwrap(), p.encode());
+}
+
+// The execution's trace context (versions 4 and 5, docs/telemetry.md#what-is-stored).
+
+const TRACE: TraceRef = TraceRef {
+    trace_id: [0xab; 16],
+    span_id: [0xcd; 8],
+};
+
+/// A version-1 finished record and a version-1 reservation, byte for byte as
+/// the builds before versions 4 and 5 wrote them (not made by this encoder).
+fn written_by_an_older_build() -> (Vec<u8>, Vec<u8>) {
+    let mut head = vec![1u8, b'F'];
+    head.extend_from_slice(&[9; 16]);
+    head.extend_from_slice(&[8; 32]);
+    head.extend_from_slice(&77u64.to_be_bytes());
+    head.extend_from_slice(&2u16.to_be_bytes());
+    head.extend_from_slice(b"rt");
+    let mut processing = head.clone();
+    processing[1] = b'P';
+    let mut finished = head;
+    finished.extend_from_slice(&88u64.to_be_bytes());
+    finished.extend_from_slice(&201u16.to_be_bytes());
+    finished.push(1);
+    finished.extend_from_slice(&1u16.to_be_bytes());
+    finished.extend_from_slice(&1u16.to_be_bytes());
+    finished.extend_from_slice(b"x");
+    finished.extend_from_slice(&1u32.to_be_bytes());
+    finished.extend_from_slice(b"y");
+    finished.extend_from_slice(&2u32.to_be_bytes());
+    finished.extend_from_slice(b"ok");
+    (processing, finished)
+}
+
+#[test]
+fn records_written_before_trace_contexts_still_decode_and_replay() {
+    let (processing, finished) = written_by_an_older_build();
+    let Record::Processing(p) = Record::decode(Bytes::from(processing)).unwrap() else {
+        panic!("a reservation")
+    };
+    assert_eq!((p.created_ms, p.route.as_str(), p.trace), (77, "rt", None));
+    let Record::Finished(f) = Record::decode(Bytes::from(finished.clone())).unwrap() else {
+        panic!("a finished record")
+    };
+    assert_eq!((f.status, f.trace, &f.body[..]), (201, None, &b"ok"[..]));
+    assert_eq!(f.headers[0].1, "y");
+    // Written again without a trace context, it is the same bytes.
+    assert_eq!(Record::Finished(f).encode()[..], finished[..]);
+    let head = Head::decode(Bytes::from(finished)).unwrap();
+    assert_eq!(head.trace, None);
+}
+
+#[test]
+fn a_trace_context_makes_a_version_4_record_that_roundtrips() {
+    let p = Processing {
+        token: Token::new(),
+        fingerprint: [7; 32],
+        created_ms: 123,
+        route: "payments".into(),
+        trace: Some(TRACE),
+    };
+    let enc = Record::Processing(p.clone()).encode();
+    assert_eq!((enc[0], enc[1]), (4, STATE_PROCESSING));
+    assert_eq!(
+        &enc[TOKEN_RANGE], &p.token.0,
+        "the token stays where the scripts read it"
+    );
+    assert_eq!(Record::decode(enc.clone()).unwrap(), Record::Processing(p));
+    assert_eq!(Head::decode(enc).unwrap().trace, Some(TRACE));
+    for trailers in [false, true] {
+        let mut f = answer();
+        if !trailers {
+            f.trailers.clear();
+        }
+        f.trace = Some(TRACE);
+        let enc = Record::Finished(f.clone()).encode();
+        assert_eq!(enc[0], 4);
+        assert_eq!(
+            Record::decode(enc.clone()).unwrap(),
+            Record::Finished(f.clone())
+        );
+        assert_eq!(Head::decode(enc.clone()).unwrap().trace, Some(TRACE));
+        for cut in 0..enc.len() {
+            assert!(Record::decode(enc.slice(..cut)).is_err(), "cut at {cut}");
+        }
+        // Without a trace context: the versions written before, unchanged.
+        f.trace = None;
+        let enc = Record::Finished(f.clone()).encode();
+        assert_eq!(enc[0], if trailers { 2 } else { 1 });
+        assert_eq!(Record::decode(enc).unwrap(), Record::Finished(f));
+    }
+}
+
+#[test]
+fn a_sealed_record_keeps_its_trace_context_in_the_clear() {
+    let ring = keys(OLD);
+    let mut f = answer();
+    f.trace = Some(TRACE);
+    let sealed = Record::Finished(f.clone()).seal(&ring, ID).unwrap();
+    assert_eq!(sealed[0], VERSION_TRACED_SEALED);
+    assert!(is_sealed(&sealed));
+    assert!(contains(&sealed, &TRACE.trace_id));
+    assert!(contains(&sealed, &TRACE.span_id));
+    assert!(!contains(&sealed, b"secret"), "the answer is still sealed");
+    // Readable without the key: the head says it.
+    let head = Head::decode(sealed.clone()).unwrap();
+    assert_eq!(head.trace, Some(TRACE));
+    assert_eq!(head.sealed_with.as_deref(), Some("old"));
+    assert!(matches!(
+        Record::decode(sealed.clone()),
+        Err(DecodeError::NoKeyFile)
+    ));
+    assert_eq!(
+        Record::open(sealed.clone(), Some(&ring), ID).unwrap(),
+        Record::Finished(f.clone())
+    );
+    // The ids are authenticated with the head: altered, the record does not open.
+    let at = sealed
+        .windows(16)
+        .position(|w| w == TRACE.trace_id)
+        .unwrap();
+    let mut altered = sealed.to_vec();
+    altered[at] ^= 1;
+    assert!(Record::open(Bytes::from(altered), Some(&ring), ID).is_err());
+    // Without a trace context, sealing writes version 3 as before.
+    f.trace = None;
+    let sealed = Record::Finished(f).seal(&ring, ID).unwrap();
+    assert_eq!(sealed[0], VERSION_SEALED);
+    assert!(is_sealed(&sealed));
 }

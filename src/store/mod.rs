@@ -272,7 +272,7 @@ impl Store {
     /// `require_sealed`, a finished record in the clear is not an answer:
     /// someone who can write to the store may have planted it.
     fn decode(&self, key: &str, value: Bytes) -> Result<Record, DecodeError> {
-        let sealed = value.first() == Some(&crate::record::VERSION_SEALED);
+        let sealed = crate::record::is_sealed(&value);
         let keys = self.sealing.as_ref().map(Sealing::keys);
         let record = Record::open(value, keys.as_deref(), self.record_id(key))?;
         if self.require_sealed && !sealed && matches!(record, Record::Finished(_)) {
