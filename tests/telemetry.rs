@@ -206,8 +206,11 @@ async fn receiver_reads_sdk_export(otlp: OtlpReceiver) {
     assert_eq!(server.links[0].attributes["link.kind"], "original");
     assert_eq!(server.status.code, "ERROR");
     assert_eq!(server.status.message, "upstream said no");
-    assert_eq!(server.resource["service.name"], "otel-export-check");
-    assert_eq!(server.resource["deployment.environment"], "test");
+    assert_eq!(
+        server.resource_str("service.name"),
+        Some("otel-export-check")
+    );
+    assert_eq!(server.resource_str("deployment.environment"), Some("test"));
     assert_eq!(server.scope, "idemproxy-tests");
     assert!(
         server.start_time_unix_nano > 0 && server.end_time_unix_nano >= server.start_time_unix_nano
@@ -221,6 +224,18 @@ async fn receiver_reads_sdk_export(otlp: OtlpReceiver) {
     };
     assert_eq!(server.export_path, path);
     assert!(otlp.noise().is_empty(), "{:?}", otlp.noise());
+    // The timeline script reads the same lines.
+    let (drawn, svg) = trace_view("sdk-export", &spans).await;
+    assert_eq!(drawn["spans"], 2, "{drawn}");
+    assert_eq!(drawn["traces"], 1, "{drawn}");
+    assert_eq!(
+        drawn["links_elsewhere"], 1,
+        "the link to a span not captured: {drawn}"
+    );
+    assert!(
+        svg.starts_with("<svg") && svg.contains("POST /v1/payments"),
+        "{svg}"
+    );
 }
 
 #[tokio::test]
@@ -360,7 +375,7 @@ async fn a_protected_request_continues_the_clients_trace_to_the_upstream() {
         server.links.is_empty(),
         "an execution links nowhere: {server:?}"
     );
-    assert_eq!(server.resource["service.name"], "idemproxy");
+    assert_eq!(server.resource_str("service.name"), Some("idemproxy"));
 
     // (b) Its children: reserve, the CLIENT span to the upstream, complete.
     let reserve = spans.child(&server, "idempotency.reserve");
@@ -377,18 +392,10 @@ async fn a_protected_request_continues_the_clients_trace_to_the_upstream() {
         Some("127.0.0.1"),
         "{client:?}"
     );
-    assert_eq!(
-        client.attr_str("http.request.method"),
-        Some("POST"),
-        "{client:?}"
-    );
-    assert_eq!(
-        client.attr_i64("http.response.status_code"),
-        Some(201),
-        "{client:?}"
-    );
+    // The key is reserved before the upstream is called, completed after.
     assert!(reserve.start_time_unix_nano <= client.start_time_unix_nano);
-    assert!(client.end_time_unix_nano <= complete.end_time_unix_nano);
+    assert!(complete.start_time_unix_nano >= reserve.start_time_unix_nano);
+    assert!(spans.named("idempotency.wait").is_empty(), "nothing waited");
     // The upstream was sent the CLIENT span's context.
     assert_eq!(env.upstream.hits(), 1);
     let tp = upstream_traceparent(&env.upstream, 1);
@@ -547,6 +554,69 @@ async fn a_replay_a_409_and_a_422_link_to_the_executions_server_span() {
             spans.outline()
         );
     }
+    // The timeline for the docs: three arrows to the execution.
+    let spans = otlp.spans();
+    let (drawn, _) = trace_view("replay-409-422-linked-to-the-original", &spans).await;
+    assert!(drawn["links"].as_u64() >= Some(3), "{drawn}");
+}
+
+/// With `concurrent = "wait"`, a duplicate waits for the execution: here past
+/// its `wait_timeout`, so that it surely waited while the first is still held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_waits_has_an_idempotency_wait_span() {
+    let otlp = OtlpReceiver::start().await;
+    let routes = format!(
+        "{ROUTES}\n[[routes]]\nname = \"waiting\"\npath = \"/v1/waiting\"\nconcurrent = \"wait\"\nwait_timeout = \"300ms\"\n"
+    );
+    let env = Env::builder(Backend::Redis)
+        .routes(&routes)
+        .telemetry(&otlp.config())
+        .binary()
+        .start()
+        .await;
+    let url = env.url("/v1/waiting");
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            otel_call(
+                "POST",
+                &url,
+                Some("k-wait"),
+                "a",
+                &["x-test-hold: 1"],
+                Parent::Sampled,
+            )
+            .await
+        })
+    };
+    env.upstream.wait_hits(1).await;
+    let waited = otel_call("POST", &url, Some("k-wait"), "a", &[], Parent::Sampled).await;
+    assert_eq!(waited.status, 409, "past wait_timeout: {waited:?}");
+    env.upstream.release(1);
+    let first = first.await.expect("join");
+    assert_eq!(first.status, 201);
+    let (_, original) = wait_for_request(&otlp, &first.span_id, &PROTECTED_SPANS).await;
+    let (spans, s) = wait_for_request(&otlp, &waited.span_id, &["idempotency.wait"]).await;
+    assert_protected_server_span(&s, "/v1/waiting", "waiting", "k-wait", 409, "1.1");
+    let wait = spans.child(&s, "idempotency.wait");
+    assert!(
+        wait.duration() >= Duration::from_millis(250),
+        "it waited out wait_timeout: {wait:?}"
+    );
+    assert!(
+        s.links
+            .iter()
+            .any(|l| l.trace_id == original.trace_id && l.span_id == original.span_id),
+        "{s:?}"
+    );
+    assert_eq!(
+        s.attr_str("idempotency.original_trace_id"),
+        Some(original.trace_id.as_str())
+    );
+    assert!(spans
+        .children_of(&original)
+        .iter()
+        .all(|c| c.name != "idempotency.wait"));
 }
 
 // ---------------------------------------------------------------------------
@@ -848,7 +918,7 @@ async fn the_file_chooses_otlp_over_http_protobuf() {
     .await;
     assert_eq!(call.status, 201);
     let (_, server) = wait_for_request(&otlp, &call.span_id, &PROTECTED_SPANS).await;
-    assert_eq!(server.resource["service.name"], "payments-edge");
+    assert_eq!(server.resource_str("service.name"), Some("payments-edge"));
     assert!(otlp.noise().is_empty(), "{:?}", otlp.noise());
 }
 
@@ -882,9 +952,12 @@ async fn otel_environment_variables_fill_in_what_the_file_leaves_out() {
         .wait_for_span("a root SERVER span", DEADLINE, |s| s.kind == "SERVER")
         .await;
     assert!(server.is_root());
-    assert_eq!(server.resource["service.name"], "from-env");
-    assert_eq!(server.resource["deployment.environment"], "otel-test");
-    assert_eq!(server.resource["team"], "payments");
+    assert_eq!(server.resource_str("service.name"), Some("from-env"));
+    assert_eq!(
+        server.resource_str("deployment.environment"),
+        Some("otel-test")
+    );
+    assert_eq!(server.resource_str("team"), Some("payments"));
     // The environment's endpoint is a base: the signal's path is added (OTLP/HTTP).
     assert_eq!(server.export_path, "/v1/traces");
 }
@@ -922,7 +995,7 @@ async fn the_file_wins_over_the_environment() {
             |s| s.kind == "SERVER",
         )
         .await;
-    assert_eq!(server.resource["service.name"], "from-file");
+    assert_eq!(server.resource_str("service.name"), Some("from-file"));
 }
 
 // ---------------------------------------------------------------------------

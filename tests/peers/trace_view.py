@@ -2,6 +2,9 @@
 
     python trace_view.py SPANS.jsonl [--out timeline.svg] [--title TEXT]
 
+With --out, prints a JSON summary: spans, traces, links (drawn as arrows),
+links_elsewhere (to spans not captured).
+
 One row per span, grouped by trace (the traces in the order they began, each
 span under its parent), a bar from its start to its end on a shared time
 axis, coloured by kind (SERVER, CLIENT, INTERNAL). A span link (a replay's,
@@ -105,6 +108,7 @@ def render(spans, title):
         f'<text x="{WIDTH - 20}" y="22" text-anchor="end" fill="#555">'
         f"{span_ns / 1e6:.1f} ms</text>",
     ]
+    drawn = {"links": 0, "links_elsewhere": 0}
     where = {}
     trace_no = 0
     previous_trace = None
@@ -139,14 +143,16 @@ def render(spans, title):
             src = where[s["span_id"]]
             dst = where.get(link["span_id"])
             if dst is None:
+                drawn["links_elsewhere"] += 1
                 out.append(
                     f'<text x="{src[1] + 6:.1f}" y="{src[2] + 4:.1f}" fill="#b22" font-size="10">'
                     f'link → {link["trace_id"][:8]}…/{link["span_id"]}</text>'
                 )
                 continue
+            drawn["links"] += 1
             sx, sy = src[0], src[2]
             dx, dy = dst[0] + 4, dst[2]
-            bend = min(sx, dx) - 40
+            bend = min(sx, dx) - 25
             out.append(
                 f'<path d="M{sx:.1f},{sy:.1f} C{bend:.1f},{sy:.1f} {bend:.1f},{dy:.1f} '
                 f'{dx:.1f},{dy:.1f}" fill="none" stroke="#b22" stroke-dasharray="5,3" '
@@ -165,7 +171,9 @@ def render(spans, title):
         f'marker-end="url(#arrow)"/><text x="{lx + 36}" y="{ly}">span link</text>'
     )
     out.append("</svg>")
-    return "\n".join(out) + "\n"
+    drawn["traces"] = trace_no
+    drawn["spans"] = len(spans)
+    return "\n".join(out) + "\n", drawn
 
 
 def main():
@@ -177,10 +185,11 @@ def main():
     spans = load(args.spans)
     if not spans:
         sys.exit("no spans")
-    svg = render(spans, args.title)
+    svg, drawn = render(spans, args.title)
     if args.out:
         with open(args.out, "w") as f:
             f.write(svg)
+        print(json.dumps(drawn))
     else:
         sys.stdout.write(svg)
 

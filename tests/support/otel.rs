@@ -81,6 +81,11 @@ impl Span {
         self.attr(name)?.as_str()
     }
 
+    /// A string attribute of the resource (`service.name`, ...).
+    pub fn resource_str(&self, name: &str) -> Option<&str> {
+        self.resource.get(name)?.as_str()
+    }
+
     /// An integer attribute; `None` when absent or of another type.
     pub fn attr_i64(&self, name: &str) -> Option<i64> {
         self.attr(name)?.as_i64()
@@ -473,6 +478,37 @@ pub async fn otel_call(
         headers: v["headers"].as_object().cloned().unwrap_or_default(),
         body: v["body"].as_str().unwrap_or_default().into(),
     }
+}
+
+/// Renders `spans` with tests/peers/trace_view.py: its summary (spans, traces,
+/// links drawn, links_elsewhere) and the SVG. With `IDEMPROXY_TRACE_VIEW=DIR`
+/// the SVG is kept there as `<name>.svg` (for the docs).
+pub async fn trace_view(name: &str, spans: &[Span]) -> (Value, String) {
+    use std::io::Write;
+    let mut lines = tempfile::NamedTempFile::new().expect("temp file");
+    for s in spans {
+        writeln!(lines, "{}", s.raw).expect("write spans");
+    }
+    let svg_path = match std::env::var_os("IDEMPROXY_TRACE_VIEW") {
+        Some(dir) => PathBuf::from(dir).join(format!("{name}.svg")),
+        None => lines.path().with_extension("svg"),
+    };
+    let summary = super::run_peer(
+        "trace_view.py",
+        &[
+            lines.path().to_str().unwrap(),
+            "--out",
+            svg_path.to_str().unwrap(),
+            "--title",
+            name,
+        ],
+    )
+    .await;
+    let svg = std::fs::read_to_string(&svg_path).expect("the SVG");
+    if std::env::var_os("IDEMPROXY_TRACE_VIEW").is_none() {
+        let _ = std::fs::remove_file(&svg_path);
+    }
+    (summary, svg)
 }
 
 /// The sum of every series of the metric family `name` (with or without labels)
