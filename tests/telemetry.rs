@@ -5,7 +5,7 @@
 //! or OTLP/HTTP protobuf) that the proxy's exporter sends its spans to. The
 //! upstream records the `traceparent` it was sent.
 //!
-//! What is checked (the `[telemetry]` table, docs: the telemetry page):
+//! What is checked (the specification of the `[telemetry]` feature):
 //! - one SERVER span per request, `{method} {http.route}` (`{method}` for
 //!   pass-through), the client's span its parent, with the HTTP and
 //!   `idempotency.*` attributes and never the raw key;
@@ -116,13 +116,14 @@ fn assert_server_attributes(
 fn assert_protected_server_span(
     s: &Span,
     route_pattern: &str,
+    path: &str,
     route_name: &str,
     key: &str,
     status: i64,
     protocol_version: &str,
 ) {
     assert_eq!(s.name, format!("POST {route_pattern}"), "{s:?}");
-    assert_server_attributes(s, "POST", route_pattern, status, protocol_version);
+    assert_server_attributes(s, "POST", path, status, protocol_version);
     assert_eq!(s.attr_str("http.route"), Some(route_pattern), "{s:?}");
     assert_eq!(s.attr_str("idempotency.route"), Some(route_name), "{s:?}");
     let record_id = idemproxy::key::record_id([], key);
@@ -368,7 +369,15 @@ async fn a_protected_request_continues_the_clients_trace_to_the_upstream() {
     // (a) The SERVER span: the client's span its parent, in the client's trace.
     assert_eq!(server.trace_id, call.trace_id, "{server:?}");
     assert_eq!(server.parent_span_id, call.span_id);
-    assert_protected_server_span(&server, "/v1/payments", "payments", SECRET_KEY, 201, "1.1");
+    assert_protected_server_span(
+        &server,
+        "/v1/payments",
+        "/v1/payments",
+        "payments",
+        SECRET_KEY,
+        201,
+        "1.1",
+    );
     assert_eq!(server.attr_str("idempotency.outcome"), Some("forwarded"));
     assert!(server.attr("error.type").is_none(), "{server:?}");
     assert!(
@@ -432,11 +441,10 @@ async fn a_pass_through_request_has_a_server_and_a_client_span_only() {
     assert_eq!(server.name, "GET", "pass-through: the method alone");
     assert_server_attributes(&server, "GET", "/things/7", 201, "1.1");
     assert!(server.attr("http.route").is_none(), "{server:?}");
+    // No route, no key: nothing to name them by.
     assert!(
-        server
-            .attributes
-            .keys()
-            .all(|k| !k.starts_with("idempotency.")),
+        server.attr("idempotency.route").is_none()
+            && server.attr("idempotency.record_id").is_none(),
         "{server:?}"
     );
     let kids = spans.children_of(&server);
@@ -513,7 +521,15 @@ async fn a_replay_a_409_and_a_422_link_to_the_executions_server_span() {
     assert_eq!(env.upstream.hits(), 1);
 
     let (_, original) = wait_for_request(&otlp, &first.span_id, &PROTECTED_SPANS).await;
-    assert_protected_server_span(&original, "/v1/orders/{id}", "orders", key, 201, "1.1");
+    assert_protected_server_span(
+        &original,
+        "/v1/orders/{id}",
+        "/v1/orders/42",
+        "orders",
+        key,
+        201,
+        "1.1",
+    );
     assert_eq!(original.attr_str("idempotency.outcome"), Some("forwarded"));
     for (what, call, status) in [
         ("409", &busy, 409),
@@ -525,7 +541,15 @@ async fn a_replay_a_409_and_a_422_link_to_the_executions_server_span() {
             s.trace_id, call.trace_id,
             "{what}: in its own client's trace"
         );
-        assert_protected_server_span(&s, "/v1/orders/{id}", "orders", key, status, "1.1");
+        assert_protected_server_span(
+            &s,
+            "/v1/orders/{id}",
+            "/v1/orders/42",
+            "orders",
+            key,
+            status,
+            "1.1",
+        );
         assert!(
             s.links
                 .iter()
@@ -597,7 +621,15 @@ async fn a_duplicate_that_waits_has_an_idempotency_wait_span() {
     assert_eq!(first.status, 201);
     let (_, original) = wait_for_request(&otlp, &first.span_id, &PROTECTED_SPANS).await;
     let (spans, s) = wait_for_request(&otlp, &waited.span_id, &["idempotency.wait"]).await;
-    assert_protected_server_span(&s, "/v1/waiting", "waiting", "k-wait", 409, "1.1");
+    assert_protected_server_span(
+        &s,
+        "/v1/waiting",
+        "/v1/waiting",
+        "waiting",
+        "k-wait",
+        409,
+        "1.1",
+    );
     let wait = spans.child(&s, "idempotency.wait");
     assert!(
         wait.duration() >= Duration::from_millis(250),
@@ -642,7 +674,15 @@ async fn plain_http2_requests_are_traced_like_http1() {
     assert_eq!((a.version.as_str(), a.status), ("HTTP/2", 201), "{a:?}");
     let (spans, server) = wait_for_request(&otlp, parent, &PROTECTED_SPANS).await;
     assert_eq!(server.trace_id, trace_id);
-    assert_protected_server_span(&server, "/v1/payments", "payments", "k-otel-h2", 201, "2");
+    assert_protected_server_span(
+        &server,
+        "/v1/payments",
+        "/v1/payments",
+        "payments",
+        "k-otel-h2",
+        201,
+        "2",
+    );
     assert_eq!(server.attr_str("idempotency.outcome"), Some("forwarded"));
     let client = spans.child(&server, "POST");
     let up = upstream_traceparent(&env.upstream, 1);
@@ -755,7 +795,7 @@ async fn grpc_calls_are_traced_like_http1() {
     assert_eq!(first.get_ref().text, "ok");
     let (spans, server) = wait_for_request(&otlp, &parent, &PROTECTED_SPANS).await;
     assert_eq!(server.trace_id, trace_id);
-    assert_protected_server_span(&server, CHARGE, "charge", "k-otel-grpc", 200, "2");
+    assert_protected_server_span(&server, CHARGE, CHARGE, "charge", "k-otel-grpc", 200, "2");
     assert_eq!(server.attr_str("idempotency.outcome"), Some("forwarded"));
     let client = spans.child(&server, "POST");
     assert_eq!(client.kind, "CLIENT");
@@ -930,7 +970,7 @@ async fn otel_environment_variables_fill_in_what_the_file_leaves_out() {
         .proxy_env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp.endpoint())
         .proxy_env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .proxy_env("OTEL_SERVICE_NAME", "from-env")
-        .proxy_env("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        .proxy_env("OTEL_TRACES_SAMPLER_ARG", "0")
         .proxy_env(
             "OTEL_RESOURCE_ATTRIBUTES",
             "deployment.environment=otel-test,team=payments",
@@ -948,10 +988,19 @@ async fn otel_environment_variables_fill_in_what_the_file_leaves_out() {
     )
     .await;
     assert_eq!(root.status, 201);
-    let server = otlp
-        .wait_for_span("a root SERVER span", DEADLINE, |s| s.kind == "SERVER")
-        .await;
-    assert!(server.is_root());
+    // The environment's ratio, 0: the root sent nothing; a sampled parent is followed.
+    let sampled = otel_call(
+        "POST",
+        &env.url("/v1/payments"),
+        Some("k-env-2"),
+        "a",
+        &[],
+        Parent::Sampled,
+    )
+    .await;
+    assert_eq!(sampled.status, 201);
+    let (spans, server) = wait_for_request(&otlp, &sampled.span_id, &PROTECTED_SPANS).await;
+    assert_only_trace(&spans, &sampled.trace_id);
     assert_eq!(server.resource_str("service.name"), Some("from-env"));
     assert_eq!(
         server.resource_str("deployment.environment"),
