@@ -57,6 +57,8 @@ pub struct ConfigBuilder {
     /// The `[store]` lines that choose the backend.
     backend: String,
     store: String,
+    /// The `[telemetry]` lines; no table when `None`.
+    telemetry: Option<String>,
     routes: Option<String>,
 }
 
@@ -68,6 +70,7 @@ impl ConfigBuilder {
             server: String::new(),
             backend: "backend = \"memory\"".to_string(),
             store: String::new(),
+            telemetry: None,
             routes: None,
         }
     }
@@ -111,6 +114,15 @@ impl ConfigBuilder {
         self
     }
 
+    /// A `[telemetry]` table with `lines` (more lines when called again; an
+    /// empty table for "").
+    pub fn telemetry(mut self, lines: &str) -> Self {
+        let t = self.telemetry.get_or_insert_with(String::new);
+        t.push_str(lines);
+        t.push('\n');
+        self
+    }
+
     /// Replaces the routes (and `[defaults]`) with `text`.
     pub fn routes(mut self, text: &str) -> Self {
         self.routes = Some(text.to_string());
@@ -143,8 +155,12 @@ impl ConfigBuilder {
         }
         server.push_str(&self.server);
         let routes = self.routes.as_deref().unwrap_or(ROUTES);
+        let telemetry = match &self.telemetry {
+            Some(lines) => format!("[telemetry]\n{lines}\n"),
+            None => String::new(),
+        };
         format!(
-            "{server}\n[store]\n{}\n{}\n{routes}",
+            "{server}\n[store]\n{}\n{}\n{telemetry}{routes}",
             self.backend, self.store
         )
     }

@@ -33,6 +33,7 @@ pub struct EnvBuilder {
     routes: String,
     server: String,
     store: String,
+    telemetry: Option<String>,
     proxy_env: Vec<(String, String)>,
     redis_relay: bool,
     upstream_relay: bool,
@@ -56,6 +57,12 @@ impl EnvBuilder {
     /// Extra `key = value` lines for [store].
     pub fn store(mut self, lines: &str) -> Self {
         self.store = lines.to_string();
+        self
+    }
+
+    /// A `[telemetry]` table with `lines` ("" for an empty one).
+    pub fn telemetry(mut self, lines: &str) -> Self {
+        self.telemetry = Some(lines.to_string());
         self
     }
 
@@ -120,6 +127,9 @@ impl EnvBuilder {
             (Some(r), None) => config = config.redis(r),
             (None, _) => {}
         }
+        if let Some(lines) = &self.telemetry {
+            config = config.telemetry(lines);
+        }
         let text = config.store(&self.store).build();
         let env: Vec<(&str, &str)> = self
             .proxy_env
@@ -147,6 +157,7 @@ impl Env {
             routes: ROUTES.to_string(),
             server: String::new(),
             store: String::new(),
+            telemetry: None,
             proxy_env: Vec::new(),
             redis_relay: false,
             upstream_relay: false,

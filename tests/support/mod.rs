@@ -13,7 +13,8 @@
 //! - `config`: `ConfigBuilder`, the configuration text tests start the proxy with;
 //! - `env`: `Env`, a standard set of the above, and `on_both_backends!`;
 //! - `relay`: a fault-injecting TCP relay;
-//! - `peers`: client peers in Python (grpcio, urllib3) run as subprocesses.
+//! - `peers`: client peers in Python (grpcio, urllib3) run as subprocesses;
+//! - `otel`: OpenTelemetry peers: a real OTLP receiver, the Python SDK's client, spans read back.
 //!
 //! Waits are on events with deadlines (`eventually`), never fixed sleeps.
 // Every test binary compiles this module and uses a part of it: what one binary
@@ -27,6 +28,7 @@ mod curl;
 mod env;
 mod inprocess;
 mod logs;
+mod otel;
 mod peers;
 mod process;
 mod proxy;
@@ -41,6 +43,7 @@ pub use curl::*;
 pub use env::*;
 pub use inprocess::*;
 pub use logs::*;
+pub use otel::*;
 pub use peers::*;
 pub use process::*;
 pub use proxy::*;
