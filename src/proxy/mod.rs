@@ -542,7 +542,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let token = Token::new();
     let created_ms = now_ms();
     // The reserve's span (and, while a duplicate waits, the wait's): ended
-    // when this returns. Its own trace context goes with the reservation.
+    // when this returns. The SERVER span's ids go with the reservation.
     let span = ctx.span("idempotency.reserve", SpanKind::Internal, || {
         telemetry::record_attributes(route.name.as_str(), id.key.id())
     });
