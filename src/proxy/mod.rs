@@ -541,7 +541,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let (app, policy) = (ctx.app, &route.policy);
     let token = Token::new();
     let created_ms = now_ms();
-    // The reserve's span (and, while a duplicate waits, the wait's): ended
+    // The reserve's span (and, while a duplicate waits, the wait's, beside it): ended
     // when this returns. The SERVER span's ids go with the reservation.
     let span = ctx.span("idempotency.reserve", SpanKind::Internal, || {
         telemetry::record_attributes(route.name.as_str(), id.key.id())
@@ -591,11 +591,10 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             }
         };
         if matches!(verdict, Verdict::InFlight { .. }) {
-            if patience.waits && waiting.is_none() {
-                waiting = span.as_ref().and_then(|cx| {
-                    let t = app.telemetry.as_ref()?;
-                    Some(t.child(cx, "idempotency.wait", SpanKind::Internal, Vec::new()))
-                });
+            if patience.waits && waiting.is_none() && span.is_some() {
+                // A sibling of the reserve's span under the SERVER span, as
+                // the guide's span reference draws it.
+                waiting = ctx.span("idempotency.wait", SpanKind::Internal, Vec::new);
             }
             if patience.wait().await {
                 continue;
