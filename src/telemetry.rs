@@ -635,4 +635,61 @@ mod tests {
             "a root at ratio 0 is not sampled"
         );
     }
+
+    /// Review (s32): the export queue is bounded in spans, not in bytes. A
+    /// client that asks for sampling (`-01`) and sends long paths pins
+    /// QUEUE spans of its own choosing while the collector is slow or
+    /// stuck: with the default `max_header_bytes` (16 KiB, so paths up to
+    /// ~16 KiB over HTTP/1.1) that is far beyond the 16 MiB RSS bound
+    /// tests/telemetry holds the collector-down scenario to; with
+    /// `max_header_bytes = "1MiB"` over HTTP/2 (`:path` up to 1 MiB) it is GiBs.
+    #[test]
+    fn review_the_queue_bounds_bytes_held_by_client_controlled_attributes() {
+        let (spans, mut queue) = mpsc::channel(QUEUE);
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(Queue {
+                spans,
+                dropped: Counter::default(),
+            })
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                0.01,
+            ))))
+            .build();
+        let telemetry = Telemetry {
+            tracer: provider.tracer("t"),
+            provider: provider.clone(),
+            flush: mpsc::unbounded_channel().0,
+            upstream_origin: "http://up:80".into(),
+            upstream_host: "up".into(),
+        };
+        let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
+        // A path just under the default 16 KiB head.
+        let path = format!("/{}", "a".repeat(15 * 1024));
+        for _ in 0..QUEUE {
+            let req = Request::builder()
+                .uri(path.as_str())
+                .header("host", "proxy")
+                .header(
+                    "traceparent",
+                    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                )
+                .body(())
+                .unwrap();
+            let cx = telemetry.server_span(&req, None, "http", caller);
+            end_server(&cx, 200, "passthrough", None);
+        }
+        let mut held = 0usize;
+        while let Ok(span) = queue.try_recv() {
+            held += span
+                .attributes
+                .iter()
+                .map(|kv| kv.value.as_str().len())
+                .sum::<usize>();
+        }
+        assert!(
+            held <= 16 << 20,
+            "{} MiB of client-chosen attribute bytes held by the export queue",
+            held >> 20
+        );
+    }
 }

@@ -346,3 +346,74 @@ fn a_sealed_record_keeps_its_trace_context_in_the_clear() {
     assert_eq!(sealed[0], VERSION_SEALED);
     assert!(is_sealed(&sealed));
 }
+
+// Review (s32 telemetry): a v5 record from an untrusted store — every id
+// byte authenticated, and no downgrade to v3/v4 opens as the same answer.
+#[test]
+fn review_v5_ids_altered_or_downgraded_do_not_open() {
+    let ring = keys(OLD);
+    let mut f = answer();
+    f.trace = Some(TRACE);
+    let sealed = Record::Finished(f.clone()).seal(&ring, ID).unwrap();
+    let at = sealed.windows(16).position(|w| w == TRACE.trace_id).unwrap();
+    // Every byte of the trace id and of the span id.
+    for i in at..at + TRACE_BLOCK {
+        let mut altered = sealed.to_vec();
+        altered[i] ^= 0x80;
+        assert!(
+            Record::open(Bytes::from(altered), Some(&ring), ID).is_err(),
+            "byte {i} of the trace block altered"
+        );
+    }
+    // Downgrade to v3: the trace block cut out, the version byte changed.
+    let mut v3 = sealed.to_vec();
+    v3.drain(at..at + TRACE_BLOCK);
+    v3[0] = VERSION_SEALED;
+    assert!(Record::open(Bytes::from(v3), Some(&ring), ID).is_err());
+    // Version byte alone changed to 3 (the block then read as the finished fields).
+    let mut v3b = sealed.to_vec();
+    v3b[0] = VERSION_SEALED;
+    assert!(Record::open(Bytes::from(v3b), Some(&ring), ID).is_err());
+    // To v4: not sealed (a store with require_sealed refuses it as finished in the clear).
+    let mut v4 = sealed.to_vec();
+    v4[0] = 4;
+    assert!(!is_sealed(&v4));
+    // The ids moved to another record id: does not open.
+    let other = ID.replace('6', "7");
+    assert!(Record::open(sealed.clone(), Some(&ring), &other).is_err());
+    // A v3 record upgraded to v5 with planted ids: does not open.
+    let mut plain = f.clone();
+    plain.trace = None;
+    let v3 = Record::Finished(plain).seal(&ring, ID).unwrap();
+    let route_end = FIXED_HEAD + 2 + f.route.len();
+    let mut up = v3[..route_end].to_vec();
+    up[0] = VERSION_TRACED_SEALED;
+    up.extend_from_slice(&[0x11; TRACE_BLOCK]);
+    up.extend_from_slice(&v3[route_end..]);
+    assert!(Head::decode(Bytes::from(up.clone())).is_ok(), "the head alone reads");
+    assert!(Record::open(Bytes::from(up), Some(&ring), ID).is_err());
+}
+
+/// Review: a v4/v5 head cut anywhere in the trace block is an error, never a panic.
+#[test]
+fn review_v4_v5_heads_truncated_in_the_trace_block() {
+    let p = Record::Processing(Processing {
+        token: Token::new(),
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+        trace: Some(TRACE),
+    })
+    .encode();
+    for cut in 0..p.len() {
+        assert!(Head::decode(p.slice(..cut)).is_err(), "cut at {cut}");
+        assert!(Record::decode(p.slice(..cut)).is_err(), "cut at {cut}");
+    }
+    let mut f = answer();
+    f.trace = Some(TRACE);
+    let sealed = Record::Finished(f).seal(&keys(OLD), ID).unwrap();
+    for cut in 0..sealed.len() {
+        let _ = Head::decode(sealed.slice(..cut));
+        assert!(Record::open(sealed.slice(..cut), Some(&keys(OLD)), ID).is_err());
+    }
+}
