@@ -129,6 +129,15 @@ pub(super) fn telemetry(
 fn check_otlp_endpoint(url: &str) -> Result<(), String> {
     let bad = |why: &str| format!("invalid OTLP endpoint \"{url}\": {why}");
     let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+    // Not echoed: the URL holds a password. The exporter would not send it,
+    // and the log line that names the endpoint would show it.
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(
+            "invalid OTLP endpoint: a user or password in the URL is not used \
+             (and would be logged); remove it"
+                .to_string(),
+        );
+    }
     match uri.scheme_str() {
         Some("http") => {}
         Some("https") => {

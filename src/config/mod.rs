@@ -592,6 +592,10 @@ mod telemetry_tests {
                 "otlp_endpoint = \"https://c:4317\"",
                 "telemetry.otlp_endpoint",
             ),
+            (
+                "otlp_endpoint = \"http://user:secret@c:4317\"",
+                "telemetry.otlp_endpoint",
+            ),
             ("otlp_protocol = \"http/json\"", "telemetry.otlp_protocol"),
             ("service_name = \"\"", "telemetry.service_name"),
             ("sample_ratio = 1.5", "telemetry.sample_ratio"),
@@ -600,9 +604,13 @@ mod telemetry_tests {
         for (line, key) in cases {
             let text = format!("[telemetry]\n{line}\n");
             match load(&text, &[]) {
-                Err(ConfigError::Invalid {
-                    line: 2, key: k, ..
-                }) => assert_eq!(k, key, "{line}"),
+                Err(e @ ConfigError::Invalid { line: 2, .. }) => {
+                    let ConfigError::Invalid { key: ref k, .. } = e else {
+                        unreachable!()
+                    };
+                    assert_eq!(k, key, "{line}");
+                    assert!(!e.to_string().contains("secret"), "{e}");
+                }
                 other => panic!("{line}: {other:?}"),
             }
         }

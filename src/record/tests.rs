@@ -350,12 +350,15 @@ fn a_sealed_record_keeps_its_trace_context_in_the_clear() {
 // Review (s32 telemetry): a v5 record from an untrusted store — every id
 // byte authenticated, and no downgrade to v3/v4 opens as the same answer.
 #[test]
-fn review_v5_ids_altered_or_downgraded_do_not_open() {
+fn v5_ids_altered_or_downgraded_do_not_open() {
     let ring = keys(OLD);
     let mut f = answer();
     f.trace = Some(TRACE);
     let sealed = Record::Finished(f.clone()).seal(&ring, ID).unwrap();
-    let at = sealed.windows(16).position(|w| w == TRACE.trace_id).unwrap();
+    let at = sealed
+        .windows(16)
+        .position(|w| w == TRACE.trace_id)
+        .unwrap();
     // Every byte of the trace id and of the span id.
     for i in at..at + TRACE_BLOCK {
         let mut altered = sealed.to_vec();
@@ -390,13 +393,16 @@ fn review_v5_ids_altered_or_downgraded_do_not_open() {
     up[0] = VERSION_TRACED_SEALED;
     up.extend_from_slice(&[0x11; TRACE_BLOCK]);
     up.extend_from_slice(&v3[route_end..]);
-    assert!(Head::decode(Bytes::from(up.clone())).is_ok(), "the head alone reads");
+    assert!(
+        Head::decode(Bytes::from(up.clone())).is_ok(),
+        "the head alone reads"
+    );
     assert!(Record::open(Bytes::from(up), Some(&ring), ID).is_err());
 }
 
 /// Review: a v4/v5 head cut anywhere in the trace block is an error, never a panic.
 #[test]
-fn review_v4_v5_heads_truncated_in_the_trace_block() {
+fn v4_v5_heads_truncated_in_the_trace_block_are_errors() {
     let p = Record::Processing(Processing {
         token: Token::new(),
         fingerprint: [1; 32],
