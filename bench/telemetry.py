@@ -259,7 +259,7 @@ def main():
                         if rep >= 0:
                             drops.append((rep + 1, kind, dropped))
                         if dropped:
-                            print(f"FLAGGED: rep {rep + 1} {kind}: \"on\" dropped {dropped:.0f} spans",
+                            print(f"FLAGGED: {f'rep {rep + 1}' if rep >= 0 else 'warm-up'} {kind}: \"on\" dropped {dropped:.0f} spans",
                                   file=sys.stderr)
                     if rep >= 0:
                         cpu[(kind, name)].append(per_request)
