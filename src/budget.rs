@@ -1,4 +1,5 @@
-//! The memory budget (`[server] max_buffered`, docs/reference/behaviour.md#memory-budget): the bytes held at once for
+//! The memory budget (`[server] max_buffered`, docs/reference/behaviour.md#memory-budget): the
+//! bytes held at once for
 //! protected request bodies, responses being recorded and replays being
 //! written. Room is taken before bytes are held and given back when they are
 //! dropped, however the request ends.

@@ -1,4 +1,5 @@
-//! A client connection's I/O with its three deadlines (docs/reference/behaviour.md#deadlines): a client that
+//! A client connection's I/O with its three deadlines (docs/reference/behaviour.md#deadlines):
+//! a client that
 //! accepts no bytes of an answer for `client_write_timeout` is disconnected;
 //! an HTTP/1.1 request's head must arrive within `header_read_timeout` of its
 //! first byte; and a connection with no request in progress and no bytes

@@ -1,4 +1,5 @@
-//! gRPC's vocabulary (docs/reference/behaviour.md#grpc-errors): a unary call is an HTTP/2 POST whose answer ends
+//! gRPC's vocabulary (docs/reference/behaviour.md#grpc-errors): a unary call is an HTTP/2 POST
+//! whose answer ends
 //! in trailers (`grpc-status`, `grpc-message`); what tells a gRPC request,
 //! an answer's status, the codes and header names. An upstream answer whose
 //! `grpc-status` is in `release_grpc_statuses` frees the key, like a release

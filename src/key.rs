@@ -38,7 +38,8 @@ pub enum KeyRead<'p> {
     InBody(&'p Pointer),
 }
 
-/// The key of a request whose key a header carries (syntax: docs/reference/behaviour.md#key-syntax; exactly one
+/// The key of a request whose key a header carries (syntax:
+/// docs/reference/behaviour.md#key-syntax; exactly one
 /// line); a key in the body is left for [`KeyRead::or_from_body`].
 pub fn from_headers<'p>(
     headers: &HeaderMap,

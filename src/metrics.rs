@@ -29,9 +29,11 @@ pub enum Outcome {
     NotStored,
     /// The request itself was unusable (a body that could not be read).
     BadRequest,
-    /// The record under the key could not be read (docs/reference/failures.md#unreadable): answered 500, never forwarded.
+    /// The record under the key could not be read (docs/reference/failures.md#unreadable):
+    /// answered 500, never forwarded.
     Unreadable,
-    /// No room in the memory budget (docs/reference/behaviour.md#memory-budget): answered 503 `proxy-busy`.
+    /// No room in the memory budget (docs/reference/behaviour.md#memory-budget): answered 503
+    /// `proxy-busy`.
     Busy,
     /// An HTTP/1.1 `Upgrade` (a WebSocket) the upstream accepted with 101: now a tunnel.
     Upgraded,

@@ -1,4 +1,5 @@
-//! A request's place among the requests in progress (docs/reference/behaviour.md#in-progress), held for as long
+//! A request's place among the requests in progress (docs/reference/behaviour.md#in-progress),
+//! held for as long
 //! as anything of the request lives: its handler, its answer being sent, and
 //! the upstream exchange of a protected request, which goes on when the
 //! client has gone.

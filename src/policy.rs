@@ -31,7 +31,8 @@ pub struct Policy {
     pub concurrent: Concurrent,
     pub wait_timeout: Duration,
     pub release_statuses: Vec<u16>,
-    /// gRPC answers (docs/reference/behaviour.md#release) whose `grpc-status` frees the key, like a release status.
+    /// gRPC answers (docs/reference/behaviour.md#release) whose `grpc-status` frees the key,
+    /// like a release status.
     pub release_grpc_statuses: Vec<u32>,
     pub unknown_outcome: UnknownOutcome,
     pub fingerprint_body: FingerprintBody,

@@ -33,7 +33,8 @@ impl Segment {
 
 /// A route path: exact segments, `{param}` for one segment, and an optional
 /// trailing `/*` that matches the prefix followed by anything (even nothing).
-/// It matches the normalised request path (docs/reference/behaviour.md#normalised-path): repeated slashes and a
+/// It matches the normalised request path (docs/reference/behaviour.md#normalised-path):
+/// repeated slashes and a
 /// trailing slash do not count, `.` and `..` segments are resolved, and
 /// percent-encoded unreserved characters are decoded, so every spelling
 /// that common upstream frameworks take for the same path is matched alike.
@@ -169,7 +170,8 @@ impl PathPattern {
     }
 }
 
-/// The path routes match (docs/reference/behaviour.md#normalised-path): percent-encoded unreserved characters decoded
+/// The path routes match (docs/reference/behaviour.md#normalised-path): percent-encoded
+/// unreserved characters decoded
 /// (other escapes kept, their hex in upper case), empty segments (repeated
 /// and trailing slashes) dropped, `.` and `..` resolved; the root is "/".
 /// Borrowed when the path is already so, as nearly every request's is.
@@ -328,7 +330,8 @@ impl RouteTable {
     /// Where in the table the first route for `method` and `path` is
     /// (the path normalised once, for every route).
     ///
-    /// Two passes: the normalised path (docs/reference/behaviour.md#normalised-path) against the routes as written;
+    /// Two passes: the normalised path (docs/reference/behaviour.md#normalised-path) against
+    /// the routes as written;
     /// then, when that finds none and the path has anything more to undo, its
     /// broad form ([`broaden`]) with letters in any case, as upstream
     /// frameworks read paths in ways the proxy cannot know (Express and
@@ -435,7 +438,8 @@ mod tests {
             let doubled = format!("/{}", segs.join("//"));
             let longer = format!("{path}/{extra}");
             let shorter = format!("/{}", segs[..segs.len() - 1].join("/"));
-            // Other spellings of the same path (docs/reference/behaviour.md#normalised-path) match; other paths do not.
+            // Other spellings of the same path (docs/reference/behaviour.md#normalised-path)
+            // match; other paths do not.
             prop_assert!(pat.matches(&with_slash));
             prop_assert!(pat.matches(&doubled));
             prop_assert!(!pat.matches(&longer));

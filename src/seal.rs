@@ -1,4 +1,5 @@
-//! Records sealed at rest (docs/reference/store.md#sealing): the key file, and AES-256-GCM over the part
+//! Records sealed at rest (docs/reference/store.md#sealing): the key file, and AES-256-GCM over
+//! the part
 //! of a record that holds the answer (ring's implementation; no crypto here).
 //!
 //! The key file (`[store] encryption_key_file`) has one key per line,

@@ -35,7 +35,8 @@ use crate::{admin, grpc, proxy, serve, tls};
 
 /// Admin requests' headers must arrive within this time.
 const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Admin connections open at once (docs/reference/behaviour.md#admin-limits): probes, a scrape or two and an
+/// Admin connections open at once (docs/reference/behaviour.md#admin-limits): probes, a scrape
+/// or two and an
 /// operator need a handful; beyond it a new one takes an idle one's place.
 const ADMIN_MAX_CONNECTIONS: usize = 32;
 /// After `shutdown_grace`, how long requests cut short get to record their outcome.
@@ -431,7 +432,8 @@ impl Requests {
 
 /// The builders for client connections: HTTP/1.1, or cleartext HTTP/2 when
 /// the connection opens with the HTTP/2 preface (prior knowledge, as gRPC
-/// clients use it). The docs/reference/behaviour.md#h2-limits bounds hold per stream as per request.
+/// clients use it). The docs/reference/behaviour.md#h2-limits bounds hold per stream as per
+/// request.
 fn connection_builder(s: &ServerConfig) -> Builders {
     let mut http1 = http1::Builder::new();
     // Heads are timed by the connection's own timer (`Guarded::head_timeout`):

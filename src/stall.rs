@@ -1,4 +1,5 @@
-//! The send deadline of HTTP/2 answers (docs/reference/behaviour.md#h2-send-deadline): an answer whose data waits for
+//! The send deadline of HTTP/2 answers (docs/reference/behaviour.md#h2-send-deadline): an
+//! answer whose data waits for
 //! the client's flow-control window for `client_write_timeout` is stalled,
 //! even while its connection stays lively with pings or other streams (the
 //! connection's own write timer, `crate::conn`, sees only the socket).

@@ -1,4 +1,5 @@
-//! TLS on the client-facing listener (docs/reference/behaviour.md#tls): the certificate and its key from
+//! TLS on the client-facing listener (docs/reference/behaviour.md#tls): the certificate and its
+//! key from
 //! PEM files, ALPN `h2` and `http/1.1`, and a certificate that SIGHUP replaces
 //! without touching open connections.
 //!

@@ -222,7 +222,8 @@ impl Given {
 }
 
 /// The defaults of the three bounds on client-driven memory fit the shipped
-/// manifest's 128Mi container limit together, with the margin docs/reference/behaviour.md#memory-budget asks for
+/// manifest's 128Mi container limit together, with the margin
+/// docs/reference/behaviour.md#memory-budget asks for
 /// (`max_buffered` + 32 MiB): the budget (64 MiB), plus every connection with
 /// hyper's buffers and an upstream connection of its own (256 × ~56 KiB
 /// ≈ 14 MiB, measured in `docs/dev/hostile.md`), plus the process itself
@@ -530,7 +531,8 @@ fn routes(
         routes.push(route(&section, r, defaults, inherited, &mut names, src)?);
     }
     let table = RouteTable::new(routes);
-    // A route that can never match is a mistake the file would otherwise hide (docs/reference/behaviour.md#normalised-path).
+    // A route that can never match is a mistake the file would otherwise hide
+    // (docs/reference/behaviour.md#normalised-path).
     if let Some((i, earlier)) = table.unreachable() {
         let (later, first) = (table.at(i), table.at(earlier));
         let span = raw[i]

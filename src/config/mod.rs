@@ -181,7 +181,8 @@ pub struct ServerConfig {
     /// The request line and headers together; larger → 431.
     pub max_header_bytes: usize,
     /// Bytes held at once for protected request bodies, responses being
-    /// recorded and replays being written (docs/reference/behaviour.md#memory-budget); beyond it, 503 `proxy-busy`.
+    /// recorded and replays being written (docs/reference/behaviour.md#memory-budget); beyond
+    /// it, 503 `proxy-busy`.
     pub max_buffered: u64,
     /// A client that accepts no bytes of an answer for this long is
     /// disconnected; so is an HTTP/2 client whose window keeps one answer's
@@ -339,9 +340,11 @@ pub struct StoreConfig {
     pub wait_timeout: Duration,
     /// The memory store's bound on the bytes of its records (docs/reference/store.md#memory).
     pub memory_limit: u64,
-    /// Keys that seal finished records at rest (docs/reference/store.md#sealing); read by the store, not here.
+    /// Keys that seal finished records at rest (docs/reference/store.md#sealing); read by the
+    /// store, not here.
     pub encryption_key_file: Option<PathBuf>,
-    /// A finished record that is not sealed is unreadable (docs/reference/failures.md#unreadable): nobody with
+    /// A finished record that is not sealed is unreadable
+    /// (docs/reference/failures.md#unreadable): nobody with
     /// write access to the store can plant a clear answer to be replayed.
     pub require_sealed: bool,
 }

@@ -137,7 +137,8 @@ fn millis(d: std::time::Duration) -> f64 {
 }
 
 /// A request's place in `idemproxy_inflight` and among the requests in
-/// progress, held by its upstream exchange until that ends (docs/reference/behaviour.md#in-progress: a client that
+/// progress, held by its upstream exchange until that ends
+/// (docs/reference/behaviour.md#in-progress: a client that
 /// goes away cannot multiply exchanges).
 pub struct Held {
     _inflight: Option<Counted>,
@@ -146,7 +147,8 @@ pub struct Held {
 
 /// An incoming `X-Request-Id` that is a UUID names the request; otherwise we
 /// make one, and an incoming id of another form is logged beside it as
-/// `client_request_id` (it is forwarded unchanged either way, docs/reference/behaviour.md#request-id). Ours is sent
+/// `client_request_id` (it is forwarded unchanged either way,
+/// docs/reference/behaviour.md#request-id). Ours is sent
 /// upstream only on protected routes, and only when the client sent none.
 fn request_ids(headers: &HeaderMap) -> (Uuid, Option<String>) {
     let Some(given) = headers.get(X_REQUEST_ID) else {

@@ -50,7 +50,8 @@ const NOT_KEPT_ABOVE: usize = INLINE_RECORD as usize;
 /// Until it is disarmed — by the job that completed or released it, or on
 /// learning the key is someone else's — dropping it releases it by its token:
 /// whatever ends the request early (an error, a client that hung up while the
-/// reserve was in flight, a panic) leaves no `processing` entry behind (docs/reference/failures.md#claim).
+/// reserve was in flight, a panic) leaves no `processing` entry behind
+/// (docs/reference/failures.md#claim).
 pub struct Claim {
     pub app: Arc<App>,
     pub store_key: RecordKey,
@@ -241,7 +242,8 @@ impl Job {
             let resp = app.upstream.send(request).await?;
             app.metrics.upstream(sent.elapsed());
             let (mut parts, body) = resp.into_parts();
-            // Only replays carry the replay header: an upstream's own is not relayed (docs/reference/behaviour.md#replay).
+            // Only replays carry the replay header: an upstream's own is not relayed
+            // (docs/reference/behaviour.md#replay).
             parts.headers.remove(&self.policy.replayed_header);
             let limit = self.policy.max_response_body;
             let declared = http_body::Body::size_hint(&body).lower();
@@ -549,7 +551,8 @@ impl Job {
         }
     }
 
-    /// Retries a completion, bounded in time and in tries (docs/reference/failures.md#completion): the whole
+    /// Retries a completion, bounded in time and in tries
+    /// (docs/reference/failures.md#completion): the whole
     /// record for at most [`WHOLE_TRIES`] attempts within the lease counted
     /// from the first (half of it when a small record can stand in for it),
     /// renewing the lease after each failure so that the key stays held. A

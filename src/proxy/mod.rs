@@ -73,7 +73,8 @@ struct Ctx<'a> {
     app: &'a Arc<App>,
     caller: Caller,
     request_id: Uuid,
-    /// A gRPC request: the proxy's own answers are gRPC errors (docs/reference/behaviour.md#grpc-errors).
+    /// A gRPC request: the proxy's own answers are gRPC errors
+    /// (docs/reference/behaviour.md#grpc-errors).
     grpc: bool,
     /// When the request's handling began (its body is due `body_read_timeout` after).
     start: Instant,
@@ -178,7 +179,8 @@ async fn any_path(
     // The protected path's phases are awaited here, not in a function of
     // their own: each layer of future is one more copy of its state.
     let handled = match route {
-        // An `Upgrade` header is never a way around the key check (docs/reference/behaviour.md#upgrade): on a
+        // An `Upgrade` header is never a way around the key check
+        // (docs/reference/behaviour.md#upgrade): on a
         // protected route the intent is dropped (the upstream request is built
         // without hop-by-hop headers) and the request protected like any other.
         // Shadow mode forwards as if the proxy were absent: a WebSocket too.
@@ -345,7 +347,8 @@ macro_rules! phase {
     };
 }
 
-/// The phases, in the documented check order (docs/reference/behaviour.md#check-order): key (400) → body (413) → store
+/// The phases, in the documented check order (docs/reference/behaviour.md#check-order): key
+/// (400) → body (413) → store
 /// → upstream; a key in the JSON body is read after the body (413 → 400).
 /// The upstream exchange takes what `begun` holds for the request with it.
 async fn enforce(
@@ -677,7 +680,8 @@ fn reserve_failed(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
 }
 
 /// The 409 for a key whose first request is still in flight, with a
-/// `Retry-After` estimate (docs/reference/behaviour.md#conflict): the route's typical duration less what the
+/// `Retry-After` estimate (docs/reference/behaviour.md#conflict): the route's typical duration
+/// less what the
 /// first has run (its record's clock, so a first on another proxy counts
 /// too), within the lease. Only a 409 needs the remaining lease (`ttl`, else
 /// a `PTTL`): replays and mismatches stay at one round trip.
@@ -868,7 +872,8 @@ fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError, taken: Taken) -> Stop
 /// Phase 5: forward and complete in a task of its own (see [`Job`]), which
 /// holds the request's place in `idemproxy_inflight` and among the requests
 /// in progress (`held`) until it ends, whether or not the client is still
-/// there (docs/reference/behaviour.md#request-id). The upstream learns the request id, to match its logs with the record.
+/// there (docs/reference/behaviour.md#request-id). The upstream learns the request id, to match
+/// its logs with the record.
 async fn forward_reserved(
     ctx: &Ctx<'_>,
     route: &Route,

@@ -1,4 +1,5 @@
-//! Upgrade tunnels (docs/reference/behaviour.md#upgrade): an HTTP/1.1 WebSocket handshake on a path no route
+//! Upgrade tunnels (docs/reference/behaviour.md#upgrade): an HTTP/1.1 WebSocket handshake on a
+//! path no route
 //! protects (or that a route would forward unprotected: no key on an optional
 //! route, shadow mode); on the upstream's 101, checked against the handshake,
 //! the two connections are joined until either side closes. (On a protected
@@ -141,7 +142,8 @@ impl Tunnel {
     }
 }
 
-/// Copies bytes both ways until either side ends (docs/reference/behaviour.md#upgrade): its end is passed on
+/// Copies bytes both ways until either side ends (docs/reference/behaviour.md#upgrade): its end
+/// is passed on
 /// to the other side as a shutdown of its write half, and then the tunnel
 /// closes. A side that stays open after the other has gone, a peer that
 /// ignores the end or never reads it, keeps no tunnel and no connection slot.

@@ -15,7 +15,8 @@
 //!   — the head ends here; then the answer section:
 //! version 1: u16 header count, per header: u16 + name, u32 + value; u32 + body
 //! version 2: as version 1, then u16 trailer count, per trailer as per header
-//! version 3 (sealed, docs/reference/store.md#record-format): u8 + key id, 12-byte nonce, then the version-2
+//! version 3 (sealed, docs/reference/store.md#record-format): u8 + key id, 12-byte nonce, then
+//! the version-2
 //!   answer section sealed with AES-256-GCM, followed by its 16-byte tag
 //! version 4 (traced): as version 2 (trailers section always present), with
 //!   the trace block in the head; also every traced reservation
@@ -33,7 +34,8 @@
 //! (500 `record-unreadable`, never a second execution): switch tracing on
 //! once every replica runs this build.
 //!
-//! Version 2 (trailers, docs/reference/store.md#format-versions) is written only for an answer that has trailers;
+//! Version 2 (trailers, docs/reference/store.md#format-versions) is written only for an answer
+//! that has trailers;
 //! every other clear record is still written as version 1, which both versions
 //! read: a rolling upgrade, or a rollback by one step, replays the other's
 //! records (only an answer with trailers is unreadable to a version-1 proxy,
@@ -102,7 +104,8 @@ pub const MAX_BODY: u64 = 512 << 20;
 /// header list over HTTP/2), trailers (16 KiB), the route name (under 64
 /// KiB), the head's fixed fields, and a seal's key id, nonce and tag. So no
 /// record this proxy writes is longer than the largest `max_response_body`
-/// plus this, and a store that says otherwise is not believed (docs/reference/store.md#untrusted-replies).
+/// plus this, and a store that says otherwise is not believed
+/// (docs/reference/store.md#untrusted-replies).
 pub const MAX_OVERHEAD: u64 = 1 << 20;
 
 /// Identifies one reservation; a late finisher with an old token changes nothing.

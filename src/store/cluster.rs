@@ -1,5 +1,6 @@
 //! Redis Cluster: the nodes a connection starts from, and what `CLUSTER
-//! SLOTS` teaches about them (docs/reference/failures.md#failover: surviving the loss of the seed nodes).
+//! SLOTS` teaches about them (docs/reference/failures.md#failover: surviving the loss of the
+//! seed nodes).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

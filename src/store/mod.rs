@@ -179,7 +179,8 @@ pub struct Store {
     /// A finished record that is not sealed is unreadable (`require_sealed`).
     require_sealed: bool,
     /// The longest record the proxy writes ([`Store::limit_records`]): the
-    /// store's word for a longer one is not believed (docs/reference/store.md#untrusted-replies, the store's bytes
+    /// store's word for a longer one is not believed
+    /// (docs/reference/store.md#untrusted-replies, the store's bytes
     /// are untrusted), so nothing is allocated for it.
     record_limit: AtomicU64,
 }

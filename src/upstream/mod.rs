@@ -266,7 +266,8 @@ impl Upstream {
         // hyper's HTTP/1.1 client sends a body of unknown length on GET, HEAD
         // and CONNECT as no body at all unless `Transfer-Encoding` says
         // otherwise (it was stripped above, being hop-by-hop): say it again,
-        // so a chunked body on such a request reaches the upstream (docs/reference/behaviour.md#forwarding).
+        // so a chunked body on such a request reaches the upstream
+        // (docs/reference/behaviour.md#forwarding).
         // HTTP/2 frames every body and forbids the header.
         if version == Version::HTTP_11
             && !body.is_end_stream()

@@ -9,7 +9,8 @@
 //! connection goes back on a stack of idle ones (most recently used first).
 //!
 //! What the pool keeps of the old client's behaviour: idle connections are
-//! closed after `upstream_idle_timeout` (docs/reference/behaviour.md#upstream-pool: before the upstream closes them),
+//! closed after `upstream_idle_timeout` (docs/reference/behaviour.md#upstream-pool: before the
+//! upstream closes them),
 //! a connection found closed when it is taken is dropped, and a request that
 //! a connection closed before it was written goes once more on a new one
 //! (never a request that may have reached the upstream). Upgrades (a
@@ -132,7 +133,8 @@ impl Pool {
             })
             .await;
             match result {
-                // A plain request never switches protocols (docs/reference/behaviour.md#upstream-pool): the
+                // A plain request never switches protocols
+                // (docs/reference/behaviour.md#upstream-pool): the
                 // connection is given up, and the answer is not relayed or kept.
                 Ok(resp) if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS => {
                     return Err(UpstreamError::Invalid(
