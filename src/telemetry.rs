@@ -610,27 +610,32 @@ mod tests {
         assert!(queue.try_recv().is_err());
     }
 
-    /// The client's sampled flag decides; a root is sampled by the ratio; the
-    /// execution's ids are kept only when sampled.
-    #[test]
-    fn parent_based_sampling_and_kept_ids() {
-        let (spans, _queue) = mpsc::channel(16);
+    /// A `Telemetry` whose spans go to `spans`, sampled parent-based at `ratio`.
+    fn sampling_at(ratio: f64, spans: mpsc::Sender<SpanData>) -> Telemetry {
         let provider = SdkTracerProvider::builder()
             .with_span_processor(Queue {
                 spans,
                 dropped: Counter::default(),
             })
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                0.0,
+                ratio,
             ))))
             .build();
-        let telemetry = Telemetry {
+        Telemetry {
             tracer: provider.tracer("t"),
-            provider: provider.clone(),
+            provider,
             flush: mpsc::unbounded_channel().0,
             upstream_origin: "http://up:80".into(),
             upstream_host: "up".into(),
-        };
+        }
+    }
+
+    /// The client's sampled flag decides; a root is sampled by the ratio; the
+    /// execution's ids are kept only when sampled.
+    #[test]
+    fn parent_based_sampling_and_kept_ids() {
+        let (spans, _queue) = mpsc::channel(16);
+        let telemetry = sampling_at(0.0, spans);
         let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
         let request = |traceparent: Option<&str>| {
             let mut b = Request::builder()
@@ -686,22 +691,7 @@ mod tests {
     #[test]
     fn the_queue_holds_few_client_chosen_bytes_however_long_the_path() {
         let (spans, mut queue) = mpsc::channel(QUEUE);
-        let provider = SdkTracerProvider::builder()
-            .with_span_processor(Queue {
-                spans,
-                dropped: Counter::default(),
-            })
-            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                0.01,
-            ))))
-            .build();
-        let telemetry = Telemetry {
-            tracer: provider.tracer("t"),
-            provider: provider.clone(),
-            flush: mpsc::unbounded_channel().0,
-            upstream_origin: "http://up:80".into(),
-            upstream_host: "up".into(),
-        };
+        let telemetry = sampling_at(0.01, spans);
         let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
         // A path just under the default 16 KiB head.
         let path = format!("/{}", "a".repeat(15 * 1024));
