@@ -9,7 +9,8 @@ builds) side by side, each with a redis-server of its own:
     `git worktree add /tmp/idem-before 9c8822e` and `cargo build --release`
     there, CARGO_TARGET_DIR=target/before); skipped if --before-binary is absent;
   - "off": this build, no [telemetry];
-  - "on": this build, `[telemetry] otlp_endpoint` at the receiver, sample_ratio 1.0.
+  - "on": this build, `[telemetry] otlp_endpoint` at the receiver, sample_ratio 1.0;
+  - "on@0.1": the same at sample_ratio 0.1 (a ratio a busy service would run);
 
 Then, in every repetition, rotating which goes first, drives each (one after
 the other) with wrk:
@@ -64,6 +65,8 @@ RECEIVER = os.path.join(ROOT, "tests", "peers", "otlp_receiver.py")
 # The exporter sends a batch not full after 1 s (src/telemetry.rs DELAY).
 SETTLE = 1.3
 DROPPED = "idemproxy_spans_dropped_total"
+# Spans a request of each kind makes (docs/telemetry.md#spans).
+SPANS = {"newkey": 4, "replay": 2, "get": 2}
 
 GET_LUA = r"""
 request = function() return wrk.format("GET", "/v1/payments/pay_1") end
@@ -132,11 +135,11 @@ class Stack(SealingStack):
                     "--save", "", "--appendonly", "no", "--dir", self.dir])
         wait_port(redis_port)
         tele = ""
-        if telemetry:
+        if telemetry is not None:
             tele = f"""
 [telemetry]
 otlp_endpoint = "http://127.0.0.1:{self.otlp_port}"
-sample_ratio = 1.0
+sample_ratio = {telemetry}
 """
         cfg = os.path.join(self.dir, f"{name}.toml")
         with open(cfg, "w") as f:
@@ -163,15 +166,32 @@ path = "/v1/payments"
         self.proxies[name] = {"proc": proc, "port": port, "admin": admin, "redis": redis_port}
 
 
+def export_thread_seconds(pid):
+    """utime + stime of the proxy's span export thread (named otel-export); 0 without one."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != "otel-export":
+                    continue
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
 def measure(stack, name, duration, connections, script, path):
-    """One wrk run against one proxy: CPU microseconds per request, requests per second."""
+    """One wrk run against one proxy: CPU microseconds per request (all
+    threads, and the export thread's part), requests per second, requests."""
     pid = stack.proxies[name]["proc"].pid
-    before = cpu_seconds(pid)
+    before, export_before = cpu_seconds(pid), export_thread_seconds(pid)
     proc = start_wrk(stack.url(name, path), duration, connections, script)
     requests = wrk_requests(proc, name)
     time.sleep(SETTLE)  # the exporter's last batch, for "on"; the same wait for all
     used = cpu_seconds(pid) - before
-    return used * 1e6 / requests, requests / duration
+    exported = export_thread_seconds(pid) - export_before
+    return used * 1e6 / requests, exported * 1e6 / requests, requests / duration, requests
 
 
 def outcome_count(stack, name, outcome):
@@ -211,12 +231,13 @@ def main():
     subprocess.run(["cargo", "build", "--quiet", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
     target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
     idem_bin = os.path.join(target, "release", "idemproxy")
-    names = ["before", "off", "on"]
+    names = ["before", "off", "on", "on@0.1"]
+    ratios = {"on": 1.0, "on@0.1": 0.1}
     if not os.path.exists(args.before_binary):
         print(f"no {args.before_binary}: skipping \"before\" (build 9c8822e with CARGO_TARGET_DIR=target/before)",
               file=sys.stderr)
         names.remove("before")
-    binaries = {"before": args.before_binary, "off": idem_bin, "on": idem_bin}
+    binaries = {"before": args.before_binary, "off": idem_bin, "on": idem_bin, "on@0.1": idem_bin}
     kinds = (("newkey", "new key (POST)"), ("replay", "replay (POST)"), ("get", "pass-through GET"))
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-telemetry-")
@@ -224,11 +245,12 @@ def main():
     cpu = {(k, n): [] for k, _ in kinds for n in names}
     rps = {(k, n): [] for k, _ in kinds for n in names}
     drops = []  # (rep, kind, spans dropped in that run) for "on"
+    export = {k: [] for k, _ in kinds}  # the export thread's CPU per request, for "on"
     try:
         stack.start_upstream()
         stack.start_receiver(args.python, args.receiver)
         for name in names:
-            stack.start_proxy(name, binaries[name], telemetry=name == "on")
+            stack.start_proxy(name, binaries[name], telemetry=ratios.get(name))
             for i in range(1, REPLAY_KEYS + 1):
                 status, _, body = post(stack.url(name), f"replay-{i}")
                 assert status == 201 and len(body) == 1024, (status, len(body))
@@ -253,7 +275,10 @@ def main():
                         with open(script, "w") as f:
                             f.write(NEWKEY_LUA % (f"k{time.time_ns()}", REQUEST))
                     dropped0 = metric(stack, "on", DROPPED) if name == "on" else 0.0
-                    per_request, rate = measure(stack, name, args.duration, args.connections, script, path)
+                    per_request, exporting, rate, _ = measure(stack, name, args.duration, args.connections,
+                                                              script, path)
+                    if name == "on" and rep >= 0:
+                        export[kind].append(exporting)
                     if name == "on":
                         dropped = metric(stack, "on", DROPPED) - dropped0
                         if rep >= 0:
@@ -289,22 +314,36 @@ def main():
     print(f"idemproxy CPU per request (utime+stime, all threads), 1 KiB answers, {args.reps} repetitions of "
           f"{args.duration} s each, one proxy at a time, order rotated; wrk -t1 -c{args.connections}; "
           f"each run's CPU read {SETTLE} s after wrk ends; medians (min-max)")
-    print(f"\"on\": sample_ratio 1.0, OTLP/gRPC to the {args.receiver} receiver"
+    print(f"\"on\": sample_ratio 1.0 (\"on@0.1\": 0.1), OTLP/gRPC to the {args.receiver} receiver"
           + (" (undecoding sink)" if args.receiver == "sink" else " (tests/peers/otlp_receiver.py)"))
     if "before" not in names:
         print("\"before\" skipped: no binary at " + args.before_binary)
     print()
-    cols = [f"{n}, us/req" for n in names] + (["off / before"] if "before" in names else []) + ["on / off"]
+    cols = ([f"{n}, us/req" for n in names] + (["off / before"] if "before" in names else [])
+            + ["on / off", "on@0.1 / off"])
     print("| " + " | ".join([f"{'kind':18}"] + [f"{c:21}" for c in cols]) + " |")
     print("|" + "|".join(["-" * 20] + ["-" * 23] * len(cols)) + "|")
     for kind, label in kinds:
         cells = [fmt(cpu[(kind, n)]) for n in names]
         if "before" in names:
             cells.append(fmt_ratio([o / b for b, o in zip(cpu[(kind, "before")], cpu[(kind, "off")])]))
-        cells.append(fmt_ratio([n / o for o, n in zip(cpu[(kind, "off")], cpu[(kind, "on")])]))
+        for on in ("on", "on@0.1"):
+            cells.append(fmt_ratio([n / o for o, n in zip(cpu[(kind, "off")], cpu[(kind, on)])]))
         print("| " + " | ".join([f"{label:18}"] + [f"{c:21}" for c in cells]) + " |")
     print()
     print("targets: off / before within noise (~1.0); on / off <= 1.15")
+    print()
+    print("\"on\" split: the request path (all threads but otel-export) and the export thread "
+          "(OTLP encoding and sending), us/req; spans per request: new key 4 (SERVER, reserve, "
+          "CLIENT, complete), replay 2 (SERVER, reserve), GET 2 (SERVER, CLIENT)")
+    print("| " + " | ".join([f"{'kind':18}"] + [f"{c:21}" for c in ("off", "on: request path", "on: export thread",
+                                                                     "export, us/span")]) + " |")
+    print("|" + "|".join(["-" * 20] + ["-" * 23] * 4) + "|")
+    for kind, label in kinds:
+        spans = SPANS[kind]
+        path_cpu = [t - e for t, e in zip(cpu[(kind, "on")], export[kind])]
+        cells = [fmt(cpu[(kind, "off")]), fmt(path_cpu), fmt(export[kind]), fmt([e / spans for e in export[kind]])]
+        print("| " + " | ".join([f"{label:18}"] + [f"{c:21}" for c in cells]) + " |")
     for kind, label in kinds:
         print(f"throughput, {label}: " + ", ".join(f"{n} {statistics.median(rps[(kind, n)]):.0f}/s" for n in names)
               + " (medians; not the subject here)")

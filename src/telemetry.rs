@@ -23,6 +23,7 @@
 //! (SIGHUP reports it, and keeps tracing as it is).
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Version};
@@ -93,7 +94,7 @@ impl Telemetry {
             .with_service_name(config.service_name.clone())
             .build();
         let for_export = resource.clone();
-        let (spans, queue) = mpsc::channel(QUEUE);
+        let (spans, queue) = Queue::new(QUEUE, dropped.clone());
         let (flush, flushes) = mpsc::unbounded_channel();
         let (ready, built) = std::sync::mpsc::sync_channel(1);
         let protocol = config.otlp_protocol;
@@ -119,7 +120,7 @@ impl Telemetry {
         let sampler =
             Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(config.sample_ratio)));
         let provider = SdkTracerProvider::builder()
-            .with_span_processor(Queue { spans, dropped })
+            .with_span_processor(spans)
             .with_sampler(sampler)
             .with_resource(resource)
             .build();
@@ -151,6 +152,10 @@ impl Telemetry {
 
     /// The SERVER span of a request, continuing the client's W3C trace
     /// context: a context holding it, for its children and its end.
+    ///
+    /// The span starts bare and gets its name and attributes only when it is
+    /// sampled: an unsampled request (the most, at a low `sample_ratio`)
+    /// builds none of the strings a recorded span needs.
     pub fn server_span<B>(
         &self,
         req: &Request<B>,
@@ -160,6 +165,16 @@ impl Telemetry {
     ) -> Context {
         let parent = TraceContextPropagator::new().extract(&Headers(req.headers()));
         let method = method_name(req.method());
+        let span = self
+            .tracer
+            .span_builder(method)
+            .with_kind(SpanKind::Server)
+            .start_with_context(&self.tracer, &parent);
+        let cx = parent.with_span(span);
+        let span = cx.span();
+        if !span.is_recording() {
+            return cx;
+        }
         let mut attributes = vec![
             KeyValue::new("http.request.method", method),
             KeyValue::new("url.path", cut(req.uri().path())),
@@ -170,37 +185,30 @@ impl Telemetry {
         if let Some(host) = server_address(req) {
             attributes.push(KeyValue::new("server.address", cut(&host)));
         }
-        let name = match route {
-            Some((name, pattern)) => {
-                attributes.push(KeyValue::new(ROUTE, name.to_string()));
-                let span_name = format!("{method} {pattern}");
-                attributes.push(KeyValue::new("http.route", pattern));
-                span_name
-            }
-            None => method.to_string(),
-        };
-        let span = self
-            .tracer
-            .span_builder(name)
-            .with_kind(SpanKind::Server)
-            .with_attributes(attributes)
-            .start_with_context(&self.tracer, &parent);
-        parent.with_span(span)
+        if let Some((name, pattern)) = route {
+            attributes.push(KeyValue::new(ROUTE, name.to_string()));
+            span.update_name(format!("{method} {pattern}"));
+            attributes.push(KeyValue::new("http.route", pattern));
+        }
+        span.set_attributes(attributes);
+        cx
     }
 
-    /// A child of `parent`: a context holding it (it ends when that is dropped).
+    /// A child of `parent`: a context holding it (it ends when that is
+    /// dropped). `attributes` are made only when the parent is sampled.
     pub fn child(
         &self,
         parent: &Context,
         name: &'static str,
         kind: SpanKind,
-        attributes: Vec<KeyValue>,
+        attributes: impl FnOnce() -> Vec<KeyValue>,
     ) -> Context {
+        let sampled = parent.span().span_context().is_sampled();
         let span = self
             .tracer
             .span_builder(name)
             .with_kind(kind)
-            .with_attributes(attributes)
+            .with_attributes(if sampled { attributes() } else { Vec::new() })
             .start_with_context(&self.tracer, parent);
         parent.with_span(span)
     }
@@ -210,12 +218,15 @@ impl Telemetry {
     /// replaced; `tracestate` is kept as it came).
     pub fn client_span<B>(&self, parent: &Context, request: &mut Request<B>) -> ClientSpan {
         let method = method_name(request.method());
-        let full = format!("{}{}", self.upstream_origin, request.uri().path());
-        let attributes = vec![
-            KeyValue::new("http.request.method", method),
-            KeyValue::new("url.full", cut(&full)),
-            KeyValue::new("server.address", self.upstream_host.clone()),
-        ];
+        let mut attributes = Vec::new();
+        if parent.span().span_context().is_sampled() {
+            let full = format!("{}{}", self.upstream_origin, request.uri().path());
+            attributes = vec![
+                KeyValue::new("http.request.method", method),
+                KeyValue::new("url.full", cut(&full)),
+                KeyValue::new("server.address", self.upstream_host.clone()),
+            ];
+        }
         let span = self
             .tracer
             .span_builder(method)
@@ -246,6 +257,9 @@ impl ClientSpan {
     /// The upstream's status, or the kind of failure when there was none.
     pub fn end(self, answered: Result<u16, &str>) {
         let span = self.0.span();
+        if !span.is_recording() {
+            return span.end();
+        }
         match answered {
             Ok(status) => {
                 span.set_attribute(KeyValue::new(
@@ -265,6 +279,9 @@ impl ClientSpan {
 /// Ends a request's SERVER span with what became of it.
 pub fn end_server(cx: &Context, status: u16, outcome: &'static str, record_id: Option<&str>) {
     let span = cx.span();
+    if !span.is_recording() {
+        return span.end();
+    }
     span.set_attribute(KeyValue::new(
         "http.response.status_code",
         i64::from(status),
@@ -382,13 +399,22 @@ fn method_name(method: &http::Method) -> &'static str {
 }
 
 /// A request's headers, read by the W3C propagator; a trace header longer
-/// than `MAX_TRACE_HEADER` is not read.
+/// than `MAX_TRACE_HEADER` is not read, nor a `tracestate` of more than
+/// [`MAX_TRACESTATE_MEMBERS`] members (every span of the trace keeps a parsed
+/// copy of it: many tiny members cost far more than their bytes).
 struct Headers<'a>(&'a HeaderMap);
+
+/// The most `tracestate` list members W3C Trace Context allows.
+const MAX_TRACESTATE_MEMBERS: usize = 32;
 
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         let value = self.0.get(key)?;
         if value.len() > MAX_TRACE_HEADER {
+            return None;
+        }
+        let commas = value.as_bytes().iter().filter(|&&b| b == b',').count();
+        if key == "tracestate" && commas >= MAX_TRACESTATE_MEMBERS {
             return None;
         }
         value.to_str().ok()
@@ -399,12 +425,80 @@ impl Extractor for Headers<'_> {
     }
 }
 
-/// The span processor: offers each finished span to the export queue,
-/// never waiting; a span it has no room for is dropped and counted.
+/// The span processor: puts each finished span in the export queue, never
+/// waiting; a span it has no room for is dropped and counted.
+///
+/// The queue is a plain locked `Vec`, not a channel: a channel wakes the
+/// export thread for every span (a syscall and two context switches each).
+/// The export thread is woken once per [`BATCH`] spans, or takes what is
+/// there on its tick. Spans taken and not yet exported count against the
+/// capacity too: the queue holds at most `capacity` spans in all.
 #[derive(Debug)]
 struct Queue {
-    spans: mpsc::Sender<SpanData>,
+    shared: Arc<Shared>,
+    capacity: usize,
     dropped: Counter,
+}
+
+/// What the span processor and the export thread share.
+#[derive(Debug, Default)]
+struct Shared {
+    spans: Mutex<Held>,
+    /// A batch is ready, or the processor is gone.
+    wake: tokio::sync::Notify,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// The spans queued, and how many taken are still being exported.
+#[derive(Debug, Default)]
+struct Held {
+    queued: Vec<SpanData>,
+    exporting: usize,
+}
+
+impl Shared {
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.spans.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Everything queued, counted as being exported until [`Shared::exported`].
+    fn take(&self) -> Vec<SpanData> {
+        let mut held = self.held();
+        let spans = std::mem::take(&mut held.queued);
+        held.exporting += spans.len();
+        spans
+    }
+
+    /// `n` spans taken are gone (sent or dropped): room for as many.
+    fn exported(&self, n: usize) {
+        let mut held = self.held();
+        held.exporting = held.exporting.saturating_sub(n);
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Queue {
+    fn new(capacity: usize, dropped: Counter) -> (Queue, Arc<Shared>) {
+        let shared = Arc::new(Shared::default());
+        let queue = Queue {
+            shared: shared.clone(),
+            capacity,
+            dropped,
+        };
+        (queue, shared)
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.shared.wake.notify_one();
+    }
 }
 
 impl SpanProcessor for Queue {
@@ -414,8 +508,21 @@ impl SpanProcessor for Queue {
         if !span.span_context.is_sampled() {
             return;
         }
-        if self.spans.try_send(span).is_err() {
-            self.dropped.inc();
+        let queued = {
+            let mut held = self.shared.held();
+            if held.queued.len() + held.exporting >= self.capacity {
+                None
+            } else {
+                held.queued.push(span);
+                Some(held.queued.len())
+            }
+        };
+        match queued {
+            None => {
+                self.dropped.inc();
+            }
+            Some(BATCH) => self.shared.wake.notify_one(),
+            Some(_) => {}
         }
     }
 
@@ -431,7 +538,7 @@ impl SpanProcessor for Queue {
 /// The export thread: a runtime of its own, for the life of the process.
 fn export_thread(
     (protocol, endpoint, resource): (OtlpProtocol, String, Resource),
-    queue: mpsc::Receiver<SpanData>,
+    queue: Arc<Shared>,
     flushes: mpsc::UnboundedReceiver<std::sync::mpsc::SyncSender<()>>,
     dropped: Counter,
     ready: std::sync::mpsc::SyncSender<Result<(), String>>,
@@ -493,39 +600,29 @@ pub fn http_traces_url(endpoint: &str) -> String {
 
 async fn export_loop(
     exporter: SpanExporter,
-    mut queue: mpsc::Receiver<SpanData>,
+    queue: Arc<Shared>,
     mut flushes: mpsc::UnboundedReceiver<std::sync::mpsc::SyncSender<()>>,
     dropped: Counter,
 ) {
     use opentelemetry_sdk::trace::SpanExporter as _;
-    let mut batch: Vec<SpanData> = Vec::with_capacity(BATCH);
     let mut failing = false;
     let mut tick = tokio::time::interval(DELAY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let (mut closed, mut no_flushes) = (false, false);
-    while !closed {
+    let mut no_flushes = false;
+    loop {
         let mut done = None;
         tokio::select! {
-            span = queue.recv() => match span {
-                Some(span) => {
-                    batch.push(span);
-                    if batch.len() < BATCH {
-                        continue;
-                    }
-                }
-                // The provider is gone: the last batch, then the end.
-                None => closed = true,
-            },
+            // A batch is ready, or the provider is gone (then the last batch, and the end).
+            () = queue.wake.notified() => {}
             flush = flushes.recv(), if !no_flushes => {
-                // Everything queued so far goes with this flush.
-                while let Ok(span) = queue.try_recv() {
-                    batch.push(span);
-                }
                 no_flushes = flush.is_none();
                 done = flush;
             }
             _ = tick.tick() => {}
         }
+        // Everything queued so far goes now (a flush's spans with it).
+        let closed = queue.is_closed();
+        let mut batch = queue.take();
         while !batch.is_empty() {
             let take = batch.len().min(BATCH);
             let sent: Vec<SpanData> = batch.drain(..take).collect();
@@ -537,6 +634,7 @@ async fn export_loop(
             if !ok {
                 dropped.inc_by(n);
             }
+            queue.exported(take);
             if ok == failing {
                 failing = !ok;
                 if failing {
@@ -551,6 +649,9 @@ async fn export_loop(
         }
         if let Some(done) = done {
             let _ = done.send(());
+        }
+        if closed {
+            return;
         }
     }
 }
@@ -592,31 +693,81 @@ mod tests {
     /// A full queue drops the span at once, and counts it: nothing waits.
     #[test]
     fn spans_without_room_in_the_queue_are_dropped_and_counted() {
-        let (spans, mut queue) = mpsc::channel(2);
         let dropped = Counter::<u64>::default();
+        let (spans, queue) = Queue::new(2, dropped.clone());
         let provider = SdkTracerProvider::builder()
-            .with_span_processor(Queue {
-                spans,
-                dropped: dropped.clone(),
-            })
+            .with_span_processor(spans)
             .build();
         let tracer = provider.tracer("t");
         for _ in 0..5 {
             tracer.start("s").end();
         }
         assert_eq!(dropped.get(), 3);
-        assert!(queue.try_recv().is_ok());
-        assert!(queue.try_recv().is_ok());
-        assert!(queue.try_recv().is_err());
+        assert_eq!(queue.take().len(), 2);
+        tracer.start("s").end();
+        assert_eq!(dropped.get(), 4, "spans being exported hold their room");
+        queue.exported(2);
+        tracer.start("s").end();
+        assert_eq!(queue.take().len(), 1, "room again once they are exported");
+        assert_eq!(dropped.get(), 4);
+    }
+
+    /// The export thread is woken when a batch is queued, not for every span
+    /// (a wake is a syscall and two context switches: most of what a traced
+    /// request cost when it happened per span).
+    #[tokio::test]
+    async fn the_export_thread_is_woken_once_a_batch_is_queued() {
+        let (spans, queue) = Queue::new(QUEUE, Counter::default());
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(spans)
+            .build();
+        let tracer = provider.tracer("t");
+        let woken = || tokio::time::timeout(Duration::ZERO, queue.wake.notified());
+        for _ in 0..BATCH - 1 {
+            tracer.start("s").end();
+        }
+        assert!(woken().await.is_err(), "woken before a batch was queued");
+        tracer.start("s").end();
+        assert!(woken().await.is_ok(), "not woken with a batch queued");
+        assert_eq!(queue.take().len(), BATCH);
+        drop((tracer, provider));
+        assert!(woken().await.is_ok() && queue.is_closed(), "not told the end");
+    }
+
+    /// Found by review: every span keeps a parsed copy of the client's
+    /// `tracestate`; one of 100 two-byte members fits the byte limit and cost
+    /// four times a span's memory in the export queue. Over W3C's 32 members
+    /// it is not read (the trace itself continues).
+    #[test]
+    fn a_tracestate_of_more_than_32_members_is_not_kept() {
+        let (spans, _queue) = Queue::new(16, Counter::default());
+        let telemetry = sampling_at(1.0, spans);
+        let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
+        let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let state = |members: usize| {
+            let list: Vec<String> = (0..members).map(|i| format!("k{i}=v")).collect();
+            let req = Request::builder()
+                .uri("/")
+                .header("traceparent", traceparent)
+                .header("tracestate", list.join(","))
+                .body(())
+                .unwrap();
+            let cx = telemetry.server_span(&req, None, "http", caller);
+            let sc = cx.span().span_context().clone();
+            assert_eq!(
+                sc.trace_id().to_string(),
+                "0af7651916cd43dd8448eb211c80319c"
+            );
+            sc.trace_state().header()
+        };
+        assert_eq!(state(32).split(',').count(), 32);
+        assert_eq!(state(33), "");
     }
 
     /// A `Telemetry` whose spans go to `spans`, sampled parent-based at `ratio`.
-    fn sampling_at(ratio: f64, spans: mpsc::Sender<SpanData>) -> Telemetry {
+    fn sampling_at(ratio: f64, spans: Queue) -> Telemetry {
         let provider = SdkTracerProvider::builder()
-            .with_span_processor(Queue {
-                spans,
-                dropped: Counter::default(),
-            })
+            .with_span_processor(spans)
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
                 ratio,
             ))))
@@ -634,7 +785,7 @@ mod tests {
     /// execution's ids are kept only when sampled.
     #[test]
     fn parent_based_sampling_and_kept_ids() {
-        let (spans, _queue) = mpsc::channel(16);
+        let (spans, _queue) = Queue::new(16, Counter::default());
         let telemetry = sampling_at(0.0, spans);
         let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
         let request = |traceparent: Option<&str>| {
@@ -690,7 +841,7 @@ mod tests {
     /// `max_header_bytes = "1MiB"` over HTTP/2 (`:path` up to 1 MiB) it is GiBs.
     #[test]
     fn the_queue_holds_few_client_chosen_bytes_however_long_the_path() {
-        let (spans, mut queue) = mpsc::channel(QUEUE);
+        let (spans, queue) = Queue::new(QUEUE, Counter::default());
         let telemetry = sampling_at(0.01, spans);
         let caller: SocketAddr = ([127, 0, 0, 1], 1).into();
         // A path just under the default 16 KiB head.
@@ -709,7 +860,7 @@ mod tests {
             end_server(&cx, 200, "passthrough", None);
         }
         let mut held = 0usize;
-        while let Ok(span) = queue.try_recv() {
+        for span in queue.take() {
             held += span
                 .attributes
                 .iter()

@@ -97,7 +97,7 @@ impl Ctx<'_> {
     ) -> Option<opentelemetry::Context> {
         let cx = self.trace.as_ref()?;
         let t = self.app.telemetry.as_ref()?;
-        Some(t.child(cx, name, kind, attributes()))
+        Some(t.child(cx, name, kind, attributes))
     }
 
     /// The CLIENT span of an upstream exchange, its context put in `request`.
