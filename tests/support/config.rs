@@ -99,8 +99,13 @@ impl ConfigBuilder {
     }
 
     /// A PostgreSQL store on `server`.
-    pub fn postgres(mut self, server: &PgServer) -> Self {
-        self.backend = format!("backend = \"postgres\"\nurl = \"{}\"", server.url());
+    pub fn postgres(self, server: &PgServer) -> Self {
+        self.postgres_url(&server.url())
+    }
+
+    /// A PostgreSQL store at `url` (several hosts, options).
+    pub fn postgres_url(mut self, url: &str) -> Self {
+        self.backend = format!("backend = \"postgres\"\nurl = \"{url}\"");
         self
     }
 

@@ -166,6 +166,8 @@ fn spawn_postgres(data: &Path, port: u16, settings: &[&str]) -> Child {
     for s in settings {
         cmd.args(["-c", s]);
     }
+    // A process group of its own: `kill` ends the server and its backends at once.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     cmd.stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -255,12 +257,14 @@ impl PgServer {
         let settings: Vec<&str> = primary.settings.iter().map(String::as_str).collect();
         let standby = Self::run(dir, data, &settings).await;
         let client = primary.client().await;
-        client
-            .batch_execute(
-                "ALTER SYSTEM SET synchronous_standby_names = '*'; SELECT pg_reload_conf()",
-            )
-            .await
-            .expect("synchronous_standby_names");
+        // Two statements: ALTER SYSTEM refuses to run in the implicit
+        // transaction of a multi-statement query.
+        for sql in [
+            "ALTER SYSTEM SET synchronous_standby_names = '*'",
+            "SELECT pg_reload_conf()",
+        ] {
+            client.batch_execute(sql).await.expect(sql);
+        }
         eventually("the standby to be synchronous", DEADLINE, || {
             let client = &client;
             async move {
@@ -372,9 +376,15 @@ impl PgServer {
         }
     }
 
-    /// Kills the server (SIGKILL, as a crash would): its backends notice the
-    /// postmaster's death and exit.
+    /// Kills the server and every backend of it at once (SIGKILL to its
+    /// process group, as a machine that dies would): nothing more is
+    /// committed or sent to a standby.
     pub fn kill(&mut self) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", c.id())])
+                .status();
+        }
         kill_child(&mut self.child);
     }
 
