@@ -210,7 +210,7 @@ async fn the_primary_dies_and_the_synchronous_standby_takes_over_losing_nothing(
             }
         })
         .await;
-        if !r.is_replay() || &r.body != first {
+        if !r.is_replay() || r.body != *first {
             lost.push(format!("{key}: {} replay={}", r.status, r.is_replay()));
         }
     }

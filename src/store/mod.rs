@@ -308,6 +308,15 @@ impl Store {
         }
     }
 
+    /// PostgreSQL: one sweep of the expired rows now (in batches); how many
+    /// went. Nothing to do for the other stores.
+    pub async fn sweep_expired_once(&self) -> Result<u64, StoreError> {
+        match &self.inner {
+            Inner::Postgres(p) => p.sweep().await,
+            _ => Ok(0),
+        }
+    }
+
     /// PostgreSQL: deletes expired rows every [`postgres::SWEEP_EVERY`], in
     /// batches; runs until dropped. Returns at once for the other stores
     /// (Redis and memory expire keys themselves).

@@ -8,7 +8,8 @@
 //! execs it (the test's child is the server itself, so SIGKILL reaches it).
 //! `initdb` runs once per test run into a template under target/ (with the
 //! records' table created from deploy/postgres/schema.sql); each server
-//! starts from a copy of it. `fsync = off` unless a test asks for durability.
+//! starts from a copy of it. `fsync = off` unless a test asks for durability
+//! (commits are still acknowledged only once written: `synchronous_commit` stays on).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -200,9 +201,11 @@ pub struct PgServer {
 }
 
 impl PgServer {
-    /// A server with the records' table, `fsync = off`.
+    /// A server with the records' table, `fsync = off`: a server killed
+    /// keeps every commit it acknowledged (the kernel has them), only a
+    /// machine that dies would lose them.
     pub async fn start() -> PgServer {
-        Self::start_with(&["fsync=off", "synchronous_commit=off"]).await
+        Self::start_with(&["fsync=off"]).await
     }
 
     /// A server with the records' table and these settings (`name=value`).
