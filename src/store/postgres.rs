@@ -237,8 +237,13 @@ pub fn client_config(cfg: &StoreConfig) -> Result<tokio_postgres::Config, StoreS
     }
     pg.connect_timeout(cfg.op_timeout.max(Duration::from_millis(100)));
     pg.application_name("idemproxy");
+    // Added to the URL's own `options` (a `search_path`, say), not in their place.
     let ms = cfg.op_timeout.as_millis().max(1);
-    pg.options(format!("-c statement_timeout={ms}"));
+    let options = match pg.get_options() {
+        Some(given) if !given.trim().is_empty() => format!("{given} -c statement_timeout={ms}"),
+        _ => format!("-c statement_timeout={ms}"),
+    };
+    pg.options(options);
     pg.ssl_mode(match cfg.sslmode {
         SslMode::Disable => tokio_postgres::config::SslMode::Disable,
         SslMode::Prefer if cfg.tls_ca_file.is_some() => tokio_postgres::config::SslMode::Prefer,
