@@ -272,3 +272,54 @@ async fn a_completion_that_times_out_is_retried_in_the_background() {
     assert!(retry.is_replay(), "{}", retry.status);
     assert_eq!(env.upstream.hits(), 1, "executed once");
 }
+
+/// The statements the proxy ran on its table (pg_stat_statements), but the
+/// readiness ping and the sweep.
+async fn statements(pg: &PgServer) -> i64 {
+    pg.query(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements \
+         WHERE query LIKE '%idemproxy_records%' AND query NOT LIKE '%LIMIT 0%' \
+         AND query NOT LIKE '%SKIP LOCKED%' AND query NOT LIKE '%pg_stat_statements%'",
+    )
+    .await[0]
+        .get(0)
+}
+
+/// A new key is two statements (reserve, complete), a replay one: each
+/// operation one statement, so one round trip once prepared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_is_two_statements_and_a_replay_one() {
+    let pg = PgServer::start_with(&[
+        "fsync=off",
+        "shared_preload_libraries=pg_stat_statements",
+        "pg_stat_statements.track=all",
+    ])
+    .await;
+    pg.client()
+        .await
+        .batch_execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
+    let upstream = TestUpstream::start().await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    let before = statements(&pg).await;
+    assert_eq!(Call::post(&url).key("k-rt").body("x").await.status, 201);
+    // The completion may end just after the answer.
+    let after_new = eventually("the completion's statement", DEADLINE, || async {
+        let n = statements(&pg).await;
+        (n >= before + 2).then_some(n)
+    })
+    .await;
+    assert_eq!(after_new - before, 2, "a new key: reserve and complete");
+    assert!(Call::post(&url).key("k-rt").body("x").await.is_replay());
+    assert_eq!(
+        statements(&pg).await - after_new,
+        1,
+        "a replay: the reserve"
+    );
+}
