@@ -323,3 +323,86 @@ async fn a_new_key_is_two_statements_and_a_replay_one() {
         "a replay: the reserve"
     );
 }
+
+/// TLS to PostgreSQL: with `sslmode = "verify-full"` and the CA, the proxy's
+/// connections are encrypted (pg_stat_ssl says so); with a CA that did not
+/// sign the server's certificate, no connection is made (not ready, 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_postgres_is_verified_against_the_ca_file() {
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path());
+    make_ca(certs.path(), "other");
+    // The server reads its key as the postgres user, and wants it private.
+    for (path, mode) in [("server.key", "600"), ("server.pem", "644"), (".", "755")] {
+        let p = certs.path().join(path);
+        let ok = Command::new("chmod")
+            .arg(mode)
+            .arg(&p)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    }
+    let _ = Command::new("chown")
+        .args(["postgres:postgres"])
+        .arg(certs.path().join("server.key"))
+        .status();
+    let cert = format!(
+        "ssl_cert_file={}",
+        certs.path().join("server.pem").display()
+    );
+    let key = format!("ssl_key_file={}", certs.path().join("server.key").display());
+    let pg = PgServer::start_with(&["fsync=off", "ssl=on", &cert, &key]).await;
+    let upstream = TestUpstream::start().await;
+    let store = |ca: &str| {
+        format!(
+            "sslmode = \"verify-full\"\ntls_ca_file = \"{}\"\nop_timeout = \"300ms\"",
+            certs.path().join(ca).display()
+        )
+    };
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store(&store("ca.pem"))
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("k-tls").body("x").await.status, 201);
+    assert!(Call::post(&url).key("k-tls").body("x").await.is_replay());
+    let rows = pg
+        .query(
+            "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE a.application_name = 'idemproxy'",
+        )
+        .await;
+    assert!(!rows.is_empty(), "the proxy's connections are listed");
+    assert!(
+        rows.iter().all(|r| r.get::<_, bool>(0)),
+        "every connection of the proxy is TLS"
+    );
+    drop(proxy);
+
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store(&store("other.pem"))
+        .routes(ROUTES)
+        .build();
+    // The binary, waited for until it listens (it never becomes ready).
+    let proxy = Proxy::spawn(&text, &[]).await;
+    let failed = proxy.wait_log("store ping failed").await;
+    assert!(
+        failed["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("certificate")),
+        "{failed}"
+    );
+    let r = Call::post(&proxy.url("/v1/payments"))
+        .key("k-wrong-ca")
+        .body("x")
+        .await;
+    assert_eq!(
+        r.status, 503,
+        "no connection to a server the CA did not sign"
+    );
+    assert_eq!(upstream.hits(), 1);
+}

@@ -273,10 +273,26 @@ fn pg_error(e: tokio_postgres::Error, op_timeout: Duration) -> StoreError {
     ];
     match e.code() {
         Some(c) if *c == SqlState::QUERY_CANCELED => StoreError::Timeout(op_timeout),
-        Some(c) if unavailable.contains(c) => StoreError::Unavailable(e.to_string()),
-        Some(_) => StoreError::Backend(e.to_string()),
-        None => StoreError::Unavailable(e.to_string()),
+        Some(c) if unavailable.contains(c) => StoreError::Unavailable(described(&e)),
+        Some(_) => StoreError::Backend(described(&e)),
+        None => StoreError::Unavailable(described(&e)),
     }
+}
+
+/// An error with its causes ("error performing TLS handshake: invalid peer
+/// certificate: UnknownIssuer"): the client's own message alone hides them.
+fn described(e: &tokio_postgres::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 /// A pooled connection for one operation. Dropped before the operation
