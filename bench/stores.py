@@ -225,19 +225,22 @@ def main():
             stack.start_store_proxy(name, args.binary)
             for i in range(1, REPLAY_KEYS + 1):
                 post(stack.url(name), f"replay-{i}")
-        scripts = {}
-        for workload, lua in (("new key", NEWKEY_LUA), ("replay", REPLAY_LUA)):
-            for name in STORES:
-                path = os.path.join(work, f"{workload.replace(' ', '')}-{name}.lua")
-                with open(path, "w") as f:
-                    f.write(lua % ((f"k-{name}", REQUEST) if workload == "new key" else (REPLAY_KEYS, REQUEST)))
-                scripts[(workload, name)] = path
+        def script(workload, name, rep):
+            # New keys are new in every repetition (a prefix of its own), or they would replay.
+            path = os.path.join(work, f"{workload.replace(' ', '')}-{name}-{rep}.lua")
+            with open(path, "w") as f:
+                if workload == "new key":
+                    f.write(NEWKEY_LUA % (f"k-{name}-r{rep}", REQUEST))
+                else:
+                    f.write(REPLAY_LUA % (REPLAY_KEYS, REQUEST))
+            return path
+
         results = {w: {n: [] for n in STORES} for w in ("new key", "replay")}
         for rep in range(args.reps):
             for workload in results:
                 order = STORES if rep % 2 == 0 else tuple(reversed(STORES))
                 for name in order:
-                    r = run_one(stack, name, args.duration, args.connections, scripts[(workload, name)])
+                    r = run_one(stack, name, args.duration, args.connections, script(workload, name, rep))
                     results[workload][name].append(r)
                     print(f"rep {rep + 1} {workload:8} {name:8} " +
                           " ".join(f"{k}={v:.2f}" for k, v in r.items() if k != "requests"), file=sys.stderr)

@@ -212,7 +212,7 @@ impl Store {
         let inner = match cfg.backend {
             Backend::Memory => Inner::Memory(MemoryStore::new(cfg.memory_limit)),
             Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg, slots)?)),
-            Backend::Postgres => Inner::Postgres(Box::new(PostgresStore::new(cfg)?)),
+            Backend::Postgres => Inner::Postgres(Box::new(PostgresStore::new(cfg, slots)?)),
         };
         Ok(Store {
             inner,

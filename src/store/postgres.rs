@@ -32,6 +32,7 @@ use super::{Completion, Held, Operations, StoreError, StoreSetupError, PIECE};
 use crate::config::{SslMode, StoreConfig};
 use crate::deadline::Deadlines;
 use crate::record::{Token, TOKEN_RANGE};
+use crate::workers::PerWorker;
 
 /// The env var that carries the PostgreSQL password (wins over `password_file`).
 pub const PASSWORD_ENV: &str = "IDEMPROXY_POSTGRES_PASSWORD";
@@ -155,7 +156,10 @@ impl Statements {
 }
 
 pub struct PostgresStore {
-    pool: Pool,
+    /// A pool per worker thread (`runtime = "per_thread"`; one with work
+    /// stealing): a connection's task runs on the runtime of the requests
+    /// that use it, so that a statement's answer wakes no other thread.
+    pools: PerWorker<Pool>,
     sql: Statements,
     table: String,
     op_timeout: Duration,
@@ -319,26 +323,35 @@ impl Drop for Lent {
 }
 
 impl PostgresStore {
-    /// Builds the pool without connecting: an unreachable store is not a start-up failure.
-    pub fn new(cfg: &StoreConfig) -> Result<Self, StoreSetupError> {
+    /// Builds the pools without connecting: an unreachable store is not a
+    /// start-up failure. `slots`: per-worker places (`pool_size` is shared
+    /// out among them, at least one connection each).
+    pub fn new(cfg: &StoreConfig, slots: usize) -> Result<Self, StoreSetupError> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let pg = client_config(cfg)?;
-        let manager_config = ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        };
-        let manager = match tls(cfg)? {
-            Some(tls) => Manager::from_config(pg, tls, manager_config),
-            None => Manager::from_config(pg, NoTls, manager_config),
-        };
-        let pool = Pool::builder(manager)
-            .max_size(cfg.pool_size)
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .wait_timeout(Some(cfg.op_timeout))
-            .create_timeout(Some(cfg.op_timeout.max(Duration::from_millis(100))))
-            .build()
-            .map_err(|e| StoreSetupError::Postgres(e.to_string()))?;
+        let tls = tls(cfg)?;
+        let per_slot = cfg.pool_size.div_ceil(slots.max(1)).max(1);
+        let mut pools = Vec::with_capacity(slots.max(1));
+        for _ in 0..slots.max(1) {
+            let manager_config = ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            };
+            let manager = match &tls {
+                Some(tls) => Manager::from_config(pg.clone(), tls.clone(), manager_config),
+                None => Manager::from_config(pg.clone(), NoTls, manager_config),
+            };
+            let pool = Pool::builder(manager)
+                .max_size(per_slot)
+                .runtime(deadpool_postgres::Runtime::Tokio1)
+                .wait_timeout(Some(cfg.op_timeout))
+                .create_timeout(Some(cfg.op_timeout.max(Duration::from_millis(100))))
+                .build()
+                .map_err(|e| StoreSetupError::Postgres(e.to_string()))?;
+            pools.push(pool);
+        }
+        let mut pools = pools.into_iter();
         Ok(PostgresStore {
-            pool,
+            pools: PerWorker::new(slots, |_| pools.next().expect("a pool per slot")),
             sql: Statements::new(&cfg.table),
             table: cfg.table.clone(),
             op_timeout: cfg.op_timeout,
@@ -350,7 +363,7 @@ impl PostgresStore {
     }
 
     async fn conn(&self) -> Result<Lent, StoreError> {
-        match self.pool.get().await {
+        match self.pools.get().get().await {
             Ok(c) => Ok(Lent {
                 client: Some(c),
                 healthy: false,
@@ -553,7 +566,7 @@ async fn check_schema(
 /// checks what is there (a table of that name but another shape is not
 /// altered: an error). Ok when the table is as the proxy needs it.
 pub async fn init_store(cfg: &StoreConfig) -> Result<(), SchemaProblem> {
-    let store = PostgresStore::new(cfg)
+    let store = PostgresStore::new(cfg, 1)
         .map_err(|e| SchemaProblem::Unreachable(StoreError::Backend(e.to_string())))?;
     let mut conn = store.conn().await.map_err(SchemaProblem::Unreachable)?;
     let ddl = SCHEMA.replace(SCHEMA_TABLE, &cfg.table);
