@@ -19,7 +19,7 @@ and reads, around each run:
   - the proxy's CPU time (utime + stime of all its threads, /proc/<pid>/stat);
   - the store's CPU time: redis-server's; for PostgreSQL the postmaster and
     every process of it (the proxy's backends, the WAL writer, the
-    checkpointer...), summed over /proc;
+    checkpointer...), summed over /proc, with those it reaped meanwhile;
   - the store's round trips: for PostgreSQL the statements on the table
     (pg_stat_statements `calls`; every operation is one statement); for Redis
     `GETRANGE` calls in `INFO commandstats` (a reserve is SET NX + GETRANGE in
@@ -77,7 +77,9 @@ def psql(port, sql):
 
 
 def tree_cpu(root_pid):
-    """CPU seconds of a process and all its descendants now alive (from /proc)."""
+    """CPU seconds of a process and all its descendants: those alive now (from
+    /proc), and those it has reaped (its cutime + cstime), so that a backend
+    or an autovacuum worker that exits in between takes none away."""
     children = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -88,7 +90,9 @@ def tree_cpu(root_pid):
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(d))
-    total, todo = 0.0, [root_pid]
+    with open(f"/proc/{root_pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    total, todo = (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK"), [root_pid]
     while todo:
         pid = todo.pop()
         try:
