@@ -343,7 +343,9 @@ impl PostgresStore {
             let pool = Pool::builder(manager)
                 .max_size(per_slot)
                 .runtime(deadpool_postgres::Runtime::Tokio1)
-                .wait_timeout(Some(cfg.op_timeout))
+                // No wait timeout here: every operation is bounded by
+                // `op_timeout` already (in `Store`), and a second timer per
+                // operation would cost a timer-wheel entry each.
                 .create_timeout(Some(cfg.op_timeout.max(Duration::from_millis(100))))
                 .build()
                 .map_err(|e| StoreSetupError::Postgres(e.to_string()))?;
@@ -370,7 +372,7 @@ impl PostgresStore {
             }),
             Err(PoolError::Backend(e)) => Err(self.error(e)),
             Err(PoolError::Timeout(_)) => Err(StoreError::Unavailable(
-                "no connection to PostgreSQL within op_timeout".into(),
+                "no connection to PostgreSQL in time".into(),
             )),
             Err(e) => Err(StoreError::Unavailable(e.to_string())),
         }
@@ -443,13 +445,14 @@ impl PostgresStore {
     pub async fn sweep(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let mut conn = self.conn().await?;
-            let n = tokio::time::timeout(
-                self.op_timeout.max(Duration::from_secs(5)),
-                self.execute(&mut conn, &self.sql.sweep, &[&SWEEP_BATCH]),
-            )
-            .await
-            .map_err(|_| StoreError::Timeout(self.op_timeout))??;
+            let batch = async {
+                let mut conn = self.conn().await?;
+                self.execute(&mut conn, &self.sql.sweep, &[&SWEEP_BATCH])
+                    .await
+            };
+            let n = tokio::time::timeout(self.op_timeout.max(Duration::from_secs(5)), batch)
+                .await
+                .map_err(|_| StoreError::Timeout(self.op_timeout))??;
             total += n;
             if n < SWEEP_BATCH as u64 {
                 return Ok(total);
@@ -463,8 +466,14 @@ impl PostgresStore {
     /// `Err(Different)` when its columns or its key differ. Compared with
     /// the catalog, on one connection of its own.
     pub async fn check_schema(&self) -> Result<(), SchemaProblem> {
-        let mut conn = self.conn().await.map_err(SchemaProblem::Unreachable)?;
-        check_schema(&mut conn, self, &self.table).await
+        let bound = self.op_timeout.max(Duration::from_secs(2));
+        let check = async {
+            let mut conn = self.conn().await.map_err(SchemaProblem::Unreachable)?;
+            check_schema(&mut conn, self, &self.table).await
+        };
+        tokio::time::timeout(bound, check)
+            .await
+            .unwrap_or(Err(SchemaProblem::Unreachable(StoreError::Timeout(bound))))
     }
 }
 
