@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
-use idemproxy::config::{Config, HumanDuration, Overrides, Runtime};
+use idemproxy::config::{Backend, Config, HumanDuration, Overrides, Runtime};
 use idemproxy::seal;
 use idemproxy::server::{Server, StartError};
+use idemproxy::store::postgres;
 use idemproxy::tls::{self, Certificates};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -42,8 +43,13 @@ struct Cli {
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
     /// Validate the configuration, print the resolved routes and exit (0 valid, 2 not).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "init_store")]
     check: bool,
+    /// Create what the configured store needs (the PostgreSQL table; nothing
+    /// for redis or memory), idempotently, and exit: 0 done, 1 the store
+    /// refused or is unreachable, 2 invalid configuration.
+    #[arg(long)]
+    init_store: bool,
 }
 
 /// Exit status for invalid usage or configuration.
@@ -85,6 +91,9 @@ fn main() -> ExitCode {
     };
     if cli.check {
         return check(&config);
+    }
+    if cli.init_store {
+        return init_store(&config);
     }
     init_logging(cli.log_format);
     // With a runtime per worker thread (`idemproxy::workers`), this one runs
@@ -192,6 +201,40 @@ fn check(config: &Config) -> ExitCode {
         eprintln!("idemproxy: warning: {w}");
     }
     ExitCode::SUCCESS
+}
+
+/// `--init-store`: the PostgreSQL table (deploy/postgres/schema.sql with the
+/// configured table's name), created if missing and checked; nothing to do
+/// for the other stores.
+fn init_store(config: &Config) -> ExitCode {
+    let store = &config.store;
+    if store.backend != Backend::Postgres {
+        println!(
+            "the {} store needs nothing created: nothing to do",
+            store.backend
+        );
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemproxy: cannot start the runtime: {e}");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    match runtime.block_on(postgres::init_store(store)) {
+        Ok(()) => {
+            println!("the PostgreSQL table \"{}\" is ready", store.table);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("idemproxy: --init-store: {e}");
+            ExitCode::from(EXIT_START)
+        }
+    }
 }
 
 /// The resolved routes, one line each, for `--check`.

@@ -110,6 +110,9 @@ impl Server {
             None => None,
         };
         let app = App::new(&config)?;
+        // PostgreSQL: a missing table, or one of another shape, stops the
+        // start (exit 1, naming `--init-store`); it is never created here.
+        app.store.check_schema().await?;
         let listener = bind("proxy", &config.server.listen).await?;
         let admin = bind("admin", &config.server.admin_listen).await?;
         let workers = match config.server.runtime {
@@ -159,6 +162,10 @@ impl Server {
         } = self;
         announce(&app, &config, &listener, &admin);
         let pinger = tokio::spawn(ping_store(app.clone()));
+        let sweeper = tokio::spawn({
+            let app = app.clone();
+            async move { app.store.sweep_expired().await }
+        });
         let trimmer = tokio::spawn(serve::give_back_freed_memory());
         let admin_task = tokio::spawn(serve_admin(app.clone(), admin, config.server.clone()));
         let connections = Connections::default();
@@ -170,6 +177,7 @@ impl Server {
             workers.stop().await;
         }
         pinger.abort();
+        sweeper.abort();
         trimmer.abort();
         admin_task.abort();
         info!("stopped");

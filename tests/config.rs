@@ -308,7 +308,7 @@ fn store_values_are_checked() {
         &["store.url", "redis:// or rediss://"],
     );
     rejects(
-        &format!("{BASE}[store]\nbackend = \"postgres\"\n"),
+        &format!("{BASE}[store]\nbackend = \"sqlite\"\n"),
         &["store.backend"],
     );
     rejects(

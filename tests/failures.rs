@@ -6,7 +6,7 @@ mod support;
 use support::relay::Fault;
 use support::*;
 
-on_both_backends!(
+on_every_backend!(
     lease_renewal_keeps_a_slow_call_to_one_execution,
     connect_failure_is_502_and_releases_the_key,
     release_statuses_are_relayed_and_free_the_key,

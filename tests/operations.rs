@@ -30,7 +30,7 @@ async fn env_with_token(backend: Backend) -> Env {
         .await
 }
 
-on_both_backends!(
+on_every_backend!(
     metrics_follow_the_requests,
     admin_api_inspects_and_deletes_records
 );

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use support::*;
 
-on_both_backends!(
+on_every_backend!(
     first_request_is_forwarded_and_relayed,
     replay_is_byte_exact_with_status_and_headers,
     retry_in_flight_gets_409_with_retry_after,

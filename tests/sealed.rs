@@ -91,7 +91,7 @@ fn assert_no_key_in(proxy: &Proxy) {
     }
 }
 
-on_both_backends!(
+on_every_backend!(
     a_sealed_record_replays_and_is_stored_sealed,
     rotation_keeps_old_records_until_their_key_is_removed,
     large_records_are_sealed_and_replayed,

@@ -219,8 +219,16 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
 
 /// The store's own contract, on both backends, through the library API:
 /// every operation is safe to send twice (the client re-sends after reconnects).
-async fn store_for(backend: Backend, redis: Option<&RedisServer>) -> idemproxy::store::Store {
-    store_from(ConfigBuilder::new("http://127.0.0.1:1").backend(backend, redis))
+async fn store_for(
+    backend: Backend,
+    redis: Option<&RedisServer>,
+    postgres: Option<&PgServer>,
+) -> idemproxy::store::Store {
+    let config = ConfigBuilder::new("http://127.0.0.1:1");
+    store_from(match postgres {
+        Some(pg) => config.postgres(pg),
+        None => config.backend(backend, redis),
+    })
 }
 
 /// The store a configuration describes, through the library API.
@@ -242,9 +250,13 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
 
     let redis = match backend {
         Backend::Redis => Some(RedisServer::start().await),
-        Backend::Memory => None,
+        Backend::Memory | Backend::Postgres => None,
     };
-    let store = store_for(backend, redis.as_ref()).await;
+    let postgres = match backend {
+        Backend::Postgres => Some(PgServer::start().await),
+        Backend::Memory | Backend::Redis => None,
+    };
+    let store = store_for(backend, redis.as_ref(), postgres.as_ref()).await;
     let key = store.key_for("abc");
     let lease = Duration::from_secs(5);
     let mine = Token::new();
@@ -352,7 +364,7 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
     assert!(!store.delete(&key2).await.unwrap());
 }
 
-on_both_backends!(operations_are_safe_to_send_twice);
+on_every_backend!(operations_are_safe_to_send_twice);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_record_is_fetched_only_with_room_for_it() {

@@ -57,7 +57,7 @@ mode = "shadow"
 max_request_body = "1KiB"
 "#;
 
-on_both_backends!(
+on_every_backend!(
     a_github_delivery_sent_twice_runs_once,
     a_stripe_event_sent_twice_runs_once,
     the_same_event_id_with_another_body_is_422_and_in_flight_is_409,

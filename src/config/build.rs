@@ -12,7 +12,8 @@ use super::grammar::{ConfHeader, ConfKeyFrom, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore, RawTelemetry};
 use super::{
     Backend, Config, ConfigError, Flag, Origin, OtlpProtocol, Overrides, RedisMode, Runtime,
-    ServerConfig, Source, StoreConfig, TelemetryConfig, TlsFiles, UpstreamProtocol, UpstreamUrl,
+    ServerConfig, Source, SslMode, StoreConfig, TelemetryConfig, TlsFiles, UpstreamProtocol,
+    UpstreamUrl,
 };
 use crate::policy::{KeySource, Policy};
 use crate::routes::{Route, RouteName, RouteTable};
@@ -390,9 +391,13 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
     if backend == Backend::Redis {
         check_topology(&s, src)?;
     }
+    let default_url = match backend {
+        Backend::Postgres => "postgres://idemproxy@127.0.0.1:5432/idemproxy",
+        _ => "redis://127.0.0.1:6379/0",
+    };
     let url = Given::or_default(
         Given::pick(Overrides::REDIS_URL, &ov.redis_url, s.url),
-        "redis://127.0.0.1:6379/0",
+        default_url,
     );
     let scheme_ok = url.value.starts_with("redis://") || url.value.starts_with("rediss://");
     if backend == Backend::Redis && !scheme_ok {
@@ -403,6 +408,28 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
             "invalid Redis URL: expected redis:// or rediss://",
         ));
     }
+    if backend == Backend::Postgres {
+        postgres_url(&url, src)?;
+    }
+    let sslmode_span = s.sslmode.as_ref().map(Spanned::span);
+    let sslmode = sslmode(s.sslmode, src)?;
+    if let Some(span) = sslmode_span.filter(|_| sslmode.required()) {
+        if backend == Backend::Postgres && s.tls_ca_file.is_none() {
+            return Err(src.entry(
+                &span,
+                "store.sslmode",
+                "this sslmode needs TLS: name the CA that signed the server's certificate in tls_ca_file",
+            ));
+        }
+    }
+    let table = table(s.table, src)?;
+    let pool_size = match s.pool_size {
+        Some(n) if *n.get_ref() == 0 => {
+            return Err(src.entry(&n.span(), "store.pool_size", "must be at least 1"))
+        }
+        Some(n) => n.into_inner() as usize,
+        None => 16,
+    };
     let key_prefix = key_prefix(s.key_prefix, src)?;
     let require_sealed = require_sealed(&s.encryption_key_file, &s.require_sealed, src)?;
     Ok(StoreConfig {
@@ -422,7 +449,74 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
         memory_limit: s.memory_limit.map_or(256 << 20, |b| b.0),
         encryption_key_file: s.encryption_key_file.map(Spanned::into_inner),
         require_sealed,
+        sslmode,
+        table,
+        pool_size,
     })
+}
+
+/// A PostgreSQL URL that the client can read (`postgres://` or
+/// `postgresql://`, one host or several). The URL is not repeated in the
+/// message: it may hold a password.
+fn postgres_url(url: &Given, src: &Source) -> Result<(), ConfigError> {
+    let scheme_ok = url.value.starts_with("postgres://") || url.value.starts_with("postgresql://");
+    if !scheme_ok {
+        return Err(src.given(
+            &url.origin,
+            "store.url",
+            "invalid PostgreSQL URL: expected postgres:// or postgresql://",
+        ));
+    }
+    if let Err(e) = url.value.parse::<tokio_postgres::Config>() {
+        return Err(src.given(
+            &url.origin,
+            "store.url",
+            format!("invalid PostgreSQL URL: {e}"),
+        ));
+    }
+    Ok(())
+}
+
+fn sslmode(given: Option<Spanned<String>>, src: &Source) -> Result<SslMode, ConfigError> {
+    match given {
+        None => Ok(SslMode::Prefer),
+        Some(s) => SslMode::parse(s.get_ref()).ok_or_else(|| {
+            src.entry(
+                &s.span(),
+                "store.sslmode",
+                format!(
+                    "unknown sslmode \"{}\": one of {}",
+                    s.get_ref(),
+                    SslMode::NAMES.join(", ")
+                ),
+            )
+        }),
+    }
+}
+
+/// The records' table: a plain lower-case SQL identifier (it is spelt into
+/// every statement unquoted), at most 50 bytes so that its index's name fits.
+fn table(given: Option<Spanned<String>>, src: &Source) -> Result<String, ConfigError> {
+    let Some(t) = given else {
+        return Ok("idemproxy_records".to_string());
+    };
+    let name = t.get_ref();
+    let ok = !name.is_empty()
+        && name.len() <= 50
+        && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if !ok {
+        return Err(src.entry(
+            &t.span(),
+            "store.table",
+            format!(
+                "invalid table name \"{name}\": a lower-case identifier (a-z, 0-9, _; not starting with a digit), at most 50 bytes"
+            ),
+        ));
+    }
+    Ok(t.into_inner())
 }
 
 /// The prefix of every key the proxy writes: visible ASCII without spaces,

@@ -347,6 +347,49 @@ pub struct StoreConfig {
     /// (docs/reference/failures.md#unreadable): nobody with
     /// write access to the store can plant a clear answer to be replayed.
     pub require_sealed: bool,
+    /// PostgreSQL: whether and how the connection uses TLS.
+    pub sslmode: SslMode,
+    /// PostgreSQL: the records' table (a plain lower-case identifier).
+    pub table: String,
+    /// PostgreSQL: the most connections one proxy opens.
+    pub pool_size: usize,
+}
+
+/// PostgreSQL's `sslmode`, as far as the proxy implements it: `disable`,
+/// `prefer` (TLS when a `tls_ca_file` is given and the server offers it),
+/// and `require`, `verify-ca`, `verify-full` (TLS, the server's certificate
+/// checked against `tls_ca_file`, its name included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SslMode {
+    Disable,
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+impl SslMode {
+    pub const NAMES: [&'static str; 5] =
+        ["disable", "prefer", "require", "verify-ca", "verify-full"];
+
+    pub fn parse(s: &str) -> Option<SslMode> {
+        Some(match s {
+            "disable" => SslMode::Disable,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            _ => return None,
+        })
+    }
+
+    /// TLS is a must (no plain connection is ever made).
+    pub fn required(self) -> bool {
+        matches!(
+            self,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull
+        )
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -354,6 +397,7 @@ pub struct StoreConfig {
 pub enum Backend {
     Memory,
     Redis,
+    Postgres,
 }
 
 /// The spelling the configuration file uses, for `--check` and logs.
@@ -362,6 +406,7 @@ impl fmt::Display for Backend {
         f.write_str(match self {
             Backend::Memory => "memory",
             Backend::Redis => "redis",
+            Backend::Postgres => "postgres",
         })
     }
 }

@@ -76,6 +76,9 @@ pub(super) struct RawStore {
     pub memory_limit: Option<ByteSize>,
     pub encryption_key_file: Option<Spanned<PathBuf>>,
     pub require_sealed: Option<Spanned<bool>>,
+    pub sslmode: Option<Spanned<String>>,
+    pub table: Option<Spanned<String>>,
+    pub pool_size: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

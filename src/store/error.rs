@@ -41,20 +41,25 @@ pub enum StoreError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreSetupError {
-    #[error("cannot read the Redis password file {path}: {source}")]
+    #[error("cannot read the store password file {path}: {source}")]
     PasswordFile {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
     #[error("invalid Redis configuration: {0}")]
     Redis(String),
-    #[error("cannot read the Redis CA file {path}: {source}")]
+    #[error("cannot read the store CA file {path}: {source}")]
     CaFile {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
     #[error(transparent)]
     KeyFile(#[from] KeyFileError),
+    #[error("invalid PostgreSQL configuration: {0}")]
+    Postgres(String),
+    /// The PostgreSQL table is missing or of another shape (exit 1).
+    #[error("{0}")]
+    Schema(String),
 }
 
 impl StoreSetupError {

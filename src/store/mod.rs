@@ -18,6 +18,7 @@ mod error;
 mod memory;
 mod ops;
 mod pieces;
+pub mod postgres;
 mod redis;
 mod reply;
 mod sentinel;
@@ -45,6 +46,7 @@ use crate::workers::PerWorker;
 pub(crate) use self::backend::{Held, Operations};
 pub use self::error::{StoreError, StoreSetupError};
 pub(crate) use self::memory::MemoryStore;
+pub(crate) use self::postgres::PostgresStore;
 pub(crate) use self::redis::RedisStore;
 
 /// What `reserve` found.
@@ -153,6 +155,7 @@ where
 enum Inner {
     Memory(MemoryStore),
     Redis(Box<RedisStore>),
+    Postgres(Box<PostgresStore>),
 }
 
 /// A future that calls the same [`Operations`] method on whichever backend this is.
@@ -162,6 +165,7 @@ macro_rules! backend {
             match $inner {
                 Inner::Memory($b) => $call.await,
                 Inner::Redis($b) => $call.await,
+                Inner::Postgres($b) => $call.await,
             }
         }
     };
@@ -208,6 +212,7 @@ impl Store {
         let inner = match cfg.backend {
             Backend::Memory => Inner::Memory(MemoryStore::new(cfg.memory_limit)),
             Backend::Redis => Inner::Redis(Box::new(RedisStore::new(cfg, slots)?)),
+            Backend::Postgres => Inner::Postgres(Box::new(PostgresStore::new(cfg, slots)?)),
         };
         Ok(Store {
             inner,
@@ -284,6 +289,51 @@ impl Store {
 
     pub fn is_memory(&self) -> bool {
         matches!(self.inner, Inner::Memory(_))
+    }
+
+    /// PostgreSQL: is the table there, and as the proxy needs it? `Ok` for
+    /// the other stores, and when PostgreSQL cannot be reached (the proxy
+    /// starts, not ready, as with an unreachable Redis).
+    pub async fn check_schema(&self) -> Result<(), StoreSetupError> {
+        let Inner::Postgres(p) = &self.inner else {
+            return Ok(());
+        };
+        match p.check_schema().await {
+            Ok(()) => Ok(()),
+            Err(postgres::SchemaProblem::Unreachable(e)) => {
+                tracing::warn!(error = %e, "PostgreSQL cannot be reached yet: the table is checked by the first statements");
+                Ok(())
+            }
+            Err(e) => Err(StoreSetupError::Schema(e.to_string())),
+        }
+    }
+
+    /// PostgreSQL: one sweep of the expired rows now (in batches); how many
+    /// went. Nothing to do for the other stores.
+    pub async fn sweep_expired_once(&self) -> Result<u64, StoreError> {
+        match &self.inner {
+            Inner::Postgres(p) => p.sweep().await,
+            _ => Ok(0),
+        }
+    }
+
+    /// PostgreSQL: deletes expired rows every [`postgres::SWEEP_EVERY`], in
+    /// batches; runs until dropped. Returns at once for the other stores
+    /// (Redis and memory expire keys themselves).
+    pub async fn sweep_expired(&self) {
+        let Inner::Postgres(p) = &self.inner else {
+            return;
+        };
+        loop {
+            tokio::time::sleep(postgres::SWEEP_EVERY).await;
+            match p.sweep().await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(rows = n, "expired records deleted"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "deleting expired records failed; trying again later")
+                }
+            }
+        }
     }
 
     /// The store key of the record whose id is `digest` in hex, made once per

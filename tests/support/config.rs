@@ -9,7 +9,7 @@
 //! ```
 //! Tests whose subject is the configuration text itself (tests/config.rs) spell it out instead.
 
-use super::{Backend, RedisServer};
+use super::{Backend, PgServer, RedisServer};
 
 /// Routes most tests use, with their `[defaults]`; what a builder has until told otherwise.
 pub const ROUTES: &str = r#"
@@ -98,11 +98,23 @@ impl ConfigBuilder {
         self
     }
 
+    /// A PostgreSQL store on `server`.
+    pub fn postgres(self, server: &PgServer) -> Self {
+        self.postgres_url(&server.url())
+    }
+
+    /// A PostgreSQL store at `url` (several hosts, options).
+    pub fn postgres_url(mut self, url: &str) -> Self {
+        self.backend = format!("backend = \"postgres\"\nurl = \"{url}\"");
+        self
+    }
+
     /// The store a scenario runs on: the memory store, or `redis` (which must be given).
     pub fn backend(self, backend: Backend, redis: Option<&RedisServer>) -> Self {
         match (backend, redis) {
             (Backend::Redis, Some(r)) => self.redis(r),
             (Backend::Redis, None) => panic!("a Redis backend needs a redis-server"),
+            (Backend::Postgres, _) => panic!("a PostgreSQL backend needs ConfigBuilder::postgres"),
             (Backend::Memory, _) => self,
         }
     }

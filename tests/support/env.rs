@@ -1,5 +1,6 @@
-//! `Env`: the standard set a scenario runs against (a redis-server or not, the test
-//! upstream, the proxy, fault relays when asked for), and `on_both_backends!`.
+//! `Env`: the standard set a scenario runs against (a redis-server, a PostgreSQL
+//! server or neither, the test upstream, the proxy, fault relays when asked
+//! for), and `on_every_backend!`.
 //!
 //! The proxy is served in-process (`Proxy::in_process`: the library's `Server` in the
 //! test's runtime, its logs captured) unless the scenario asks for the binary
@@ -7,7 +8,8 @@
 
 use super::relay::Relay;
 use super::{
-    eventually, metric_at, ConfigBuilder, Proxy, RedisServer, TestUpstream, DEADLINE, ROUTES,
+    eventually, metric_at, ConfigBuilder, PgServer, Proxy, RedisServer, TestUpstream, DEADLINE,
+    ROUTES,
 };
 
 /// The store a scenario runs on.
@@ -15,10 +17,12 @@ use super::{
 pub enum Backend {
     Redis,
     Memory,
+    Postgres,
 }
 
 pub struct Env {
     pub redis: Option<RedisServer>,
+    pub postgres: Option<PgServer>,
     pub upstream: TestUpstream,
     pub proxy: Proxy,
     /// Between the proxy and Redis, when asked for.
@@ -100,7 +104,11 @@ impl EnvBuilder {
     pub async fn start(self) -> Env {
         let redis = match self.backend {
             Backend::Redis => Some(RedisServer::start().await),
-            Backend::Memory => None,
+            Backend::Memory | Backend::Postgres => None,
+        };
+        let postgres = match self.backend {
+            Backend::Postgres => Some(PgServer::start().await),
+            Backend::Memory | Backend::Redis => None,
         };
         let redis_relay = match (&redis, self.redis_relay) {
             (Some(r), true) => Some(Relay::start(([127, 0, 0, 1], r.port).into()).await),
@@ -127,6 +135,9 @@ impl EnvBuilder {
             (Some(r), None) => config = config.redis(r),
             (None, _) => {}
         }
+        if let Some(pg) = &postgres {
+            config = config.postgres(pg);
+        }
         if let Some(lines) = &self.telemetry {
             config = config.telemetry(lines);
         }
@@ -142,6 +153,7 @@ impl EnvBuilder {
         };
         Env {
             redis,
+            postgres,
             upstream,
             proxy,
             redis_relay,
@@ -178,11 +190,13 @@ impl Env {
         self.proxy.url(path)
     }
 
-    /// The store keys, when the store is Redis (the memory store cannot be looked into).
+    /// The store keys, when the store is Redis or PostgreSQL (the memory store
+    /// cannot be looked into).
     pub async fn store_keys(&self) -> Option<Vec<String>> {
-        match &self.redis {
-            Some(r) => Some(r.keys().await),
-            None => None,
+        match (&self.redis, &self.postgres) {
+            (Some(r), _) => Some(r.keys().await),
+            (_, Some(p)) => Some(p.keys().await),
+            (None, None) => None,
         }
     }
 
@@ -216,38 +230,29 @@ pub async fn metric(proxy: &Proxy, series: &str) -> f64 {
     metric_at(proxy.admin, series).await
 }
 
-/// Declares each scenario `async fn name(backend: Backend)` as a test on Redis and one on
-/// memory, on a two-thread runtime. Those after `current_thread:` run on the
-/// current-thread runtime instead: the one whose clock a scenario may pause
+/// Declares each scenario `async fn name(backend: Backend)` as a test on Redis, one on
+/// memory and one on PostgreSQL, on a two-thread runtime. Those after `current_thread:`
+/// run on the current-thread runtime instead: the one whose clock a scenario may pause
 /// (`tokio::time::pause`, see tests/support/inprocess.rs).
 #[macro_export]
-macro_rules! on_both_backends {
+macro_rules! on_every_backend {
     ($($name:ident),* $(,)? $(; current_thread: $($paused:ident),+ $(,)?)?) => {
-        mod on_redis {
+        $crate::on_every_backend!(@on on_redis, Redis; $($name),* $(; current_thread: $($paused),+)?);
+        $crate::on_every_backend!(@on on_memory, Memory; $($name),* $(; current_thread: $($paused),+)?);
+        $crate::on_every_backend!(@on on_postgres, Postgres; $($name),* $(; current_thread: $($paused),+)?);
+    };
+    (@on $module:ident, $backend:ident; $($name:ident),* $(; current_thread: $($paused:ident),+)?) => {
+        mod $module {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    super::$name($crate::support::Backend::Redis).await
+                    super::$name($crate::support::Backend::$backend).await
                 }
             )*
             $($(
                 #[tokio::test]
                 async fn $paused() {
-                    super::$paused($crate::support::Backend::Redis).await
-                }
-            )+)?
-        }
-        mod on_memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name($crate::support::Backend::Memory).await
-                }
-            )*
-            $($(
-                #[tokio::test]
-                async fn $paused() {
-                    super::$paused($crate::support::Backend::Memory).await
+                    super::$paused($crate::support::Backend::$backend).await
                 }
             )+)?
         }

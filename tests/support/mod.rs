@@ -4,6 +4,7 @@
 //! - `certs`: a CA and server certificates made with openssl;
 //! - `curl`: the curl command line and its answer;
 //! - `redis`: a `redis-server` of the test's own, and cluster, sentinel and replica setups;
+//! - `postgres`: a PostgreSQL server of the test's own, and a synchronous standby of it;
 //! - `upstream`: a programmable upstream (`TestUpstream`) that counts and holds requests;
 //! - `proxy`: the proxy under test (`Proxy`): the `idemproxy` binary as a child process,
 //!   or the library's server in the test's runtime;
@@ -11,7 +12,7 @@
 //! - `inprocess`: the proxy started from the library, for tests that pause time;
 //! - `client`: a small HTTP client (`Call`, `Resp`, raw sockets);
 //! - `config`: `ConfigBuilder`, the configuration text tests start the proxy with;
-//! - `env`: `Env`, a standard set of the above, and `on_both_backends!`;
+//! - `env`: `Env`, a standard set of the above, and `on_every_backend!`;
 //! - `relay`: a fault-injecting TCP relay;
 //! - `peers`: client peers in Python (grpcio, urllib3) run as subprocesses;
 //! - `otel`: OpenTelemetry peers: a real OTLP receiver, the Python SDK's client, spans read back.
@@ -30,6 +31,7 @@ mod inprocess;
 mod logs;
 mod otel;
 mod peers;
+mod postgres;
 mod process;
 mod proxy;
 mod redis;
@@ -45,6 +47,7 @@ pub use inprocess::*;
 pub use logs::*;
 pub use otel::*;
 pub use peers::*;
+pub use postgres::*;
 pub use process::*;
 pub use proxy::*;
 pub use redis::*;

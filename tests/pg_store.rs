@@ -1,0 +1,408 @@
+//! The PostgreSQL store's own behaviour: the table is explicit (`--init-store`,
+//! the start-up check), expired rows are never served and are swept in
+//! batches, and store faults (the server gone, a statement that cannot
+//! finish in `op_timeout`) are handled as on Redis. The scenarios every
+//! store shares run on PostgreSQL through `on_every_backend!`.
+
+mod support;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use support::*;
+
+fn idemproxy(config: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .env_remove("IDEMPROXY_CONFIG")
+        .env_remove("IDEMPROXY_REDIS_URL")
+        .env_remove("IDEMPROXY_POSTGRES_PASSWORD")
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .output()
+        .expect("run idemproxy")
+}
+
+fn assert_exit(out: &Output, code: i32) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "stderr: {stderr}");
+    stderr
+}
+
+fn config_file(dir: &std::path::Path, store: &str) -> std::path::PathBuf {
+    let path = dir.join("idemproxy.toml");
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:1\"\n[store]\n{store}\n"
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_table_stops_the_start_and_init_store_creates_it_once() {
+    let pg = PgServer::start().await;
+    pg.drop_table().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_file(
+        dir.path(),
+        &format!("backend = \"postgres\"\nurl = \"{}\"", pg.url()),
+    );
+    // `--check` does not contact the store.
+    assert_exit(&idemproxy(&config, &["--check"]), 0);
+    // No table: exit 1, naming what to run; nothing is created.
+    let stderr = assert_exit(&idemproxy(&config, &[]), 1);
+    assert!(
+        stderr.contains("--init-store") && stderr.contains("deploy/postgres/schema.sql"),
+        "{stderr}"
+    );
+    assert!(pg
+        .query("SELECT to_regclass('idemproxy_records')::text")
+        .await[0]
+        .get::<_, Option<String>>(0)
+        .is_none());
+    // Created, then again: nothing to do, the same answer.
+    for _ in 0..2 {
+        let out = idemproxy(&config, &["--init-store"]);
+        assert_exit(&out, 0);
+        assert!(String::from_utf8_lossy(&out.stdout).contains("is ready"));
+    }
+    assert_eq!(pg.keys().await.len(), 0);
+    // A table of another shape is not touched, and stops the start.
+    pg.client()
+        .await
+        .batch_execute("ALTER TABLE idemproxy_records DROP COLUMN finished")
+        .await
+        .unwrap();
+    let stderr = assert_exit(&idemproxy(&config, &["--init-store"]), 1);
+    assert!(stderr.contains("\"finished\""), "{stderr}");
+    let stderr = assert_exit(&idemproxy(&config, &[]), 1);
+    assert!(stderr.contains("\"finished\""), "{stderr}");
+}
+
+#[test]
+fn init_store_exits_1_when_the_store_is_unreachable_2_when_invalid_0_for_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let unreachable = config_file(
+        dir.path(),
+        &format!("backend = \"postgres\"\nurl = \"postgres://postgres@127.0.0.1:{port}/postgres\""),
+    );
+    let stderr = assert_exit(&idemproxy(&unreachable, &["--init-store"]), 1);
+    assert!(stderr.contains("unreachable"), "{stderr}");
+    for (bad, key) in [
+        ("url = \"redis://127.0.0.1:6379\"", "store.url"),
+        ("table = \"Robert'); DROP TABLE x\"", "store.table"),
+        ("sslmode = \"sometimes\"", "store.sslmode"),
+        ("sslmode = \"verify-full\"", "store.sslmode"),
+        ("pool_size = 0", "store.pool_size"),
+    ] {
+        let config = config_file(dir.path(), &format!("backend = \"postgres\"\n{bad}"));
+        for args in [&["--init-store"][..], &["--check"][..]] {
+            let stderr = assert_exit(&idemproxy(&config, args), 2);
+            assert!(stderr.contains(key), "{bad}: {stderr}");
+        }
+    }
+    for store in ["backend = \"memory\"", "backend = \"redis\""] {
+        let config = config_file(dir.path(), store);
+        let out = idemproxy(&config, &["--init-store"]);
+        assert_exit(&out, 0);
+        assert!(String::from_utf8_lossy(&out.stdout).contains("nothing to do"));
+    }
+}
+
+/// An expired row is never served (the reserve takes it over as if the key
+/// were free; a read does not find it), and the sweep deletes expired rows
+/// in batches, leaving live ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_rows_are_never_served_and_are_swept_in_batches() {
+    use idemproxy::record::{Finished, Record, Token};
+    use idemproxy::store::Reservation;
+
+    let pg = PgServer::start().await;
+    let text = ConfigBuilder::new("http://127.0.0.1:1")
+        .postgres(&pg)
+        .build();
+    let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
+    let metrics = std::sync::Arc::new(idemproxy::metrics::Metrics::new());
+    let store = idemproxy::store::Store::new(&cfg.store, metrics, 1).unwrap();
+    let key = store.key_for("expired");
+    let old = Token::new();
+    let finished = Record::Finished(Finished {
+        token: old,
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+        trace: None,
+        completed_ms: 2,
+        status: 201,
+        body_stored: true,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"stale"),
+        trailers: vec![],
+    })
+    .encode();
+    // A finished record whose TTL ended a second ago, not yet swept.
+    let client = pg.client().await;
+    client
+        .execute(
+            "INSERT INTO idemproxy_records VALUES ($1, $2, $3, true, now() - interval '1 second')",
+            &[&key, &&finished[..], &&old.0[..]],
+        )
+        .await
+        .unwrap();
+    assert!(
+        store.get(&key).await.unwrap().is_none(),
+        "an expired record was read"
+    );
+    assert_eq!(store.pttl(&key).await.unwrap(), Duration::ZERO);
+    let mine = Token::new();
+    let r = store
+        .reserve(&key, processing(mine), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        matches!(r, Reservation::Reserved),
+        "an expired record was served: {r:?}"
+    );
+    assert!(store
+        .renew(&key, mine, Duration::from_secs(5))
+        .await
+        .unwrap());
+
+    // 1 234 expired rows and our live one: the sweep takes the expired ones
+    // in batches (500, 500, 234), each a statement of its own.
+    client
+        .execute(
+            "INSERT INTO idemproxy_records SELECT 'idemproxy:old' || i, '\\x00', '\\x00', true, \
+             now() - interval '1 minute' FROM generate_series(1, 1234) i",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.sweep_expired_once().await.unwrap(), 1234);
+    assert_eq!(pg.keys().await, vec![key.clone()], "the live row stays");
+    let rows: i64 = client
+        .query_one("SELECT count(*) FROM idemproxy_records", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1);
+    assert_eq!(store.sweep_expired_once().await.unwrap(), 0);
+}
+
+/// A reservation as the request path writes it (the store only reads its token).
+fn processing(token: idemproxy::record::Token) -> bytes::Bytes {
+    let mut v = vec![1u8, idemproxy::record::STATE_PROCESSING];
+    v.extend_from_slice(&token.0);
+    v.resize(64, 0);
+    bytes::Bytes::from(v)
+}
+
+const ROUTES: &str = r#"
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+lease = "10s"
+"#;
+
+/// The server goes away: protected routes answer 503 (`on_store_error =
+/// "reject"`) at once, and work again once it is back, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_gives_503_then_recovers_without_a_proxy_restart() {
+    let mut env = Env::builder(Backend::Postgres)
+        .routes(ROUTES)
+        .store("op_timeout = \"300ms\"")
+        .start()
+        .await;
+    let url = env.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("k-before").body("x").await.status, 201);
+    env.postgres.as_mut().unwrap().kill();
+    for _ in 0..3 {
+        let r = Call::post(&url).key("k-during").body("x").await;
+        assert_eq!(r.status, 503);
+    }
+    env.postgres.as_mut().unwrap().restart().await;
+    eventually("protected routes to work again", DEADLINE, || {
+        let url = url.clone();
+        async move { (Call::post(&url).key("k-after").body("x").await.status == 201).then_some(()) }
+    })
+    .await;
+    assert!(Call::post(&url).key("k-after").body("x").await.is_replay());
+    assert!(Call::post(&url).key("k-before").body("x").await.is_replay());
+    assert_eq!(env.upstream.hits(), 2);
+}
+
+/// The table is locked while the upstream answers: the completion's
+/// statement cannot finish within `op_timeout` (the server cancels it at its
+/// `statement_timeout`), the client has its answer at once, and the
+/// completion is retried in the background until the lock goes; the record
+/// is stored, and a retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_times_out_is_retried_in_the_background() {
+    let env = Env::builder(Backend::Postgres)
+        .routes(ROUTES)
+        .store("op_timeout = \"200ms\"")
+        .start()
+        .await;
+    let pg = env.postgres.as_ref().unwrap();
+    let url = env.url("/v1/payments");
+    let first = Call::post(&url)
+        .key("k-locked")
+        .header("x-test-hold", "1")
+        .spawn("x");
+    env.upstream.wait_hits(1).await;
+    let mut locker = pg.client().await;
+    let tx = locker.transaction().await.unwrap();
+    tx.batch_execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    env.upstream.release(1);
+    let r = first.await.unwrap();
+    assert_eq!(
+        r.status, 201,
+        "answered although the completion cannot be written"
+    );
+    env.metric_reaching("idemproxy_store_errors_total{op=\"complete\"}", 1.0)
+        .await;
+    tx.commit().await.unwrap();
+    env.proxy
+        .wait_log("record stored after the store recovered")
+        .await;
+    let retry = Call::post(&url).key("k-locked").body("x").await;
+    assert!(retry.is_replay(), "{}", retry.status);
+    assert_eq!(env.upstream.hits(), 1, "executed once");
+}
+
+/// The statements the proxy ran on its table (pg_stat_statements), but the
+/// readiness ping and the sweep.
+async fn statements(pg: &PgServer) -> i64 {
+    pg.query(
+        "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements \
+         WHERE query LIKE '%idemproxy_records%' AND query NOT LIKE '%LIMIT 0%' \
+         AND query NOT LIKE '%SKIP LOCKED%' AND query NOT LIKE '%pg_stat_statements%'",
+    )
+    .await[0]
+        .get(0)
+}
+
+/// A new key is two statements (reserve, complete), a replay one: each
+/// operation one statement, so one round trip once prepared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_is_two_statements_and_a_replay_one() {
+    let pg = PgServer::start_with(&[
+        "fsync=off",
+        "shared_preload_libraries=pg_stat_statements",
+        "pg_stat_statements.track=all",
+    ])
+    .await;
+    pg.client()
+        .await
+        .batch_execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
+    let upstream = TestUpstream::start().await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    let before = statements(&pg).await;
+    assert_eq!(Call::post(&url).key("k-rt").body("x").await.status, 201);
+    // The completion may end just after the answer.
+    let after_new = eventually("the completion's statement", DEADLINE, || async {
+        let n = statements(&pg).await;
+        (n >= before + 2).then_some(n)
+    })
+    .await;
+    assert_eq!(after_new - before, 2, "a new key: reserve and complete");
+    assert!(Call::post(&url).key("k-rt").body("x").await.is_replay());
+    assert_eq!(
+        statements(&pg).await - after_new,
+        1,
+        "a replay: the reserve"
+    );
+}
+
+/// TLS to PostgreSQL: with `sslmode = "verify-full"` and the CA, the proxy's
+/// connections are encrypted (pg_stat_ssl says so); with a CA that did not
+/// sign the server's certificate, no connection is made (not ready, 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_postgres_is_verified_against_the_ca_file() {
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path());
+    make_ca(certs.path(), "other");
+    // The server reads its key as the postgres user, and wants it private.
+    for (path, mode) in [("server.key", "600"), ("server.pem", "644"), (".", "755")] {
+        let p = certs.path().join(path);
+        let ok = Command::new("chmod")
+            .arg(mode)
+            .arg(&p)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    }
+    let _ = Command::new("chown")
+        .args(["postgres:postgres"])
+        .arg(certs.path().join("server.key"))
+        .status();
+    let cert = format!(
+        "ssl_cert_file={}",
+        certs.path().join("server.pem").display()
+    );
+    let key = format!("ssl_key_file={}", certs.path().join("server.key").display());
+    let pg = PgServer::start_with(&["fsync=off", "ssl=on", &cert, &key]).await;
+    let upstream = TestUpstream::start().await;
+    let store = |ca: &str| {
+        format!(
+            "sslmode = \"verify-full\"\ntls_ca_file = \"{}\"\nop_timeout = \"300ms\"",
+            certs.path().join(ca).display()
+        )
+    };
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store(&store("ca.pem"))
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("k-tls").body("x").await.status, 201);
+    assert!(Call::post(&url).key("k-tls").body("x").await.is_replay());
+    let rows = pg
+        .query(
+            "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE a.application_name = 'idemproxy'",
+        )
+        .await;
+    assert!(!rows.is_empty(), "the proxy's connections are listed");
+    assert!(
+        rows.iter().all(|r| r.get::<_, bool>(0)),
+        "every connection of the proxy is TLS"
+    );
+    drop(proxy);
+
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store(&store("other.pem"))
+        .routes(ROUTES)
+        .build();
+    // The binary, waited for until it listens (it never becomes ready).
+    let proxy = Proxy::spawn(&text, &[]).await;
+    let failed = proxy.wait_log("store ping failed").await;
+    assert!(
+        failed["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("certificate")),
+        "{failed}"
+    );
+    let r = Call::post(&proxy.url("/v1/payments"))
+        .key("k-wrong-ca")
+        .body("x")
+        .await;
+    assert_eq!(
+        r.status, 503,
+        "no connection to a server the CA did not sign"
+    );
+    assert_eq!(upstream.hits(), 1);
+}
