@@ -60,7 +60,12 @@ struct Cli {
     )]
     redis_url: Option<String>,
     /// What the proxy speaks to the upstream (overrides server.upstream_protocol).
-    #[arg(long, env = "IDEMPROXY_UPSTREAM_PROTOCOL", value_enum, value_name = "PROTOCOL")]
+    #[arg(
+        long,
+        env = "IDEMPROXY_UPSTREAM_PROTOCOL",
+        value_enum,
+        value_name = "PROTOCOL"
+    )]
     upstream_protocol: Option<UpstreamProtocolArg>,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value = "text")]
@@ -260,7 +265,10 @@ fn run_inject(args: InjectArgs) -> ExitCode {
             }
             use std::io::Write;
             let mut out = std::io::stdout().lock();
-            if let Err(e) = out.write_all(done.output.as_bytes()).and_then(|()| out.flush()) {
+            if let Err(e) = out
+                .write_all(done.output.as_bytes())
+                .and_then(|()| out.flush())
+            {
                 eprintln!("idemproxy inject: cannot write the output: {e}");
                 return ExitCode::from(EXIT_START);
             }
@@ -324,8 +332,7 @@ fn run_injector(args: InjectorArgs) -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let injector = match inject::webhook::Injector::bind(&args.listen, &files, settings).await
-        {
+        let injector = match inject::webhook::Injector::bind(&args.listen, &files, settings).await {
             Ok(i) => i,
             Err(e) => {
                 tracing::error!("cannot start: {e}");

@@ -83,11 +83,7 @@ impl At {
         match self.item {
             None => d.value = new,
             Some(i) => {
-                if let Some(slot) = d
-                    .value
-                    .get_mut("items")
-                    .and_then(|items| items.get_mut(i))
-                {
+                if let Some(slot) = d.value.get_mut("items").and_then(|items| items.get_mut(i)) {
                     *slot = new;
                 }
             }
@@ -309,19 +305,18 @@ pub fn inject_manifests(
             .iter()
             .flat_map(|s| service_ports(s.get(&docs)))
             .collect();
-        let outcome =
-            inject_pod(template, owner.as_ref(), &ports, settings).map_err(|error| {
-                let mut field = path.join(".");
-                if field.is_empty() {
-                    field.push_str("(pod)");
-                }
-                ManifestError::Field {
-                    doc: at.doc + 1,
-                    what: what.clone(),
-                    field,
-                    error,
-                }
-            })?;
+        let outcome = inject_pod(template, owner.as_ref(), &ports, settings).map_err(|error| {
+            let mut field = path.join(".");
+            if field.is_empty() {
+                field.push_str("(pod)");
+            }
+            ManifestError::Field {
+                doc: at.doc + 1,
+                what: what.clone(),
+                field,
+                error,
+            }
+        })?;
         match outcome {
             Outcome::Injected(change) => {
                 injected += 1;

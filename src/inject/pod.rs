@@ -23,14 +23,7 @@ const WELL_KNOWN_NOT_HTTP: [u16; 9] = [6379, 5432, 3306, 27017, 11211, 9042, 218
 /// Port-name prefixes that say "not HTTP" (on a Service port or a container port).
 const NOT_HTTP_NAMES: [&str; 5] = ["tcp", "redis", "mongo", "mysql", "postgres"];
 /// `appProtocol` values that are HTTP (anything else is not taken).
-const HTTP_PROTOCOLS: [&str; 6] = [
-    "http",
-    "https",
-    "http2",
-    "h2c",
-    "grpc",
-    "kubernetes.io/h2c",
-];
+const HTTP_PROTOCOLS: [&str; 6] = ["http", "https", "http2", "h2c", "grpc", "kubernetes.io/h2c"];
 
 /// A Service port that selects the pod, as the injection needs it.
 #[derive(Clone, Debug)]
@@ -171,7 +164,9 @@ pub fn inject_pod(
         return Ok(Outcome::Skipped(format!("port {} is not TCP", p.number)));
     }
     let h2 = targeting.iter().any(|s| s.is_h2())
-        || app.and_then(|p| p.name.as_deref()).is_some_and(|n| n.starts_with("grpc"));
+        || app
+            .and_then(|p| p.name.as_deref())
+            .is_some_and(|n| n.starts_with("grpc"));
 
     let used = used_ports(spec);
     if used.contains(&settings.admin_port) {
@@ -245,7 +240,9 @@ fn from_services(ports: &[AppPort], services: &[ServicePort]) -> Result<u16, Str
         let Some(n) = resolve(ports, &s.target) else {
             continue;
         };
-        let list = if s.is_http() {
+        // An unnamed port of Redis, PostgreSQL... is not taken on the Service's silence.
+        let silent = s.name.is_none() && s.app_protocol.is_none();
+        let list = if s.is_http() && !(silent && WELL_KNOWN_NOT_HTTP.contains(&n)) {
             &mut http
         } else {
             &mut not_http
@@ -369,7 +366,13 @@ fn port_names(spec: &Value) -> Vec<String> {
     let mut names = Vec::new();
     for c in containers(spec, "containers").chain(containers(spec, "initContainers")) {
         let ports = c.get("ports").and_then(Value::as_sequence);
-        names.extend(ports.into_iter().flatten().filter_map(name_of).map(str::to_owned));
+        names.extend(
+            ports
+                .into_iter()
+                .flatten()
+                .filter_map(name_of)
+                .map(str::to_owned),
+        );
     }
     names
 }

@@ -190,11 +190,17 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
         }
         _ => return text(StatusCode::NOT_FOUND, ""),
     };
-    let body = match Limited::new(req.into_body(), MAX_REVIEW_BYTES).collect().await {
+    let body = match Limited::new(req.into_body(), MAX_REVIEW_BYTES)
+        .collect()
+        .await
+    {
         Ok(b) => b.to_bytes(),
         Err(e) => {
             count(shared, "malformed");
-            return text(StatusCode::BAD_REQUEST, format!("cannot read the body: {e}\n"));
+            return text(
+                StatusCode::BAD_REQUEST,
+                format!("cannot read the body: {e}\n"),
+            );
         }
     };
     match review(shared, &body, scope) {
