@@ -350,16 +350,46 @@ fn run_injector(args: InjectorArgs) -> ExitCode {
     })
 }
 
+/// The injector's certificate is re-read on SIGHUP, and when its files change:
+/// in Kubernetes, cert-manager renews it into a mounted Secret and no one sends a signal.
 async fn reload_injector_certificate(certificates: Arc<Certificates>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        tracing::warn!("cannot listen for SIGHUP; certificate reload is off");
-        return;
+    let mut hup = signal(SignalKind::hangup()).ok();
+    if hup.is_none() {
+        tracing::warn!(
+            "cannot listen for SIGHUP; the certificate is re-read when its files change"
+        );
+    }
+    let stamp = |files: &idemproxy::config::TlsFiles| {
+        let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        (modified(&files.cert_file), modified(&files.key_file))
     };
-    while hup.recv().await.is_some() {
+    let mut seen = stamp(certificates.files());
+    let mut tick = tokio::time::interval(INJECTOR_CERT_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let signalled = async {
+            match hup.as_mut() {
+                Some(hup) => hup.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            s = signalled => if s.is_none() { hup = None; continue },
+            _ = tick.tick() => {
+                let now = stamp(certificates.files());
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+            }
+        }
         reload_certificate(certificates.clone()).await;
     }
 }
+
+/// How often the injector looks at its certificate files' modification times.
+const INJECTOR_CERT_POLL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A file the configuration names was read and is wrong (a certificate that
 /// is not PEM, a malformed key file): exit 2, as for the configuration itself.

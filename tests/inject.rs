@@ -39,7 +39,8 @@ fn inject(args: &[&str], input: &str) -> Output {
     let text = input.to_owned();
     let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
     let out = child.wait_with_output().expect("idemproxy inject");
-    writer.join().expect("writer").expect("write stdin");
+    // A process that exits before reading (a bad --config) closes the pipe: not an error here.
+    let _ = writer.join().expect("writer");
     out
 }
 
@@ -564,4 +565,16 @@ fn unreadable_input_exits_2_without_output() {
     // A file that does not exist.
     let out = inject(&["/nonexistent/manifests.yaml"], "");
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn the_shipped_kubernetes_config_is_accepted() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/kubernetes.toml");
+    let (output, _) = injected(&["--config", config], NAMED);
+    let after = documents(&output);
+    assert_eq!(kind(&after[2]), "ConfigMap");
+    assert_eq!(
+        after[2]["data"]["idemproxy.toml"].as_str(),
+        Some(std::fs::read_to_string(config).unwrap().as_str())
+    );
 }
