@@ -578,3 +578,35 @@ fn the_shipped_kubernetes_config_is_accepted() {
         Some(std::fs::read_to_string(config).unwrap().as_str())
     );
 }
+
+/// Kubernetes reads YAML 1.1, where a plain `on`, `no`, `y`, `012` or `1:20`
+/// is not a string: a rewritten document quotes them. PyYAML (YAML 1.1, as
+/// kubernetes-validate reads it) sees the same values before and after.
+#[test]
+fn rewritten_documents_read_the_same_in_yaml_1_1() {
+    let input = fixture("yaml-1.1-strings.yaml");
+    let (output, _) = injected(&[], &input);
+    assert!(sidecar(&documents(&output)[0]).is_some());
+    assert_valid(&output);
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("in.yaml"), dir.path().join("out.yaml"));
+    std::fs::write(&a, &input).unwrap();
+    std::fs::write(&b, &output).unwrap();
+    let script = "import sys, yaml\n\
+                  a, b = (yaml.safe_load(open(p)) for p in sys.argv[1:])\n\
+                  assert a['metadata'] == b['metadata'], (a['metadata'], b['metadata'])\n\
+                  ca = a['spec']['template']['spec']['containers']\n\
+                  cb = b['spec']['template']['spec']['containers']\n\
+                  assert ca == cb, (ca, cb)\n";
+    let out = Command::new(support::peer_python())
+        .args(["-c", script])
+        .arg(&a)
+        .arg(&b)
+        .output()
+        .expect("python");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -7,6 +7,7 @@
 
 use serde_norway::{Mapping, Value};
 
+use super::emit::to_yaml;
 use super::pod::{inject_pod, FieldError, Outcome, ServicePort};
 use super::{PortRef, Settings};
 
@@ -360,7 +361,7 @@ pub fn inject_manifests(
     let output = if json {
         render_json(text, docs.remove(0), config_maps)?
     } else {
-        render_yaml(&docs, config_maps)?
+        render_yaml(&docs, config_maps)
     };
     Ok(Injected {
         output,
@@ -410,32 +411,24 @@ fn config_map(name: &str, namespace: Option<&str>, config: &str) -> Value {
     cm.into()
 }
 
-fn render_yaml(docs: &[Document], extra: Vec<Value>) -> Result<String, ManifestError> {
+fn render_yaml(docs: &[Document], extra: Vec<Value>) -> String {
     let mut out = String::new();
-    for (i, d) in docs.iter().enumerate() {
+    for d in docs {
         if d.changed {
-            let text = serde_norway::to_string(&d.value).map_err(|e| ManifestError::Write {
-                doc: i + 1,
-                message: e.to_string(),
-            })?;
             out.push_str(d.head);
-            out.push_str(&text);
+            out.push_str(&to_yaml(&d.value));
         } else {
             out.push_str(d.text);
         }
     }
-    for (i, v) in extra.iter().enumerate() {
-        let text = serde_norway::to_string(v).map_err(|e| ManifestError::Write {
-            doc: docs.len() + i + 1,
-            message: e.to_string(),
-        })?;
+    for v in &extra {
         if !out.is_empty() && !out.ends_with('\n') {
             out.push('\n');
         }
         out.push_str("---\n");
-        out.push_str(&text);
+        out.push_str(&to_yaml(v));
     }
-    Ok(out)
+    out
 }
 
 fn render_json(text: &str, doc: Document, extra: Vec<Value>) -> Result<String, ManifestError> {

@@ -10,6 +10,7 @@
 
 use std::fmt;
 
+mod emit;
 pub mod manifests;
 pub mod pod;
 pub mod webhook;
