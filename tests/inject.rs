@@ -610,3 +610,40 @@ fn rewritten_documents_read_the_same_in_yaml_1_1() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The arguments the sidecar is given start the proxy: `--check` with the
+/// shipped ConfigMap file in place of the mounted one, for an HTTP/1.1 and a gRPC workload.
+#[test]
+fn the_sidecar_arguments_are_accepted_by_the_proxy() {
+    let (output, _) = injected(&[], &fixture(MICROSERVICES));
+    let after = documents(&output);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/kubernetes.toml");
+    for name_ in ["frontend", "adservice"] {
+        let w = after
+            .iter()
+            .find(|d| kind(d) == "Deployment" && name(d) == name_)
+            .unwrap();
+        let args: Vec<String> = seq(&sidecar(w).unwrap()["args"])
+            .iter()
+            .map(|a| {
+                a.as_str()
+                    .unwrap()
+                    .replace("/etc/idemproxy/idemproxy.toml", config)
+            })
+            .collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .env_remove("IDEMPROXY_CONFIG")
+            .args(&args)
+            .arg("--check")
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("listen 0.0.0.0:15080"), "{stdout}");
+    }
+}

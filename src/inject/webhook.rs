@@ -17,7 +17,7 @@ use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -32,7 +32,7 @@ use crate::tls::{Certificates, Tls, TlsError};
 
 /// The API server sends at most a few MiB (an object is at most 1.5 MiB in etcd).
 const MAX_REVIEW_BYTES: usize = 4 << 20;
-/// A TLS handshake and the request headers must come within this.
+/// A TLS handshake, the request headers and the body must each come within this.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// What happened to one review, for the `idemproxy_injector_reviews_total` counter.
@@ -151,7 +151,13 @@ impl Injector {
                     let shared = shared.clone();
                     async move { Ok::<_, Infallible>(handle(&shared, req).await) }
                 });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let mut builder =
+                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                // Without a timer hyper's header timeout is silently off.
+                builder
+                    .http1()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HANDSHAKE_DEADLINE);
                 if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
                     tracing::debug!(error = %e, "connection ended");
                 }
@@ -190,16 +196,21 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
         }
         _ => return text(StatusCode::NOT_FOUND, ""),
     };
-    let body = match Limited::new(req.into_body(), MAX_REVIEW_BYTES)
-        .collect()
-        .await
-    {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
+    let collect = Limited::new(req.into_body(), MAX_REVIEW_BYTES).collect();
+    let body = match tokio::time::timeout(HANDSHAKE_DEADLINE, collect).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) => {
             count(shared, "malformed");
             return text(
                 StatusCode::BAD_REQUEST,
                 format!("cannot read the body: {e}\n"),
+            );
+        }
+        Err(_) => {
+            count(shared, "malformed");
+            return text(
+                StatusCode::REQUEST_TIMEOUT,
+                "the body did not come in time\n",
             );
         }
     };
