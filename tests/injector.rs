@@ -287,6 +287,22 @@ async fn an_annotated_pod_gets_the_same_sidecar_as_inject_gives() {
     assert!(again.get("patch").is_none(), "{again}");
     assert_eq!(injector.metric("injected").await, 1);
     assert_eq!(injector.metric("already_injected").await, 1);
+    // A pod with init containers of its own: the sidecar goes first, theirs after it.
+    let mut with_init = pod.clone();
+    with_init["spec"]["initContainers"] = json!([
+        {"name": "wait-for-db", "image": "busybox:1.36", "command": ["sh", "-c", "true"]},
+        {"name": "migrate", "image": "example/migrate:1"}
+    ]);
+    let response = injector.review("/mutate", &with_init).await;
+    let patched = apply(&with_init, &response);
+    assert_eq!(patched, inject(&with_init));
+    let names: Vec<&str> = patched["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["idemproxy", "wait-for-db", "migrate"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
