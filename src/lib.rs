@@ -96,5 +96,8 @@ pub mod metrics;
 // Distributed tracing: spans exported over OTLP (`[telemetry]`).
 pub mod telemetry;
 
+// Kubernetes: the sidecar added to workloads (`idemproxy inject`, `idemproxy injector`).
+pub mod inject;
+
 #[cfg(test)]
 mod sizes;

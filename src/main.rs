@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, ValueEnum};
-use idemproxy::config::{Backend, Config, HumanDuration, Overrides, Runtime};
+use clap::{Parser, Subcommand, ValueEnum};
+use idemproxy::config::{Backend, Config, HumanDuration, Overrides, Runtime, UpstreamProtocol};
+use idemproxy::inject::{self, PortRef};
 use idemproxy::seal;
 use idemproxy::server::{Server, StartError};
 use idemproxy::store::postgres;
@@ -18,10 +19,30 @@ enum LogFormat {
     Json,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum UpstreamProtocolArg {
+    Http1,
+    H2c,
+    Auto,
+}
+
+impl From<UpstreamProtocolArg> for UpstreamProtocol {
+    fn from(p: UpstreamProtocolArg) -> UpstreamProtocol {
+        match p {
+            UpstreamProtocolArg::Http1 => UpstreamProtocol::Http1,
+            UpstreamProtocolArg::H2c => UpstreamProtocol::H2c,
+            UpstreamProtocolArg::Auto => UpstreamProtocol::Auto,
+        }
+    }
+}
+
 /// An idempotency-key reverse proxy: makes chosen routes of an HTTP API safe to retry.
 #[derive(Debug, Parser)]
 #[command(name = "idemproxy", version)]
 struct Cli {
+    /// Without a subcommand, the proxy runs.
+    #[command(subcommand)]
+    command: Option<Command>,
     /// TOML configuration file.
     #[arg(long, env = "IDEMPROXY_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
@@ -39,6 +60,14 @@ struct Cli {
         hide_env_values = true
     )]
     redis_url: Option<String>,
+    /// What the proxy speaks to the upstream (overrides server.upstream_protocol).
+    #[arg(
+        long,
+        env = "IDEMPROXY_UPSTREAM_PROTOCOL",
+        value_enum,
+        value_name = "PROTOCOL"
+    )]
+    upstream_protocol: Option<UpstreamProtocolArg>,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -50,6 +79,60 @@ struct Cli {
     /// refused or is unreachable, 2 invalid configuration.
     #[arg(long)]
     init_store: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Adds the idemproxy sidecar to the workloads of Kubernetes manifests (YAML or JSON):
+    /// manifests in, manifests out, for `kubectl apply -f -`.
+    Inject(InjectArgs),
+    /// Serves the mutating admission webhook that adds the sidecar to Pods as they are created.
+    Injector(InjectorArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct InjectArgs {
+    /// A configuration file for the sidecars: checked, and emitted as the ConfigMap unless the
+    /// input has one by that name.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// The ConfigMap the sidecar reads idemproxy.toml from.
+    #[arg(long, value_name = "NAME", default_value = inject::DEFAULT_CONFIG_MAP)]
+    config_map: String,
+    /// The sidecar's image.
+    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
+    image: String,
+    /// The port to protect in every workload, by name or number.
+    #[arg(long, value_name = "NAME|NUMBER")]
+    port: Option<String>,
+    /// The manifests; `-` or nothing reads standard input.
+    #[arg(value_name = "MANIFESTS")]
+    manifests: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+struct InjectorArgs {
+    /// Address to listen on (HTTPS).
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:8443")]
+    listen: String,
+    /// PEM certificate chain the webhook presents (re-read on SIGHUP).
+    #[arg(long, value_name = "FILE")]
+    tls_cert_file: PathBuf,
+    /// PEM private key of the certificate (re-read on SIGHUP).
+    #[arg(long, value_name = "FILE")]
+    tls_key_file: PathBuf,
+    /// The ConfigMap the sidecar reads idemproxy.toml from.
+    #[arg(long, value_name = "NAME", default_value = inject::DEFAULT_CONFIG_MAP)]
+    config_map: String,
+    /// The sidecar's image.
+    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
+    image: String,
+    /// The proxy's admin port in the ConfigMap's configuration (admin_listen), for the probes.
+    #[arg(long, value_name = "PORT", default_value_t = inject::DEFAULT_ADMIN_PORT)]
+    admin_port: u16,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
 }
 
 /// Exit status for invalid usage or configuration.
@@ -77,10 +160,16 @@ fn init_logging(format: LogFormat) {
 fn main() -> ExitCode {
     idemproxy::serve::one_arena();
     let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Inject(args)) => return run_inject(args),
+        Some(Command::Injector(args)) => return run_injector(args),
+        None => {}
+    }
     let overrides = Overrides {
         listen: cli.listen.clone(),
         upstream: cli.upstream.clone(),
         redis_url: cli.redis_url.clone(),
+        upstream_protocol: cli.upstream_protocol.map(UpstreamProtocol::from),
     };
     let config = match Config::load(cli.config.as_deref(), &overrides) {
         Ok(c) => c,
@@ -143,6 +232,173 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     })
 }
+
+/// `idemproxy inject`: the whole output is built before any of it is written,
+/// so a failure leaves standard output empty.
+fn run_inject(args: InjectArgs) -> ExitCode {
+    let mut settings = inject::Settings {
+        image: args.image,
+        config_map: args.config_map,
+        port: args.port.as_deref().map(PortRef::parse),
+        ..inject::Settings::default()
+    };
+    let config = match args.config.as_deref().map(inject_config).transpose() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("idemproxy inject: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if let Some((_, admin_port)) = &config {
+        settings.admin_port = *admin_port;
+    }
+    let input = match args.manifests.as_deref() {
+        None => std::io::read_to_string(std::io::stdin()).map_err(|e| ("standard input".into(), e)),
+        Some(p) if p.as_os_str() == "-" => {
+            std::io::read_to_string(std::io::stdin()).map_err(|e| ("standard input".into(), e))
+        }
+        Some(p) => std::fs::read_to_string(p).map_err(|e| (p.display().to_string(), e)),
+    };
+    let input = match input {
+        Ok(text) => text,
+        Err((what, e)) => {
+            eprintln!("idemproxy inject: cannot read {what}: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let text = config.as_ref().map(|(text, _)| text.as_str());
+    match inject::inject_manifests(&input, &settings, text) {
+        Ok(done) => {
+            for note in &done.notes {
+                eprintln!("idemproxy inject: {note}");
+            }
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            if let Err(e) = out
+                .write_all(done.output.as_bytes())
+                .and_then(|()| out.flush())
+            {
+                eprintln!("idemproxy inject: cannot write the output: {e}");
+                return ExitCode::from(EXIT_START);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("idemproxy inject: {e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
+
+/// `inject --config FILE`: the file's text, checked as the sidecar will load
+/// it (the listen address and upstream come from its arguments), and the
+/// admin port its probes use, which must be reachable from the kubelet.
+fn inject_config(path: &std::path::Path) -> Result<(String, u16), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let overrides = Overrides {
+        upstream: Some("http://127.0.0.1:1".into()),
+        ..Overrides::default()
+    };
+    let config = Config::from_toml(&text, &path.display().to_string(), &overrides)
+        .map_err(|e| e.to_string())?;
+    let admin = &config.server.admin_listen;
+    let addr: std::net::SocketAddr = admin
+        .parse()
+        .map_err(|e| format!("{}: server.admin_listen {admin:?}: {e}", path.display()))?;
+    if addr.ip().is_loopback() {
+        return Err(format!(
+            "{}: server.admin_listen {admin:?} is a loopback address: the kubelet probes the \
+             sidecar on the pod's address (use \"0.0.0.0:{}\")",
+            path.display(),
+            addr.port()
+        ));
+    }
+    Ok((text, addr.port()))
+}
+
+/// `idemproxy injector`: the admission webhook until SIGTERM or SIGINT.
+fn run_injector(args: InjectorArgs) -> ExitCode {
+    init_logging(args.log_format);
+    let settings = inject::Settings {
+        image: args.image,
+        config_map: args.config_map,
+        port: None,
+        admin_port: args.admin_port,
+    };
+    let files = idemproxy::config::TlsFiles {
+        cert_file: args.tls_cert_file,
+        key_file: args.tls_key_file,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemproxy injector: cannot start the runtime: {e}");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    runtime.block_on(async move {
+        let injector = match inject::webhook::Injector::bind(&args.listen, &files, settings).await {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::error!("cannot start: {e}");
+                return ExitCode::from(if e.is_configuration() {
+                    EXIT_CONFIG
+                } else {
+                    EXIT_START
+                });
+            }
+        };
+        let reloader = tokio::spawn(reload_injector_certificate(injector.certificates()));
+        injector.run(shutdown_signal()).await;
+        reloader.abort();
+        ExitCode::SUCCESS
+    })
+}
+
+/// The injector's certificate is re-read on SIGHUP, and when its files change:
+/// in Kubernetes, cert-manager renews it into a mounted Secret and no one sends a signal.
+async fn reload_injector_certificate(certificates: Arc<Certificates>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hup = signal(SignalKind::hangup()).ok();
+    if hup.is_none() {
+        tracing::warn!(
+            "cannot listen for SIGHUP; the certificate is re-read when its files change"
+        );
+    }
+    let stamp = |files: &idemproxy::config::TlsFiles| {
+        let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        (modified(&files.cert_file), modified(&files.key_file))
+    };
+    let mut seen = stamp(certificates.files());
+    let mut tick = tokio::time::interval(INJECTOR_CERT_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let signalled = async {
+            match hup.as_mut() {
+                Some(hup) => hup.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            s = signalled => if s.is_none() { hup = None; continue },
+            _ = tick.tick() => {
+                let now = stamp(certificates.files());
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+            }
+        }
+        reload_certificate(certificates.clone()).await;
+    }
+}
+
+/// How often the injector looks at its certificate files' modification times.
+const INJECTOR_CERT_POLL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A file the configuration names was read and is wrong (a certificate that
 /// is not PEM, a malformed key file): exit 2, as for the configuration itself.

@@ -731,7 +731,10 @@ mod tests {
         assert!(woken().await.is_ok(), "not woken with a batch queued");
         assert_eq!(queue.take().len(), BATCH);
         drop((tracer, provider));
-        assert!(woken().await.is_ok() && queue.is_closed(), "not told the end");
+        assert!(
+            woken().await.is_ok() && queue.is_closed(),
+            "not told the end"
+        );
     }
 
     /// Found by review: every span keeps a parsed copy of the client's

@@ -392,3 +392,44 @@ async fn quickstart_config_in_front_of_the_demo_upstream() {
     let _ = demo.kill();
     let _ = demo.wait();
 }
+
+/// The subcommands sit beside the proxy's flags without changing how those parse.
+#[test]
+fn inject_and_injector_are_subcommands_and_the_flags_still_parse() {
+    let out = idemproxy().arg("--help").output().unwrap();
+    assert_exit(&out, 0);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("inject") && help.contains("injector"),
+        "{help}"
+    );
+    for sub in ["inject", "injector"] {
+        assert_exit(&idemproxy().args([sub, "--help"]).output().unwrap(), 0);
+    }
+    // A flag's value that happens to be a subcommand's name is still the value.
+    let out = idemproxy()
+        .args([
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--listen",
+            "inject",
+            "--check",
+        ])
+        .output()
+        .unwrap();
+    assert_exit(&out, 2);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--listen"));
+    let out = idemproxy()
+        .args([
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--upstream-protocol",
+            "h2c",
+            "--check",
+        ])
+        .output()
+        .unwrap();
+    assert_exit(&out, 0);
+    // The injector without its certificate files: a usage error.
+    assert_exit(&idemproxy().arg("injector").output().unwrap(), 2);
+}

@@ -95,6 +95,7 @@ fn overrides_win_and_redis_url_selects_redis() {
             listen: Some("127.0.0.1:2".into()),
             upstream: Some("http://10.0.0.1:9".into()),
             redis_url: Some("redis://127.0.0.1:7000/1".into()),
+            ..Overrides::default()
         },
     )
     .unwrap();

@@ -326,7 +326,10 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         client_write_timeout: duration(raw.client_write_timeout, Duration::from_secs(30)),
         idle_timeout: duration(raw.idle_timeout, Duration::from_secs(60)),
         upstream_idle_timeout: duration(raw.upstream_idle_timeout, Duration::from_secs(1)),
-        upstream_protocol: raw.upstream_protocol.unwrap_or(UpstreamProtocol::Http1),
+        upstream_protocol: ov
+            .upstream_protocol
+            .or(raw.upstream_protocol)
+            .unwrap_or(UpstreamProtocol::Http1),
         tls: tls_files(raw.tls_cert_file, raw.tls_key_file, src)?,
     })
 }

@@ -142,6 +142,9 @@ pub struct Overrides {
     pub listen: Option<String>,
     pub upstream: Option<String>,
     pub redis_url: Option<String>,
+    /// `--upstream-protocol`: lets one shared configuration file serve a
+    /// gRPC workload (h2c) beside HTTP/1.1 ones, as `idemproxy inject` does.
+    pub upstream_protocol: Option<UpstreamProtocol>,
 }
 
 impl Overrides {

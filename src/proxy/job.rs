@@ -401,8 +401,9 @@ impl Job {
     ) {
         // Ended when this returns: the first attempt (retries are the background's).
         let _span = self.trace.as_ref().and_then(|t| {
-            let attributes =
-                || telemetry::record_attributes(self.route_name.as_str(), self.claim.store_key.id());
+            let attributes = || {
+                telemetry::record_attributes(self.route_name.as_str(), self.claim.store_key.id())
+            };
             let kind = opentelemetry::trace::SpanKind::Internal;
             let tracer = self.claim.app.telemetry.as_ref()?;
             Some(tracer.child(&t.server, "idempotency.complete", kind, attributes))

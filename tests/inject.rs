@@ -1,0 +1,649 @@
+//! `idemproxy inject` on manifests written elsewhere (tests/fixtures/kubernetes): valid for
+//! Kubernetes 1.29 and 1.37, every Service through the proxy, the applications untouched.
+
+mod support;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use serde_norway::Value;
+
+fn fixture(path: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/kubernetes")
+        .join(path);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// The kubernetes/examples files of one example, as one stream.
+fn example(paths: &[&str]) -> String {
+    let texts: Vec<String> = paths
+        .iter()
+        .map(|p| fixture(&format!("kubernetes-examples/{p}")))
+        .collect();
+    texts.join("---\n")
+}
+
+/// Runs `idemproxy inject ARGS` with `input` on standard input.
+fn inject(args: &[&str], input: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .arg("inject")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("idemproxy");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let text = input.to_owned();
+    let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
+    let out = child.wait_with_output().expect("idemproxy inject");
+    // A process that exits before reading (a bad --config) closes the pipe: not an error here.
+    let _ = writer.join().expect("writer");
+    out
+}
+
+/// The output of a successful injection.
+fn injected(args: &[&str], input: &str) -> (String, String) {
+    let out = inject(args, input);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    (String::from_utf8(out.stdout).expect("UTF-8"), stderr)
+}
+
+/// The documents of a YAML stream (empty ones left out).
+fn documents(text: &str) -> Vec<Value> {
+    let mut docs = Vec::new();
+    for piece in text.split("\n---") {
+        let v: Value = serde_norway::from_str(piece).unwrap_or_else(|e| panic!("{e}: {piece}"));
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    docs
+}
+
+fn kind(v: &Value) -> &str {
+    v["kind"].as_str().unwrap_or("")
+}
+
+fn name(v: &Value) -> &str {
+    v["metadata"]["name"].as_str().unwrap_or("")
+}
+
+fn template(v: &Value) -> &Value {
+    match kind(v) {
+        "Pod" => v,
+        "CronJob" => &v["spec"]["jobTemplate"]["spec"]["template"],
+        _ => &v["spec"]["template"],
+    }
+}
+
+fn seq(v: &Value) -> &[Value] {
+    v.as_sequence().map(Vec::as_slice).unwrap_or(&[])
+}
+
+fn sidecar(workload: &Value) -> Option<&Value> {
+    seq(&template(workload)["spec"]["initContainers"])
+        .iter()
+        .find(|c| c["name"] == "idemproxy")
+}
+
+fn selects(service: &Value, workload: &Value) -> bool {
+    let Some(selector) = service["spec"]["selector"].as_mapping() else {
+        return false;
+    };
+    let labels = &template(workload)["metadata"]["labels"];
+    !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// The container a Service port reaches in the pod: its targetPort (the port when
+/// absent) resolved by name or number against every container's ports.
+fn reached<'a>(pod_spec: &'a Value, service_port: &Value) -> Option<&'a Value> {
+    let target = match &service_port["targetPort"] {
+        Value::Null => service_port["port"].clone(),
+        t => t.clone(),
+    };
+    let containers = seq(&pod_spec["initContainers"])
+        .iter()
+        .chain(seq(&pod_spec["containers"]));
+    let mut found = None;
+    for c in containers {
+        for p in seq(&c["ports"]) {
+            let hit = match &target {
+                Value::String(n) => p["name"].as_str() == Some(n),
+                n => p["containerPort"] == *n,
+            };
+            if hit {
+                assert!(found.is_none(), "two containers answer {target:?}");
+                found = Some(c);
+            }
+        }
+    }
+    found
+}
+
+/// kubernetes-validate, from the peers venv (.ci/run installs it there).
+fn kubernetes_validate() -> PathBuf {
+    let python = support::peer_python();
+    let bin = python.with_file_name("kubernetes-validate");
+    assert!(
+        bin.exists(),
+        "{} is missing: .ci/run installs kubernetes-validate into the peers venv",
+        bin.display()
+    );
+    bin
+}
+
+/// Fails the test unless `--strict` validation passes for 1.29 and 1.37.
+fn assert_valid(text: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("out.yaml");
+    std::fs::write(&file, text).unwrap();
+    for version in ["1.29.0", "1.37.0"] {
+        let out = Command::new(kubernetes_validate())
+            .args(["--strict", "-k", version, "--quiet"])
+            .arg(&file)
+            .output()
+            .expect("kubernetes-validate");
+        assert!(
+            out.status.success(),
+            "kubernetes-validate --strict -k {version}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// The application containers of `after` are those of `before` but for the names of their ports.
+fn assert_apps_unchanged(before: &Value, after: &Value) {
+    let strip = |v: &Value| {
+        let mut cs = template(v)["spec"]["containers"].clone();
+        for c in cs.as_sequence_mut().into_iter().flatten() {
+            if let Some(ports) = c.get_mut("ports").and_then(Value::as_sequence_mut) {
+                for p in ports {
+                    if let Some(p) = p.as_mapping_mut() {
+                        p.remove("name");
+                    }
+                }
+            }
+        }
+        cs
+    };
+    assert_eq!(strip(before), strip(after), "{}", name(before));
+    // Init containers of the application stay, after the sidecar.
+    let init = |v: &Value| {
+        seq(&template(v)["spec"]["initContainers"])
+            .iter()
+            .filter(|c| c["name"] != "idemproxy")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(init(before), init(after), "{}", name(before));
+}
+
+/// Every Service that selects an injected workload reaches the sidecar, on
+/// every port; the ones that select a workload left alone reach the app.
+fn assert_services_reach_the_proxy(out: &[Value]) -> usize {
+    let mut through_proxy = 0;
+    for svc in out.iter().filter(|d| kind(d) == "Service") {
+        for w in out.iter().filter(|w| selects(svc, w)) {
+            let spec = &template(w)["spec"];
+            for port in seq(&svc["spec"]["ports"]) {
+                let c = reached(spec, port).unwrap_or_else(|| {
+                    panic!("Service {} reaches nothing in {}", name(svc), name(w))
+                });
+                if sidecar(w).is_some() {
+                    assert_eq!(
+                        c["name"],
+                        "idemproxy",
+                        "Service {} port {port:?}",
+                        name(svc)
+                    );
+                    through_proxy += 1;
+                } else {
+                    assert_ne!(c["name"], "idemproxy");
+                }
+            }
+        }
+    }
+    through_proxy
+}
+
+const MICROSERVICES: &str = "microservices-demo/kubernetes-manifests.yaml";
+
+#[test]
+fn microservices_demo_comes_out_valid_with_every_service_through_the_proxy() {
+    let input = fixture(MICROSERVICES);
+    let (output, stderr) = injected(&[], &input);
+    assert_valid(&output);
+    let (before, after) = (documents(&input), documents(&output));
+    assert_eq!(before.len(), after.len(), "no document added or lost");
+    let deployments: Vec<(&Value, &Value)> = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, _)| kind(b) == "Deployment")
+        .collect();
+    assert_eq!(deployments.len(), 12);
+    let mut injected = 0;
+    for (b, a) in &deployments {
+        assert_apps_unchanged(b, a);
+        let Some(sidecar) = sidecar(a) else {
+            // The Redis cache (a Service port named tcp-redis) and the load
+            // generator (no port at all) are left alone, with a note.
+            assert!(
+                ["redis-cart", "loadgenerator"].contains(&name(a)),
+                "{}",
+                name(a)
+            );
+            assert_eq!(b, a);
+            assert!(
+                stderr.contains(&format!("(Deployment {}): left as it was", name(a))),
+                "{stderr}"
+            );
+            continue;
+        };
+        injected += 1;
+        assert_eq!(
+            seq(&template(a)["spec"]["initContainers"])[0]["name"],
+            "idemproxy",
+            "the sidecar comes first"
+        );
+        assert_eq!(sidecar["restartPolicy"], "Always");
+        // gRPC services (Service ports named grpc) are forwarded over HTTP/2; the frontend over HTTP/1.1.
+        let args: Vec<&str> = seq(&sidecar["args"])
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let h2 = args.windows(2).any(|w| w == ["--upstream-protocol", "h2c"]);
+        assert_eq!(h2, name(a) != "frontend", "{}: {args:?}", name(a));
+        let app_port = seq(&template(b)["spec"]["containers"][0]["ports"])[0]["containerPort"]
+            .as_u64()
+            .unwrap();
+        assert!(
+            args.contains(&format!("http://127.0.0.1:{app_port}").as_str()),
+            "{args:?}"
+        );
+    }
+    assert_eq!(injected, 10);
+    // frontend has two Services (frontend, frontend-external); every other injected one has one.
+    assert_eq!(assert_services_reach_the_proxy(&after), 11);
+    // The redis Service still reaches Redis, by its own number.
+    let redis = after
+        .iter()
+        .find(|d| kind(d) == "Service" && name(d) == "redis-cart")
+        .unwrap();
+    assert_eq!(redis["spec"]["ports"][0]["targetPort"], 6379);
+}
+
+#[test]
+fn documents_left_alone_come_out_byte_for_byte() {
+    let input = fixture(MICROSERVICES);
+    let (output, _) = injected(&[], &input);
+    let mut unchanged = 0;
+    for piece in input.split_inclusive("\n---\n") {
+        let v: Value = serde_norway::from_str(piece.trim_end_matches("---\n")).unwrap();
+        if kind(&v) == "ServiceAccount" || name(&v) == "redis-cart" || name(&v) == "loadgenerator" {
+            assert!(output.contains(piece), "changed:\n{piece}");
+            unchanged += 1;
+        }
+    }
+    assert!(unchanged >= 12, "{unchanged}");
+    // The licence header and everything up to the first document too.
+    let header = &input[..input.find("---\n").unwrap()];
+    assert!(output.starts_with(header));
+}
+
+#[test]
+fn a_second_injection_changes_nothing() {
+    for input in [
+        fixture(MICROSERVICES),
+        example(&["web/guestbook/all-in-one/guestbook-all-in-one.yaml"]),
+        example(&[
+            "AI/vllm-deployment/vllm-deployment.yaml",
+            "AI/vllm-deployment/vllm-service.yaml",
+        ]),
+    ] {
+        let (once, _) = injected(&[], &input);
+        assert_ne!(once, input);
+        let (twice, stderr) = injected(&[], &once);
+        assert!(twice == once, "the second injection changed the output");
+        assert!(stderr.contains("already injected"), "{stderr}");
+    }
+}
+
+#[test]
+fn kubernetes_examples_guestbook_frontend_through_the_proxy_redis_untouched() {
+    let input = example(&["web/guestbook/all-in-one/guestbook-all-in-one.yaml"]);
+    let (output, stderr) = injected(&[], &input);
+    assert_valid(&output);
+    let (before, after) = (documents(&input), documents(&output));
+    for (b, a) in before
+        .iter()
+        .zip(&after)
+        .filter(|(b, _)| kind(b) == "Deployment")
+    {
+        assert_apps_unchanged(b, a);
+        // Redis behind Services whose unnamed ports are 6379: never taken.
+        assert_eq!(sidecar(a).is_some(), name(a) == "frontend", "{}", name(a));
+    }
+    assert!(
+        stderr.contains("Deployment redis-master): left as it was"),
+        "{stderr}"
+    );
+    // The frontend Service had no targetPort (port 80 → 80): now it names the proxy's port.
+    assert_eq!(assert_services_reach_the_proxy(&after), 1);
+    let frontend = after
+        .iter()
+        .find(|d| kind(d) == "Service" && name(d) == "frontend")
+        .unwrap();
+    assert_eq!(frontend["spec"]["ports"][0]["targetPort"], 15080);
+}
+
+#[test]
+fn kubernetes_examples_vllm_port_only_the_service_names() {
+    // The container declares no port; the Service targets 8080 by number.
+    let input = example(&[
+        "AI/vllm-deployment/vllm-deployment.yaml",
+        "AI/vllm-deployment/vllm-service.yaml",
+    ]);
+    let (output, _) = injected(&[], &input);
+    assert_valid(&output);
+    let after = documents(&output);
+    assert_eq!(assert_services_reach_the_proxy(&after), 1);
+    let args = &sidecar(&after[0]).unwrap()["args"];
+    assert!(
+        seq(args).iter().any(|a| a == "http://127.0.0.1:8080"),
+        "{args:?}"
+    );
+}
+
+#[test]
+fn kubernetes_examples_tf_serving_two_http_ports_need_a_choice() {
+    let input = example(&[
+        "AI/model-serving-tensorflow/deployment.yaml",
+        "AI/model-serving-tensorflow/service.yaml",
+    ]);
+    let (output, stderr) = injected(&[], &input);
+    assert_eq!(output, input, "two HTTP ports and no choice: left alone");
+    assert!(stderr.contains("several HTTP ports"), "{stderr}");
+    // --port picks REST; the gRPC port stays the application's own.
+    let (output, _) = injected(&["--port", "8501"], &input);
+    assert_valid(&output);
+    let after = documents(&output);
+    let svc = &after[1];
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], 8500);
+    assert_eq!(svc["spec"]["ports"][1]["targetPort"], 15080);
+    let spec = &template(&after[0])["spec"];
+    assert_eq!(
+        reached(spec, &svc["spec"]["ports"][1]).unwrap()["name"],
+        "idemproxy"
+    );
+    assert_eq!(
+        reached(spec, &svc["spec"]["ports"][0]).unwrap()["name"],
+        "tensorflow-serving"
+    );
+}
+
+#[test]
+fn kubernetes_examples_cassandra_is_left_alone() {
+    let input = example(&[
+        "databases/cassandra/cassandra-service.yaml",
+        "databases/cassandra/cassandra-statefulset.yaml",
+    ]);
+    let (output, stderr) = injected(&[], &input);
+    assert_eq!(output, input);
+    assert!(
+        stderr.contains("StatefulSet cassandra): left as it was"),
+        "{stderr}"
+    );
+}
+
+const NAMED: &str = "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: api
+  namespace: shop
+spec:
+  selector:
+    matchLabels: {app: api}
+  template:
+    metadata:
+      labels: {app: api}
+    spec:
+      containers:
+        - name: api
+          image: example/api:1
+          ports:
+            - name: http
+              containerPort: 3000
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: api
+  namespace: shop
+spec:
+  selector: {app: api}
+  ports:
+    - name: http
+      port: 80
+      targetPort: http
+";
+
+#[test]
+fn a_named_port_is_taken_over_by_the_proxy_and_the_app_port_renamed() {
+    let (output, _) = injected(&[], NAMED);
+    assert_valid(&output);
+    let after = documents(&output);
+    let spec = &template(&after[0])["spec"];
+    assert_eq!(spec["containers"][0]["ports"][0]["name"], "app-http");
+    assert_eq!(spec["initContainers"][0]["ports"][0]["name"], "http");
+    // The Service targets by name: unchanged, and it now reaches the proxy.
+    assert_eq!(after[1], documents(NAMED)[1]);
+    assert_eq!(assert_services_reach_the_proxy(&after), 1);
+}
+
+#[test]
+fn config_file_becomes_a_config_map_in_the_workloads_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemproxy.toml");
+    let text = "[server]\nadmin_listen = \"0.0.0.0:9902\"\n[[routes]]\nname = \"orders\"\npath = \"/orders\"\n";
+    std::fs::write(&config, text).unwrap();
+    let (output, _) = injected(
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--config-map",
+            "api-idem",
+        ],
+        NAMED,
+    );
+    assert_valid(&output);
+    let after = documents(&output);
+    assert_eq!(after.len(), 3);
+    let cm = &after[2];
+    assert_eq!(kind(cm), "ConfigMap");
+    assert_eq!(name(cm), "api-idem");
+    assert_eq!(cm["metadata"]["namespace"], "shop");
+    assert_eq!(cm["data"]["idemproxy.toml"], text);
+    let spec = &template(&after[0])["spec"];
+    assert_eq!(spec["volumes"][0]["configMap"]["name"], "api-idem");
+    // The probes use the admin port the file names.
+    assert_eq!(spec["initContainers"][0]["ports"][1]["containerPort"], 9902);
+    // Given the ConfigMap in the input, it is not emitted twice.
+    let (again, _) = injected(
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--config-map",
+            "api-idem",
+        ],
+        &output,
+    );
+    assert_eq!(again, output);
+}
+
+#[test]
+fn a_config_whose_admin_port_the_kubelet_cannot_reach_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemproxy.toml");
+    std::fs::write(&config, "[server]\nadmin_listen = \"127.0.0.1:9901\"\n").unwrap();
+    let out = inject(&["--config", config.to_str().unwrap()], NAMED);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("server.admin_listen"), "{stderr}");
+}
+
+#[test]
+fn json_in_json_out() {
+    let docs = documents(NAMED);
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": docs});
+    let (output, _) = injected(&[], &serde_json::to_string(&list).unwrap());
+    let out: serde_json::Value = serde_json::from_str(&output).expect("JSON out");
+    assert_eq!(
+        out["items"][0]["spec"]["template"]["spec"]["initContainers"][0]["name"],
+        "idemproxy"
+    );
+    assert_valid(&output);
+    // A single object left alone comes out as it came.
+    let redis =
+        "{\"apiVersion\": \"v1\", \"kind\": \"ConfigMap\", \"metadata\": {\"name\": \"x\"}}";
+    assert_eq!(injected(&[], redis).0, redis);
+}
+
+#[test]
+fn disabled_workloads_are_left_alone_with_a_note() {
+    let input = NAMED.replace(
+        "  namespace: shop\nspec:\n  selector:\n    matchLabels",
+        "  namespace: shop\n  annotations:\n    idemproxy.dev/inject: disabled\nspec:\n  selector:\n    matchLabels",
+    );
+    assert_ne!(input, NAMED);
+    let (output, stderr) = injected(&[], &input);
+    assert_eq!(output, input);
+    assert!(
+        stderr.contains("idemproxy.dev/inject: disabled"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn unreadable_input_exits_2_without_output() {
+    // A good document first: nothing of it may be written.
+    for garbage in [
+        format!("{NAMED}---\nkind: [unclosed\n"),
+        "{\"kind\": ".to_owned(),
+        format!("{NAMED}---\n\tkey: tab\n"),
+    ] {
+        let out = inject(&[], &garbage);
+        assert_eq!(out.status.code(), Some(2), "{garbage}");
+        assert!(
+            out.stdout.is_empty(),
+            "partial output: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let out = inject(&[], &format!("{NAMED}---\nkind: [unclosed\n"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("document 3"), "{stderr}");
+    // A port annotation that names no port: exit 2, naming the document and the field.
+    let input = NAMED.replace(
+        "      labels: {app: api}\n    spec:",
+        "      labels: {app: api}\n      annotations: {idemproxy.dev/port: grpc}\n    spec:",
+    );
+    let out = inject(&[], &input);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("document 1 (Deployment shop/api)")
+            && stderr.contains("spec.template.metadata.annotations.idemproxy.dev/port"),
+        "{stderr}"
+    );
+    // A file that does not exist.
+    let out = inject(&["/nonexistent/manifests.yaml"], "");
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn the_shipped_kubernetes_config_is_accepted() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/kubernetes.toml");
+    let (output, _) = injected(&["--config", config], NAMED);
+    let after = documents(&output);
+    assert_eq!(kind(&after[2]), "ConfigMap");
+    assert_eq!(
+        after[2]["data"]["idemproxy.toml"].as_str(),
+        Some(std::fs::read_to_string(config).unwrap().as_str())
+    );
+}
+
+/// Kubernetes reads YAML 1.1, where a plain `on`, `no`, `y`, `012` or `1:20`
+/// is not a string: a rewritten document quotes them. PyYAML (YAML 1.1, as
+/// kubernetes-validate reads it) sees the same values before and after.
+#[test]
+fn rewritten_documents_read_the_same_in_yaml_1_1() {
+    let input = fixture("yaml-1.1-strings.yaml");
+    let (output, _) = injected(&[], &input);
+    assert!(sidecar(&documents(&output)[0]).is_some());
+    assert_valid(&output);
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("in.yaml"), dir.path().join("out.yaml"));
+    std::fs::write(&a, &input).unwrap();
+    std::fs::write(&b, &output).unwrap();
+    let script = "import sys, yaml\n\
+                  a, b = (yaml.safe_load(open(p)) for p in sys.argv[1:])\n\
+                  assert a['metadata'] == b['metadata'], (a['metadata'], b['metadata'])\n\
+                  ca = a['spec']['template']['spec']['containers']\n\
+                  cb = b['spec']['template']['spec']['containers']\n\
+                  assert ca == cb, (ca, cb)\n";
+    let out = Command::new(support::peer_python())
+        .args(["-c", script])
+        .arg(&a)
+        .arg(&b)
+        .output()
+        .expect("python");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The arguments the sidecar is given start the proxy: `--check` with the
+/// shipped ConfigMap file in place of the mounted one, for an HTTP/1.1 and a gRPC workload.
+#[test]
+fn the_sidecar_arguments_are_accepted_by_the_proxy() {
+    let (output, _) = injected(&[], &fixture(MICROSERVICES));
+    let after = documents(&output);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/kubernetes.toml");
+    for name_ in ["frontend", "adservice"] {
+        let w = after
+            .iter()
+            .find(|d| kind(d) == "Deployment" && name(d) == name_)
+            .unwrap();
+        let args: Vec<String> = seq(&sidecar(w).unwrap()["args"])
+            .iter()
+            .map(|a| {
+                a.as_str()
+                    .unwrap()
+                    .replace("/etc/idemproxy/idemproxy.toml", config)
+            })
+            .collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .env_remove("IDEMPROXY_CONFIG")
+            .args(&args)
+            .arg("--check")
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("listen 0.0.0.0:15080"), "{stdout}");
+    }
+}
