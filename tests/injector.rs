@@ -329,12 +329,37 @@ async fn a_pod_it_cannot_inject_is_allowed_unchanged_and_counted() {
     let response = injector.review("/mutate", &pod).await;
     assert!(response.get("patch").is_none(), "{response}");
     assert_eq!(injector.metric("failed").await, 1);
-    // A Redis pod: its only port is not HTTP.
+    // ... and says so to whoever created it (kubectl prints the warnings).
+    let warnings = response["warnings"].as_array().expect("a warning");
+    assert_eq!(warnings.len(), 1, "{response}");
+    let warning = warnings[0].as_str().unwrap();
+    assert!(
+        warning.starts_with("idemproxy: the sidecar was not added: "),
+        "{warning}"
+    );
+    assert!(warning.contains("grpc"), "{warning}");
+    // A port annotation with a line break and 1000 characters: one short printable line.
+    let long = format!("no\nsuch{}", "x".repeat(1000));
+    let pod = frontend_pod(json!({"idemproxy.dev/inject": "enabled", "idemproxy.dev/port": long}));
+    let response = injector.review("/mutate", &pod).await;
+    let warning = response["warnings"][0].as_str().expect("a warning");
+    assert!(
+        warning.chars().count() <= 201 && !warning.contains('\n'),
+        "{warning}"
+    );
+    // A Redis pod: its only port is not HTTP. Annotated, it is warned; in an
+    // injected namespace without the annotation, it is left alone quietly.
     let mut redis = frontend_pod(json!({"idemproxy.dev/inject": "enabled"}));
     redis["spec"]["containers"][0]["ports"][0]["containerPort"] = 6379.into();
     let response = injector.review("/mutate", &redis).await;
     assert!(response.get("patch").is_none(), "{response}");
-    assert_eq!(injector.metric("skipped").await, 1);
+    assert!(response["warnings"][0].as_str().is_some(), "{response}");
+    let mut quiet_redis = frontend_pod(json!({}));
+    quiet_redis["spec"]["containers"][0]["ports"][0]["containerPort"] = 6379.into();
+    let response = injector.review("/mutate/namespace", &quiet_redis).await;
+    assert!(response.get("patch").is_none(), "{response}");
+    assert!(response.get("warnings").is_none(), "{response}");
+    assert_eq!(injector.metric("skipped").await, 2);
     // A review without an object is allowed too.
     let mut review = admission_review(&pod);
     review["request"].as_object_mut().unwrap().remove("object");
@@ -357,6 +382,162 @@ async fn a_malformed_review_is_a_400() {
         assert_eq!(answer.status, 400, "{}", String::from_utf8_lossy(body));
     }
     assert_eq!(injector.metric("malformed").await, 3);
+    // Over 3 MiB: refused before it is parsed.
+    let big = format!("{{\"junk\": \"{}\"}}", "x".repeat(3 << 20));
+    let answer = injector.post("/mutate", big.as_bytes()).await;
+    assert_eq!(answer.status, 413);
+}
+
+/// The peak resident memory of a process (`VmHWM`), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .expect("VmHWM")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kb * 1024
+}
+
+/// `n` copies of `{}` as a JSON array's items.
+fn empties(n: usize) -> String {
+    let mut s = String::with_capacity(n * 3);
+    for i in 0..n {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str("{}");
+    }
+    s
+}
+
+/// What anyone who can reach the port can send (the review's own limits):
+/// bodies of nearly 3 MiB of empty objects, in the review and in the Pod, the
+/// largest Pod it still reads (just under the value limit, with a 2 MiB
+/// annotation), each 8 times over one HTTP/2 connection and 8 times over
+/// HTTP/1.1 connections at once. The injector's peak memory stays under
+/// 64 MiB, the container's limit in `deploy/kubernetes/injector/deployment.yaml`
+/// less a margin, and it still answers reviews afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_meant_to_exhaust_its_memory_stay_within_the_limit() {
+    let injector = Injector::start().await;
+    let pid = injector.child.as_ref().unwrap().id();
+    let before = peak_rss(pid);
+    let pod = frontend_pod(json!({"idemproxy.dev/inject": "enabled"}));
+    // 1. Junk beside the request (the first finding's proof of concept).
+    let mut outer = admission_review(&pod).to_string();
+    outer.insert_str(
+        outer.len() - 1,
+        &format!(",\"junk\":[{}]", empties(1_000_000)),
+    );
+    // 2. Junk inside the Pod.
+    let mut inner_pod = pod.clone();
+    inner_pod["spec"]["junk"] = json!("JUNK");
+    let inner = admission_review(&inner_pod)
+        .to_string()
+        .replace("\"JUNK\"", &format!("[{}]", empties(1_000_000)));
+    // 3. The largest Pod it reads: just under the value limit, and a long string.
+    let mut largest_pod = pod.clone();
+    largest_pod["metadata"]["annotations"]["example.com/blob"] = "y".repeat(2 << 20).into();
+    largest_pod["spec"]["junk"] = json!("JUNK");
+    let largest = admission_review(&largest_pod)
+        .to_string()
+        .replace("\"JUNK\"", &format!("[{}]", empties(145_000)));
+    let ca = injector.path("ca.pem").display().to_string();
+    let url = injector.url("/mutate");
+    let mut codes = String::new();
+    for (name, body) in [("outer", &outer), ("inner", &inner), ("largest", &largest)] {
+        assert!(body.len() < 3 << 20, "{name}: {}", body.len());
+        let file = injector.path(&format!("{name}.json"));
+        std::fs::write(&file, body).unwrap();
+        let data = format!("@{}", file.display());
+        let common = [
+            "-s",
+            "--max-time",
+            "30",
+            "--cacert",
+            &ca,
+            "-H",
+            "content-type: application/json",
+            "--data-binary",
+            &data,
+            "-w",
+            "%{http_version} %{http_code} %{errormsg}\n",
+        ];
+        // Eight streams on one HTTP/2 connection ...
+        let mut h2 = tokio::process::Command::new("curl");
+        h2.args(common)
+            .args(["--http2", "--parallel", "--parallel-max", "8"]);
+        for _ in 0..8 {
+            h2.args(["-o", "/dev/null", &url]);
+        }
+        // ... and eight HTTP/1.1 connections, all at once.
+        let mut runs = vec![h2.output()];
+        let mut h1s: Vec<_> = (0..8)
+            .map(|_| {
+                let mut c = tokio::process::Command::new("curl");
+                c.args(common).args(["--http1.1", "-o", "/dev/null", &url]);
+                c
+            })
+            .collect();
+        runs.extend(h1s.iter_mut().map(|c| c.output()));
+        for out in futures_util::future::join_all(runs).await {
+            let out = out.unwrap();
+            codes.push_str(&String::from_utf8_lossy(&out.stdout));
+        }
+    }
+    let after = peak_rss(pid);
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    eprintln!(
+        "peak RSS {:.1} MiB before, {:.1} MiB after; answers:\n{codes}",
+        mib(before),
+        mib(after)
+    );
+    // Every request was answered: 200 (allowed) or 503 (too many at once; over
+    // HTTP/2 the stream is reset once the 503 is sent, its body unread, which
+    // curl reports as a framing error).
+    let answers: Vec<&str> = codes.lines().collect();
+    assert_eq!(answers.len(), 3 * 16, "{codes}");
+    assert!(
+        answers.iter().all(|a| a.contains(" 200 ")
+            || a.contains(" 503 ")
+            || a.starts_with("0 000 Stream error in the HTTP/2 framing layer")),
+        "{codes}"
+    );
+    assert!(answers.iter().any(|a| a.starts_with("2 200")), "{codes}");
+    assert!(injector.metric("too_large").await >= 1);
+    assert!(after < 64 << 20, "peak RSS {:.1} MiB", mib(after));
+    // Still serving.
+    let response = injector.review("/mutate", &pod).await;
+    assert_eq!(apply(&pod, &response), inject(&pod));
+}
+
+/// A connection that sends no request is closed after the idle timeout (10 s),
+/// HTTP/2 included: a client cannot hold connections open for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_is_closed() {
+    let injector = Injector::start().await;
+    let started = std::time::Instant::now();
+    // openssl s_client completes the handshake (offering h2) and exits when the server closes.
+    let mut child = tokio::process::Command::new("openssl")
+        .args(["s_client", "-quiet", "-alpn", "h2", "-connect"])
+        .arg(format!("127.0.0.1:{}", injector.port))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let _stdin = child.stdin.take();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait())
+        .await
+        .expect("the idle connection closed within 30 s");
+    eprintln!("closed after {:?} ({status:?})", started.elapsed());
+    assert!(started.elapsed() >= std::time::Duration::from_secs(9));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,9 +6,20 @@
 //! the configuration selects by label) injects every Pod not annotated
 //! `disabled`. A review that cannot be injected is allowed unchanged, never
 //! refused: a pod is created without the sidecar rather than not at all.
+//!
+//! Anything that reaches the port can send a review (the API server's address
+//! cannot be told apart portably), so what one client can make it hold is
+//! bounded: a body of at most [`MAX_REVIEW_BYTES`] and [`MAX_REVIEW_NODES`]
+//! JSON values, read only once one of [`MAX_REVIEWS`] slots is free; at most
+//! [`MAX_CONNECTIONS`] connections, [`MAX_STREAMS`] HTTP/2 streams each, and a
+//! connection with no request for [`IDLE_TIMEOUT`] is closed. A review that
+//! waits longer than [`QUEUE_WAIT`] for a slot gets a 503: the API server then
+//! applies the failure policy (Ignore: the pod is created without the sidecar),
+//! which is what would happen anyway once its own timeout passed.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,18 +33,47 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 use super::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
 use super::Settings;
 use crate::config::TlsFiles;
 use crate::tls::{Certificates, Tls, TlsError};
 
-/// The API server sends at most a few MiB (an object is at most 1.5 MiB in etcd).
-const MAX_REVIEW_BYTES: usize = 4 << 20;
-/// A TLS handshake, the request headers and the body must each come within this.
+/// The largest review read. The API server takes request bodies of at most
+/// 3 MiB (its `--max-request-bytes` default) and etcd stores objects of at most
+/// 1.5 MiB in protobuf, which is smaller than the same Pod in JSON: a CREATE
+/// review (one object, no `oldObject`) of a Pod the API server accepts fits.
+pub const MAX_REVIEW_BYTES: usize = 3 << 20;
+/// The most JSON values (and keys) a review may hold before it is parsed: a Pod
+/// of 200 containers with 100 variables each has about 100 000. Beyond it the
+/// review is answered "allowed, unchanged" without reading the Pod, so that
+/// 3 MiB of `[{},{},...]` cannot become hundreds of MiB of parsed values.
+pub const MAX_REVIEW_NODES: usize = 150_000;
+/// Reviews read and answered at once; the others wait for [`QUEUE_WAIT`].
+pub const MAX_REVIEWS: usize = 4;
+/// How long a review waits for a slot before it is answered 503.
+pub const QUEUE_WAIT: Duration = Duration::from_secs(2);
+/// Connections served at once; one more is closed as soon as it is accepted.
+pub const MAX_CONNECTIONS: usize = 128;
+/// HTTP/2 streams one connection may have open.
+pub const MAX_STREAMS: u32 = 4;
+/// A connection with no request in progress for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A TLS handshake and the request headers must each come within this.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+/// The body must come within this once the review has a slot (the webhook's
+/// `timeoutSeconds` is 5: after that the API server has stopped waiting).
+const BODY_DEADLINE: Duration = Duration::from_secs(5);
+/// HTTP/2 flow-control windows: what a client may send before it is read.
+const STREAM_WINDOW: u32 = 64 << 10;
+const CONNECTION_WINDOW: u32 = 256 << 10;
+/// Kubernetes truncates longer warnings.
+const MAX_WARNING_CHARS: usize = 200;
 
 /// What happened to one review, for the `idemproxy_injector_reviews_total` counter.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -73,6 +113,8 @@ struct Shared {
     settings: Settings,
     reviews: Family<ReviewLabel, Counter>,
     registry: Registry,
+    /// [`MAX_REVIEWS`] slots.
+    slots: Semaphore,
 }
 
 /// The webhook, bound and ready to serve.
@@ -100,7 +142,7 @@ impl Injector {
         registry.register(
             "idemproxy_injector_reviews",
             "Admission reviews answered, by outcome (injected, already_injected, skipped, \
-             not_selected, failed, malformed)",
+             not_selected, failed, too_large, busy, malformed)",
             reviews.clone(),
         );
         Ok(Injector {
@@ -110,6 +152,7 @@ impl Injector {
                 settings,
                 reviews,
                 registry,
+                slots: Semaphore::new(MAX_REVIEWS),
             }),
         })
     }
@@ -126,6 +169,7 @@ impl Injector {
     /// Serves until `shutdown` completes; connections in progress are dropped then.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let tls = Arc::new(self.tls);
+        let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         tracing::info!(addr = ?self.listener.local_addr().ok(), "injector listening");
         tokio::pin!(shutdown);
         loop {
@@ -133,36 +177,132 @@ impl Injector {
                 a = self.listener.accept() => a,
                 () = &mut shutdown => return,
             };
-            let io = match accepted {
-                Ok((io, _)) => io,
+            let (io, peer) = match accepted {
+                Ok(a) => a,
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             };
+            let Ok(permit) = connections.clone().try_acquire_owned() else {
+                tracing::warn!(%peer, limit = MAX_CONNECTIONS, "too many connections; closed");
+                continue;
+            };
             let (tls, shared) = (tls.clone(), self.shared.clone());
             tokio::spawn(async move {
+                let _permit = permit;
                 let until = tokio::time::Instant::now() + HANDSHAKE_DEADLINE;
                 let Some(io) = tls.accept(io, until).await else {
                     return;
                 };
-                let service = hyper::service::service_fn(move |req| {
-                    let shared = shared.clone();
-                    async move { Ok::<_, Infallible>(handle(&shared, req).await) }
-                });
-                let mut builder =
-                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                // Without a timer hyper's header timeout is silently off.
-                builder
-                    .http1()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HANDSHAKE_DEADLINE);
-                if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
-                    tracing::debug!(error = %e, "connection ended");
-                }
+                serve_connection(io, shared).await;
             });
         }
+    }
+}
+
+/// Requests in progress on one connection, and when the last one ended.
+struct Activity {
+    started: tokio::time::Instant,
+    in_flight: AtomicUsize,
+    /// Milliseconds from `started` to the end of the last request.
+    last_end_ms: AtomicU64,
+}
+
+impl Activity {
+    fn idle_since(&self) -> tokio::time::Instant {
+        self.started + Duration::from_millis(self.last_end_ms.load(Ordering::Acquire))
+    }
+}
+
+/// Counts a request in progress until dropped (answered, or abandoned by the client).
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn new(activity: Arc<Activity>) -> InFlight {
+        activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(activity)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let ms = u64::try_from(self.0.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.0.last_end_ms.store(ms, Ordering::Release);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// HTTP/1.1 or HTTP/2 on one TLS connection, closed once idle for [`IDLE_TIMEOUT`].
+async fn serve_connection<I>(io: I, shared: Arc<Shared>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let activity = Arc::new(Activity {
+        started: tokio::time::Instant::now(),
+        in_flight: AtomicUsize::new(0),
+        last_end_ms: AtomicU64::new(0),
+    });
+    let service = {
+        let activity = activity.clone();
+        hyper::service::service_fn(move |req| {
+            let (shared, busy) = (shared.clone(), InFlight::new(activity.clone()));
+            async move {
+                let response = handle(&shared, req).await;
+                drop(busy);
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // Without a timer hyper's header timeout is silently off.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HANDSHAKE_DEADLINE);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_send_buf_size(64 << 10)
+        .max_header_list_size(16 << 10);
+    let connection = builder.serve_connection(TokioIo::new(io), service);
+    tokio::pin!(connection);
+    let idle = async {
+        loop {
+            let deadline = activity.idle_since() + IDLE_TIMEOUT;
+            tokio::time::sleep_until(deadline).await;
+            if activity.in_flight.load(Ordering::Acquire) == 0
+                && activity.idle_since() + IDLE_TIMEOUT <= tokio::time::Instant::now()
+            {
+                return;
+            }
+            if activity.in_flight.load(Ordering::Acquire) > 0 {
+                // Checked again once that request has had time to end.
+                tokio::time::sleep(IDLE_TIMEOUT).await;
+            }
+        }
+    };
+    let ended = tokio::select! {
+        r = connection.as_mut() => Some(r),
+        () = idle => None,
+    };
+    let result = match ended {
+        Some(r) => r,
+        None => {
+            tracing::debug!("idle connection closed");
+            connection.as_mut().graceful_shutdown();
+            match tokio::time::timeout(HANDSHAKE_DEADLINE, connection.as_mut()).await {
+                Ok(r) => r,
+                Err(_) => return,
+            }
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "connection ended");
     }
 }
 
@@ -196,15 +336,38 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
         }
         _ => return text(StatusCode::NOT_FOUND, ""),
     };
+    // A slot before the body is read: a review waiting for one holds no more
+    // than the flow-control window of its stream.
+    let _slot = match tokio::time::timeout(QUEUE_WAIT, shared.slots.acquire()).await {
+        Ok(Ok(permit)) => permit,
+        _ => {
+            count(shared, "busy");
+            tracing::warn!(
+                limit = MAX_REVIEWS,
+                "too many reviews at once; answered 503 (the pod is created without the sidecar)"
+            );
+            let mut r = text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many reviews at once\n",
+            );
+            r.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from_static("1"),
+            );
+            return r;
+        }
+    };
     let collect = Limited::new(req.into_body(), MAX_REVIEW_BYTES).collect();
-    let body = match tokio::time::timeout(HANDSHAKE_DEADLINE, collect).await {
+    let body = match tokio::time::timeout(BODY_DEADLINE, collect).await {
         Ok(Ok(b)) => b.to_bytes(),
         Ok(Err(e)) => {
             count(shared, "malformed");
-            return text(
-                StatusCode::BAD_REQUEST,
-                format!("cannot read the body: {e}\n"),
-            );
+            let status = if e.is::<http_body_util::LengthLimitError>() {
+                StatusCode::PAYLOAD_TOO_LARGE
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            return text(status, format!("cannot read the body: {e}\n"));
         }
         Err(_) => {
             count(shared, "malformed");
@@ -235,59 +398,171 @@ fn count(shared: &Shared, outcome: &'static str) {
     shared.reviews.get_or_create(&ReviewLabel { outcome }).inc();
 }
 
+/// The fields of an AdmissionReview the injector reads; serde skips the
+/// others without keeping them. `O` is the Pod: a `Value`, or nothing at all.
+#[derive(Deserialize)]
+struct Review<O> {
+    #[serde(rename = "apiVersion")]
+    api_version: Option<String>,
+    request: Option<ReviewRequest<O>>,
+}
+
+#[derive(Deserialize)]
+struct ReviewRequest<O> {
+    uid: Option<String>,
+    kind: Option<Kind>,
+    operation: Option<String>,
+    namespace: Option<String>,
+    object: Option<O>,
+}
+
+#[derive(Deserialize)]
+struct Kind {
+    kind: Option<String>,
+}
+
+/// An upper bound on the JSON values and keys in `body`: the `{`, `[`, `,`
+/// and `:` outside strings, plus one. No allocation, one pass.
+fn json_nodes(body: &[u8]) -> usize {
+    let (mut n, mut in_string, mut escaped) = (1, false, false);
+    for &b in body {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' | b',' | b':' => n += 1,
+                _ => {}
+            }
+        }
+    }
+    n
+}
+
+/// A warning for `kubectl` (one line, printable, short).
+fn warning(message: &str) -> String {
+    let mut w = String::from("idemproxy: the sidecar was not added: ");
+    for c in message.chars() {
+        if w.chars().count() >= MAX_WARNING_CHARS {
+            w.push('…');
+            break;
+        }
+        w.push(if c.is_control() { ' ' } else { c });
+    }
+    w
+}
+
 /// The AdmissionReview answer; `Err` only when there is no review to answer (no uid).
 fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<serde_json::Value, String> {
-    let review: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| format!("not JSON: {e}"))?;
-    let request = review
-        .get("request")
-        .ok_or("not an AdmissionReview: no request")?;
-    let uid = request
-        .get("uid")
-        .and_then(serde_json::Value::as_str)
-        .ok_or("not an AdmissionReview: no request.uid")?;
-    let api_version = review
-        .get("apiVersion")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or("admission.k8s.io/v1");
-    let (outcome, patch) = decide(shared, request, scope);
-    count(shared, outcome);
+    let nodes = json_nodes(body);
+    let (api_version, uid, decision) = if nodes > MAX_REVIEW_NODES {
+        let review: Review<IgnoredAny> =
+            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
+        let request = review.request.ok_or("not an AdmissionReview: no request")?;
+        let uid = request
+            .uid
+            .ok_or("not an AdmissionReview: no request.uid")?;
+        tracing::warn!(
+            namespace = request.namespace.as_deref().unwrap_or(""),
+            nodes,
+            limit = MAX_REVIEW_NODES,
+            "review too large to read; allowed unchanged"
+        );
+        let message = format!(
+            "the review holds more than {MAX_REVIEW_NODES} JSON values, more than the injector reads"
+        );
+        (
+            review.api_version,
+            uid,
+            Decision {
+                outcome: "too_large",
+                patch: None,
+                warning: Some(warning(&message)),
+            },
+        )
+    } else {
+        let review: Review<serde_json::Value> =
+            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
+        let request = review.request.ok_or("not an AdmissionReview: no request")?;
+        let uid = request
+            .uid
+            .clone()
+            .ok_or("not an AdmissionReview: no request.uid")?;
+        let decision = decide(shared, &request, scope);
+        (review.api_version, uid, decision)
+    };
+    count(shared, decision.outcome);
     let mut response = json!({ "uid": uid, "allowed": true });
-    if let Some(patch) = patch {
+    if let Some(patch) = decision.patch {
         response["patchType"] = "JSONPatch".into();
         response["patch"] = base64::engine::general_purpose::STANDARD
             .encode(patch)
             .into();
     }
+    if let Some(w) = decision.warning {
+        response["warnings"] = json!([w]);
+    }
     Ok(json!({
-        "apiVersion": api_version,
+        "apiVersion": api_version.as_deref().unwrap_or("admission.k8s.io/v1"),
         "kind": "AdmissionReview",
         "response": response,
     }))
 }
 
-/// The outcome label and the patch, if any.
-fn decide(
-    shared: &Shared,
-    request: &serde_json::Value,
-    scope: Scope,
-) -> (&'static str, Option<Vec<u8>>) {
-    let str_at = |path: &[&str]| {
-        path.iter()
-            .try_fold(request, |v, k| v.get(*k))
+/// What the injector makes of one review.
+struct Decision {
+    /// The `idemproxy_injector_reviews_total` label.
+    outcome: &'static str,
+    patch: Option<Vec<u8>>,
+    /// For a Pod that asked for the sidecar and did not get it.
+    warning: Option<String>,
+}
+
+impl Decision {
+    fn quiet(outcome: &'static str) -> Decision {
+        Decision {
+            outcome,
+            patch: None,
+            warning: None,
+        }
+    }
+
+    fn warned(outcome: &'static str, message: &str) -> Decision {
+        Decision {
+            outcome,
+            patch: None,
+            warning: Some(warning(message)),
+        }
+    }
+}
+
+/// Injects the review's Pod if it is selected; the patch, and a warning when
+/// a Pod that asked for the sidecar cannot have it.
+fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Scope) -> Decision {
+    let object = request.object.as_ref();
+    let meta_str = |key: &str| {
+        object
+            .and_then(|o| o.get("metadata"))
+            .and_then(|m| m.get(key))
             .and_then(serde_json::Value::as_str)
     };
-    let pod_name = str_at(&["object", "metadata", "name"])
-        .or(str_at(&["object", "metadata", "generateName"]))
+    let pod_name = meta_str("name")
+        .or(meta_str("generateName"))
         .unwrap_or("")
         .to_owned();
-    let namespace = str_at(&["namespace"]).unwrap_or("").to_owned();
-    if str_at(&["kind", "kind"]) != Some("Pod") || str_at(&["operation"]) != Some("CREATE") {
-        return ("not_selected", None);
+    let namespace = request.namespace.clone().unwrap_or_default();
+    let kind = request.kind.as_ref().and_then(|k| k.kind.as_deref());
+    if kind != Some("Pod") || request.operation.as_deref() != Some("CREATE") {
+        return Decision::quiet("not_selected");
     }
-    let Some(object) = request.get("object") else {
+    let Some(object) = object else {
         tracing::warn!(%namespace, "admission review without an object; allowed unchanged");
-        return ("failed", None);
+        return Decision::quiet("failed");
     };
     let annotation = object
         .get("metadata")
@@ -295,13 +570,13 @@ fn decide(
         .and_then(|a| a.get(INJECT_ANNOTATION))
         .and_then(serde_json::Value::as_str);
     if scope == Scope::Annotated && annotation != Some("enabled") {
-        return ("not_selected", None);
+        return Decision::quiet("not_selected");
     }
     let mut pod: serde_norway::Value = match serde_norway::to_value(object) {
         Ok(v) => v,
         Err(e) => {
             tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot read the pod; allowed unchanged");
-            return ("failed", None);
+            return Decision::warned("failed", &format!("cannot read the pod: {e}"));
         }
     };
     match inject_pod(&mut pod, None, &[], &shared.settings) {
@@ -310,29 +585,39 @@ fn decide(
                 Ok(v) => v,
                 Err(e) => {
                     tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the pod; allowed unchanged");
-                    return ("failed", None);
+                    return Decision::warned("failed", &format!("cannot write the pod: {e}"));
                 }
             };
             let patch = json_patch::diff(object, &after);
             match serde_json::to_vec(&patch) {
                 Ok(bytes) => {
                     tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
-                    ("injected", Some(bytes))
+                    Decision {
+                        outcome: "injected",
+                        patch: Some(bytes),
+                        warning: None,
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the patch; allowed unchanged");
-                    ("failed", None)
+                    Decision::warned("failed", &format!("cannot write the patch: {e}"))
                 }
             }
         }
-        Ok(Outcome::AlreadyInjected) => ("already_injected", None),
+        Ok(Outcome::AlreadyInjected) => Decision::quiet("already_injected"),
         Ok(Outcome::Skipped(reason)) => {
             tracing::info!(%namespace, pod = %pod_name, %reason, "pod left as it was");
-            ("skipped", None)
+            // A Pod that asked by its annotation is told; one that only sits in
+            // an injected namespace (a Redis, say) is not.
+            if annotation == Some("enabled") {
+                Decision::warned("skipped", &reason)
+            } else {
+                Decision::quiet("skipped")
+            }
         }
         Err(e) => {
             tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot inject; allowed unchanged");
-            ("failed", None)
+            Decision::warned("failed", &e.to_string())
         }
     }
 }
