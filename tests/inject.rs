@@ -799,7 +799,7 @@ fn yaml_1_1_plain_values_in_a_rewritten_document_are_refused() {
     // Quoted, "yes" is a string and stays one.
     let input = NAMED.replace(
         "image: example/api:1",
-        "image: example/api:1\n          env: [{name: X, value: \"yes\"}, {name: Y, value: '0644'}]",
+        "image: example/api:1\n          env: [{name: XA, value: \"yes\"}, {name: XB, value: '0644'}]",
     );
     let (output, _) = injected(&[], &input);
     assert_valid(&output);
