@@ -726,7 +726,10 @@ fn the_apps_probes_follow_the_renamed_port() {
     assert_eq!(app["livenessProbe"]["httpGet"]["port"], 8080);
     assert_eq!(app["lifecycle"]["postStart"]["httpGet"]["port"], "app-http");
     // Another container's probes are its own: untouched.
-    assert_eq!(spec["containers"][1]["readinessProbe"]["httpGet"]["port"], "http");
+    assert_eq!(
+        spec["containers"][1]["readinessProbe"]["httpGet"]["port"],
+        "http"
+    );
 }
 
 #[test]
@@ -760,7 +763,10 @@ fn network_policy_opens_only_the_proxy_and_admin_ports() {
 
 #[test]
 fn a_headless_service_gets_a_note() {
-    let input = NAMED.replace("spec:\n  selector: {app: api}", "spec:\n  clusterIP: None\n  selector: {app: api}");
+    let input = NAMED.replace(
+        "spec:\n  selector: {app: api}",
+        "spec:\n  clusterIP: None\n  selector: {app: api}",
+    );
     assert_ne!(input, NAMED);
     let (_, stderr) = injected(&[], &input);
     assert!(stderr.contains("headless Service"), "{stderr}");
@@ -791,7 +797,14 @@ fn yaml_1_1_plain_values_in_a_rewritten_document_are_refused() {
         );
     }
     // The line is the input's: the second document starts on line 5, tty is on line 21.
-    let input = format!("{}---\n{}", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {a: yes}\n", NAMED.replace("image: example/api:1", "image: example/api:1\n          tty: on"));
+    let input = format!(
+        "{}---\n{}",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {a: yes}\n",
+        NAMED.replace(
+            "image: example/api:1",
+            "image: example/api:1\n          tty: on"
+        )
+    );
     let out = inject(&[], &input);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
@@ -910,5 +923,8 @@ fn two_containers_naming_the_port_alike_are_left_alone() {
     assert_ne!(input, NAMED);
     let (output, stderr) = injected(&["--port", "3000"], &input);
     assert_eq!(output, input);
-    assert!(stderr.contains("several containers name a port \"http\""), "{stderr}");
+    assert!(
+        stderr.contains("several containers name a port \"http\""),
+        "{stderr}"
+    );
 }

@@ -542,7 +542,12 @@ fn service_selects(svc: &Value, ns: Option<&str>, labels: Option<&Mapping>) -> b
 }
 
 /// Ingress to the selected pods on `ports` (TCP) only, from anywhere.
-fn network_policy_for(name: &str, namespace: Option<&str>, labels: &Mapping, ports: &[u16]) -> Value {
+fn network_policy_for(
+    name: &str,
+    namespace: Option<&str>,
+    labels: &Mapping,
+    ports: &[u16],
+) -> Value {
     let mut metadata = Mapping::new();
     metadata.insert("name".into(), name.into());
     if let Some(ns) = namespace {
@@ -620,7 +625,8 @@ fn yaml_1_1_meaning(s: &str) -> Option<(&'static str, &'static str)> {
         return None;
     }
     let unsigned = s.strip_prefix(['-', '+']).unwrap_or(s);
-    let digits = |t: &str, ok: fn(char) -> bool| !t.is_empty() && t.chars().all(|c| ok(c) || c == '_');
+    let digits =
+        |t: &str, ok: fn(char) -> bool| !t.is_empty() && t.chars().all(|c| ok(c) || c == '_');
     let number = if let Some(b) = unsigned.strip_prefix("0b") {
         digits(b, |c| c == '0' || c == '1')
     } else if let Some(x) = unsigned.strip_prefix("0x") {
@@ -645,10 +651,15 @@ fn yaml_1_1_meaning(s: &str) -> Option<(&'static str, &'static str)> {
         // 1_000, 1_000.5: underscores in a number.
         unsigned.contains('_')
             && unsigned.starts_with(|c: char| c.is_ascii_digit())
-            && unsigned.chars().all(|c| c.is_ascii_digit() || c == '_' || c == '.')
+            && unsigned
+                .chars()
+                .all(|c| c.is_ascii_digit() || c == '_' || c == '.')
             && unsigned.matches('.').count() <= 1
     };
-    number.then_some(("a number", "a decimal number, or quoted if a string is meant"))
+    number.then_some((
+        "a number",
+        "a decimal number, or quoted if a string is meant",
+    ))
 }
 
 /// Points the Service's ports that target `app` by number at `proxy`; true when one changed.

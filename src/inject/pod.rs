@@ -274,12 +274,14 @@ pub fn injected_change(pod: &Value) -> Option<Change> {
         .iter()
         .filter_map(Value::as_str)
         .collect();
-    let after = |flag: &str| {
-        args.windows(2)
-            .find(|w| w[0] == flag)
-            .map(|w| w[1])
+    let after = |flag: &str| args.windows(2).find(|w| w[0] == flag).map(|w| w[1]);
+    let port_of = |text: &str| {
+        text.rsplit(':')
+            .next()?
+            .trim_end_matches('/')
+            .parse::<u16>()
+            .ok()
     };
-    let port_of = |text: &str| text.rsplit(':').next()?.trim_end_matches('/').parse::<u16>().ok();
     Some(Change {
         proxy_port: port_of(after("--listen")?)?,
         app_port: port_of(after("--upstream")?)?,
