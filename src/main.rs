@@ -105,6 +105,10 @@ struct InjectArgs {
     /// The port to protect in every workload, by name or number.
     #[arg(long, value_name = "NAME|NUMBER")]
     port: Option<String>,
+    /// Also emit, per injected workload, a NetworkPolicy that lets ingress reach only the
+    /// proxy's and admin ports (it closes every other port of the pod).
+    #[arg(long)]
+    network_policy: bool,
     /// The manifests; `-` or nothing reads standard input.
     #[arg(value_name = "MANIFESTS")]
     manifests: Option<PathBuf>,
@@ -267,7 +271,7 @@ fn run_inject(args: InjectArgs) -> ExitCode {
         }
     };
     let text = config.as_ref().map(|(text, _)| text.as_str());
-    match inject::inject_manifests(&input, &settings, text) {
+    match inject::inject_manifests(&input, &settings, text, args.network_policy) {
         Ok(done) => {
             for note in &done.notes {
                 eprintln!("idemproxy inject: {note}");

@@ -647,3 +647,284 @@ fn the_sidecar_arguments_are_accepted_by_the_proxy() {
         assert!(stdout.contains("listen 0.0.0.0:15080"), "{stdout}");
     }
 }
+
+/// A Service added after the first injection targets the app's port by
+/// number: the second run rewires it from the sidecar's arguments.
+#[test]
+fn a_service_added_after_injection_is_rewired_on_the_next_run() {
+    let (once, _) = injected(&[], NAMED);
+    let input = format!(
+        "{once}---\napiVersion: v1\nkind: Service\nmetadata:\n  name: api-direct\n  namespace: shop\n\
+         spec:\n  selector: {{app: api}}\n  ports:\n    - port: 8080\n      targetPort: 3000\n"
+    );
+    let (twice, stderr) = injected(&[], &input);
+    assert!(stderr.contains("already injected"), "{stderr}");
+    assert_valid(&twice);
+    let after = documents(&twice);
+    let svc = after.iter().find(|d| name(d) == "api-direct").unwrap();
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], 15080);
+    assert_eq!(assert_services_reach_the_proxy(&after), 2);
+    // And a third run changes nothing.
+    assert_eq!(injected(&[], &twice).0, twice);
+}
+
+const WITH_HOST_PORT_AND_PROBES: &str = "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: web
+spec:
+  selector:
+    matchLabels: {app: web}
+  template:
+    metadata:
+      labels: {app: web}
+    spec:
+      containers:
+        - name: web
+          image: example/web:1
+          ports:
+            - name: http
+              containerPort: 8080
+              hostPort: 8080
+          startupProbe:
+            tcpSocket: {port: http}
+          readinessProbe:
+            httpGet: {path: /ready, port: http}
+          livenessProbe:
+            httpGet: {path: /live, port: 8080}
+          lifecycle:
+            postStart:
+              httpGet: {path: /started, port: http}
+        - name: other
+          image: example/other:1
+          readinessProbe:
+            httpGet: {path: /ready, port: http}
+";
+
+#[test]
+fn the_host_port_moves_to_the_proxy() {
+    let (output, _) = injected(&[], WITH_HOST_PORT_AND_PROBES);
+    assert_valid(&output);
+    let docs = documents(&output);
+    let spec = &template(&docs[0])["spec"];
+    let app = &spec["containers"][0]["ports"][0];
+    assert_eq!(app["name"], "app-http");
+    assert!(app.get("hostPort").is_none(), "{app:?}");
+    let proxy = &spec["initContainers"][0]["ports"][0];
+    assert_eq!(proxy["hostPort"], 8080);
+    assert_eq!(proxy["containerPort"], 15080);
+}
+
+#[test]
+fn the_apps_probes_follow_the_renamed_port() {
+    let (output, _) = injected(&[], WITH_HOST_PORT_AND_PROBES);
+    let docs = documents(&output);
+    let spec = &template(&docs[0])["spec"];
+    let app = &spec["containers"][0];
+    assert_eq!(app["startupProbe"]["tcpSocket"]["port"], "app-http");
+    assert_eq!(app["readinessProbe"]["httpGet"]["port"], "app-http");
+    assert_eq!(app["livenessProbe"]["httpGet"]["port"], 8080);
+    assert_eq!(app["lifecycle"]["postStart"]["httpGet"]["port"], "app-http");
+    // Another container's probes are its own: untouched.
+    assert_eq!(
+        spec["containers"][1]["readinessProbe"]["httpGet"]["port"],
+        "http"
+    );
+}
+
+#[test]
+fn network_policy_opens_only_the_proxy_and_admin_ports() {
+    let (plain, _) = injected(&[], NAMED);
+    assert!(!plain.contains("NetworkPolicy"));
+    let (output, _) = injected(&["--network-policy"], NAMED);
+    assert_valid(&output);
+    let after = documents(&output);
+    let policies: Vec<&Value> = after
+        .iter()
+        .filter(|d| kind(d) == "NetworkPolicy")
+        .collect();
+    assert_eq!(policies.len(), 1);
+    let np = policies[0];
+    assert_eq!(name(np), "api-idemproxy");
+    assert_eq!(np["metadata"]["namespace"], "shop");
+    assert_eq!(np["spec"]["podSelector"]["matchLabels"]["app"], "api");
+    assert_eq!(np["spec"]["policyTypes"][0], "Ingress");
+    let ingress = seq(&np["spec"]["ingress"]);
+    assert_eq!(ingress.len(), 1);
+    assert!(ingress[0].get("from").is_none());
+    let ports: Vec<u64> = seq(&ingress[0]["ports"])
+        .iter()
+        .map(|p| p["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ports, [15080, 9901], "not the app's port 3000");
+    // Idempotent: the policy of the first run is not emitted again.
+    assert_eq!(injected(&["--network-policy"], &output).0, output);
+}
+
+#[test]
+fn a_headless_service_gets_a_note() {
+    let input = NAMED.replace(
+        "spec:\n  selector: {app: api}",
+        "spec:\n  clusterIP: None\n  selector: {app: api}",
+    );
+    assert_ne!(input, NAMED);
+    let (_, stderr) = injected(&[], &input);
+    assert!(stderr.contains("headless Service"), "{stderr}");
+    let (_, stderr) = injected(&[], NAMED);
+    assert!(!stderr.contains("headless"), "{stderr}");
+}
+
+/// Plain YAML 1.1 booleans and octals are strings to serde_norway (YAML 1.2):
+/// a document that would be rewritten with one is refused; quoted, they stay strings.
+#[test]
+fn yaml_1_1_plain_values_in_a_rewritten_document_are_refused() {
+    for (plain, value) in [
+        ("      hostNetwork: yes\n", "yes"),
+        (
+            "      volumes:\n        - name: c\n          configMap: {name: c, defaultMode: 0644}\n",
+            "0644",
+        ),
+    ] {
+        let input = NAMED.replace("    spec:\n      containers:", &format!("    spec:\n{plain}      containers:"));
+        assert_ne!(input, NAMED);
+        let out = inject(&[], &input);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(out.stdout.is_empty());
+        assert!(
+            stderr.contains("document 1 (line 1") && stderr.contains(&format!("{value:?}")),
+            "{stderr}"
+        );
+    }
+    // The line is the input's: the second document starts on line 5, tty is on line 21.
+    let input = format!(
+        "{}---\n{}",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {a: yes}\n",
+        NAMED.replace(
+            "image: example/api:1",
+            "image: example/api:1\n          tty: on"
+        )
+    );
+    let out = inject(&[], &input);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("document 2 (line 21)"), "{stderr}");
+    // Quoted, "yes" is a string and stays one.
+    let input = NAMED.replace(
+        "image: example/api:1",
+        "image: example/api:1\n          env: [{name: XA, value: \"yes\"}, {name: XB, value: '0644'}]",
+    );
+    let (output, _) = injected(&[], &input);
+    assert_valid(&output);
+    let docs = documents(&output);
+    let env = &template(&docs[0])["spec"]["containers"][0]["env"];
+    assert_eq!(env[0]["value"], "yes");
+    assert_eq!(env[1]["value"], "0644");
+    assert!(output.contains("value: \"yes\""), "{output}");
+}
+
+#[test]
+fn merge_keys_are_applied() {
+    let input = NAMED.replace(
+        "        - name: api\n          image: example/api:1\n",
+        "        - &base\n          name: api\n          image: example/api:1\n          env: [{name: A, value: a}]\n          ports:\n            - name: http\n              containerPort: 3000\n        - <<: *base\n          name: worker\n          ports: []\n",
+    )
+    .replacen("          ports:\n            - name: http\n              containerPort: 3000\n---", "---", 1);
+    let (output, _) = injected(&[], &input);
+    assert!(!output.contains("<<"), "{output}");
+    assert_valid(&output);
+    let docs = documents(&output);
+    let spec = &template(&docs[0])["spec"];
+    assert_eq!(spec["containers"][1]["name"], "worker");
+    assert_eq!(spec["containers"][1]["image"], "example/api:1");
+    assert_eq!(spec["containers"][1]["env"][0]["value"], "a");
+}
+
+const SHARED: &str = "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: blue
+spec:
+  selector:
+    matchLabels: {app: web, colour: blue}
+  template:
+    metadata:
+      labels: {app: web, colour: blue}
+    spec:
+      containers:
+        - name: web
+          image: example/web:1
+          ports: [{containerPort: 8080}]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: green
+  annotations: {idemproxy.dev/inject: disabled}
+spec:
+  selector:
+    matchLabels: {app: web, colour: green}
+  template:
+    metadata:
+      labels: {app: web, colour: green}
+    spec:
+      containers:
+        - name: web
+          image: example/web:1
+          ports: [{containerPort: 8080}]
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: web
+spec:
+  selector: {app: web}
+  ports:
+    - port: 80
+      targetPort: 8080
+";
+
+#[test]
+fn a_service_shared_with_a_workload_left_alone_is_refused() {
+    let out = inject(&[], SHARED);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(out.stdout.is_empty());
+    assert!(
+        stderr.contains("Service web")
+            && stderr.contains("Deployment blue")
+            && stderr.contains("Deployment green (left as it was)"),
+        "{stderr}"
+    );
+    // Both injected: one Service, both through the proxy.
+    let both = SHARED.replace("  annotations: {idemproxy.dev/inject: disabled}\n", "");
+    let (output, _) = injected(&[], &both);
+    assert_valid(&output);
+    assert_eq!(assert_services_reach_the_proxy(&documents(&output)), 2);
+    // Both injected, but on different proxy ports (green's pod uses 15080): refused.
+    let apart = both.replacen(
+        "ports: [{containerPort: 8080}]\n---\napiVersion: v1",
+        "ports: [{containerPort: 8080}, {containerPort: 15080}]\n---\napiVersion: v1",
+        1,
+    );
+    assert_ne!(apart, both);
+    let out = inject(&["--port", "8080"], &apart);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("proxy port 15081"), "{stderr}");
+}
+
+#[test]
+fn two_containers_naming_the_port_alike_are_left_alone() {
+    let input = NAMED.replace(
+        "              containerPort: 3000\n",
+        "              containerPort: 3000\n        - name: metrics\n          image: example/metrics:1\n          ports:\n            - name: http\n              containerPort: 9100\n",
+    );
+    assert_ne!(input, NAMED);
+    let (output, stderr) = injected(&["--port", "3000"], &input);
+    assert_eq!(output, input);
+    assert!(
+        stderr.contains("several containers name a port \"http\""),
+        "{stderr}"
+    );
+}

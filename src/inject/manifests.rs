@@ -8,7 +8,7 @@
 use serde_norway::{Mapping, Value};
 
 use super::emit::to_yaml;
-use super::pod::{inject_pod, FieldError, Outcome, ServicePort};
+use super::pod::{inject_pod, injected_change, Change, FieldError, Outcome, ServicePort};
 use super::{PortRef, Settings};
 
 /// The output, built whole before any of it is written, and the notes for standard error.
@@ -38,6 +38,23 @@ pub enum ManifestError {
         field: String,
         error: FieldError,
     },
+    #[error(
+        "document {doc} (line {line}): the plain value {value:?} is a string to YAML 1.2 but {meaning} \
+         to Kubernetes (YAML 1.1); this document is rewritten, so write it as {fix}"
+    )]
+    Yaml11 {
+        doc: usize,
+        line: usize,
+        value: String,
+        meaning: &'static str,
+        fix: &'static str,
+    },
+    #[error("document {doc} ({service}): {message}")]
+    SharedService {
+        doc: String,
+        service: String,
+        message: String,
+    },
     #[error("cannot write document {doc}: {message}")]
     Write { doc: usize, message: String },
 }
@@ -58,6 +75,8 @@ struct Document<'a> {
     text: &'a str,
     /// Its leading separator, comment and blank lines, kept when it is rewritten.
     head: &'a str,
+    /// The line of the input its text starts on.
+    line: usize,
     value: Value,
     changed: bool,
 }
@@ -205,10 +224,13 @@ fn head_of(text: &str) -> &str {
 /// Injects every workload of `text`. With `config`, the text of a configuration
 /// file, a ConfigMap holding it is added for each namespace injected into,
 /// unless the input has one by that name.
+/// With `network_policy`, a NetworkPolicy per injected workload lets ingress
+/// reach only the proxy's and admin ports.
 pub fn inject_manifests(
     text: &str,
     settings: &Settings,
     config: Option<&str>,
+    network_policy: bool,
 ) -> Result<Injected, ManifestError> {
     let json = text.trim_start().starts_with(['{', '[']);
     let mut docs = if json {
@@ -217,24 +239,30 @@ pub fn inject_manifests(
         vec![Document {
             text,
             head: "",
+            line: 1,
             value,
             changed: false,
         }]
     } else {
         let mut docs = Vec::new();
         for (i, (line, piece)) in split_documents(text).into_iter().enumerate() {
+            let yaml_error = |e: serde_norway::Error| ManifestError::Yaml {
+                doc: i + 1,
+                line: line + e.location().map_or(0, |l| l.line().saturating_sub(1)),
+                message: e.to_string(),
+            };
             let value = if head_of(piece).len() == piece.len() {
                 Value::Null
             } else {
-                serde_norway::from_str(piece).map_err(|e| ManifestError::Yaml {
-                    doc: i + 1,
-                    line: line + e.location().map_or(0, |l| l.line().saturating_sub(1)),
-                    message: e.to_string(),
-                })?
+                let mut value: Value = serde_norway::from_str(piece).map_err(yaml_error)?;
+                // `<<: *anchor` merge keys, as YAML 1.1 readers (Kubernetes) apply them.
+                value.apply_merge().map_err(yaml_error)?;
+                value
             };
             docs.push(Document {
                 text: piece,
                 head: head_of(piece),
+                line,
                 value,
                 changed: false,
             });
@@ -261,6 +289,7 @@ pub fn inject_manifests(
     let mut notes = Vec::new();
     let mut injected_namespaces: Vec<Option<String>> = Vec::new();
     let mut injected = 0;
+    let mut workloads: Vec<Workload> = Vec::new();
     for at in &objects {
         let object = at.get(&docs);
         let Some(path) = str_at(object, &["kind"]).and_then(template_path) else {
@@ -277,6 +306,13 @@ pub fn inject_manifests(
                 .and_then(Value::as_mapping)
                 .cloned(),
         };
+        let selector = object
+            .get("spec")
+            .and_then(|s| s.get("selector"))
+            .and_then(|s| s.get("matchLabels"))
+            .and_then(Value::as_mapping)
+            .cloned();
+        let name = str_at(&object, &["metadata", "name"]).map(str::to_owned);
         let Some(template) = path.iter().try_fold(&mut object, |v, k| v.get_mut(*k)) else {
             notes.push(format!(
                 "document {} ({what}): left as it was: no pod template at {}",
@@ -288,22 +324,11 @@ pub fn inject_manifests(
         let labels = template
             .get("metadata")
             .and_then(|m| m.get("labels"))
-            .and_then(Value::as_mapping);
-        let selecting: Vec<At> = services
+            .and_then(Value::as_mapping)
+            .cloned();
+        let ports: Vec<ServicePort> = services
             .iter()
-            .copied()
-            .filter(|s| {
-                let svc = s.get(&docs);
-                let selector = svc
-                    .get("spec")
-                    .and_then(|s| s.get("selector"))
-                    .and_then(Value::as_mapping);
-                same_namespace(namespace(svc), ns.as_deref())
-                    && selector.is_some_and(|sel| selects(sel, labels))
-            })
-            .collect();
-        let ports: Vec<ServicePort> = selecting
-            .iter()
+            .filter(|s| service_selects(s.get(&docs), ns.as_deref(), labels.as_ref()))
             .flat_map(|s| service_ports(s.get(&docs)))
             .collect();
         let outcome = inject_pod(template, owner.as_ref(), &ports, settings).map_err(|error| {
@@ -318,28 +343,144 @@ pub fn inject_manifests(
                 error,
             }
         })?;
-        match outcome {
+        let change = match outcome {
             Outcome::Injected(change) => {
                 injected += 1;
-                at.set(&mut docs, object);
                 if !injected_namespaces.contains(&ns) {
                     injected_namespaces.push(ns.clone());
                 }
-                for s in &selecting {
-                    let mut svc = s.get(&docs).clone();
-                    if retarget(&mut svc, change.app_port, change.proxy_port) {
-                        s.set(&mut docs, svc);
-                    }
-                }
+                at.set(&mut docs, object);
+                Some(change)
             }
-            Outcome::Skipped(reason) => notes.push(format!(
-                "document {} ({what}): left as it was: {reason}",
-                at.number()
-            )),
-            Outcome::AlreadyInjected => notes.push(format!(
-                "document {} ({what}): already injected",
-                at.number()
-            )),
+            Outcome::Skipped(reason) => {
+                notes.push(format!(
+                    "document {} ({what}): left as it was: {reason}",
+                    at.number()
+                ));
+                None
+            }
+            Outcome::AlreadyInjected => {
+                notes.push(format!(
+                    "document {} ({what}): already injected",
+                    at.number()
+                ));
+                // Its Services are rewired still: one added since the last run may target the app.
+                let change = injected_change(template);
+                if change.is_none() {
+                    notes.push(format!(
+                        "document {} ({what}): its idemproxy sidecar has no --listen and \
+                         --upstream arguments to read the ports from: its Services are left as \
+                         they are",
+                        at.number()
+                    ));
+                }
+                change
+            }
+        };
+        workloads.push(Workload {
+            at: *at,
+            what,
+            name,
+            ns,
+            labels,
+            selector,
+            change,
+        });
+    }
+
+    // A Service is rewired only when every workload of the input it selects
+    // goes through a proxy on the same ports: never half of its endpoints cut off.
+    for s in &services {
+        let svc = s.get(&docs);
+        let selected: Vec<&Workload> = workloads
+            .iter()
+            .filter(|w| service_selects(svc, w.ns.as_deref(), w.labels.as_ref()))
+            .collect();
+        let Some(first) = selected.iter().find_map(|w| w.change.as_ref()) else {
+            continue;
+        };
+        if str_at(svc, &["spec", "clusterIP"]) == Some("None") {
+            notes.push(format!(
+                "document {} ({}): headless Service: its clients dial the pods' addresses and \
+                 may name the application's port, around the proxy (see --network-policy)",
+                s.number(),
+                describe(svc)
+            ));
+        }
+        let mut rewired = svc.clone();
+        if !retarget(&mut rewired, first.app_port, first.proxy_port) {
+            continue;
+        }
+        let differ: Vec<String> = selected
+            .iter()
+            .filter(|w| w.change.as_ref().is_none_or(|c| !same_ports(c, first)))
+            .map(|w| match &w.change {
+                None => format!("{} (left as it was)", w.what),
+                Some(c) => format!(
+                    "{} (app port {}, proxy port {})",
+                    w.what, c.app_port, c.proxy_port
+                ),
+            })
+            .collect();
+        if !differ.is_empty() {
+            let with: Vec<&str> = selected
+                .iter()
+                .filter(|w| w.change.as_ref().is_some_and(|c| same_ports(c, first)))
+                .map(|w| w.what.as_str())
+                .collect();
+            return Err(ManifestError::SharedService {
+                doc: s.number(),
+                service: describe(svc),
+                message: format!(
+                    "it selects {} (app port {}, proxy port {}) and {}: retargeting it to the \
+                     proxy's port would cut the others off; give them their own Service, or \
+                     inject them alike (--port, or the {} annotation)",
+                    with.join(", "),
+                    first.app_port,
+                    first.proxy_port,
+                    differ.join(", "),
+                    super::pod::PORT_ANNOTATION
+                ),
+            });
+        }
+        s.set(&mut docs, rewired);
+    }
+
+    let mut policies = Vec::new();
+    if network_policy {
+        for w in &workloads {
+            let Some(change) = &w.change else { continue };
+            let Some(name) = &w.name else {
+                notes.push(format!(
+                    "document {} ({}): no NetworkPolicy: the workload has no name",
+                    w.at.number(),
+                    w.what
+                ));
+                continue;
+            };
+            let Some(selector) = w.selector.as_ref().or(w.labels.as_ref()) else {
+                notes.push(format!(
+                    "document {} ({}): no NetworkPolicy: the pods have no labels to select them by",
+                    w.at.number(),
+                    w.what
+                ));
+                continue;
+            };
+            let policy_name = format!("{name}-idemproxy");
+            let present = objects.iter().any(|at| {
+                let v = at.get(&docs);
+                str_at(v, &["kind"]) == Some("NetworkPolicy")
+                    && str_at(v, &["metadata", "name"]) == Some(policy_name.as_str())
+                    && same_namespace(namespace(v), w.ns.as_deref())
+            });
+            if !present {
+                policies.push(network_policy_for(
+                    &policy_name,
+                    w.ns.as_deref(),
+                    selector,
+                    &[change.proxy_port, settings.admin_port],
+                ));
+            }
         }
     }
 
@@ -358,6 +499,10 @@ pub fn inject_manifests(
         }
     }
 
+    config_maps.extend(policies);
+    if !json {
+        check_yaml_1_1(&docs)?;
+    }
     let output = if json {
         render_json(text, docs.remove(0), config_maps)?
     } else {
@@ -368,6 +513,153 @@ pub fn inject_manifests(
         notes,
         injected,
     })
+}
+
+/// A workload of the input and what became of it.
+struct Workload {
+    at: At,
+    what: String,
+    name: Option<String>,
+    ns: Option<String>,
+    /// The pod template's labels, which Services select.
+    labels: Option<Mapping>,
+    /// The workload's `spec.selector.matchLabels`, which a NetworkPolicy selects by.
+    selector: Option<Mapping>,
+    /// The ports, when it runs the sidecar (injected now or before).
+    change: Option<Change>,
+}
+
+fn same_ports(a: &Change, b: &Change) -> bool {
+    a.app_port == b.app_port && a.proxy_port == b.proxy_port
+}
+
+fn service_selects(svc: &Value, ns: Option<&str>, labels: Option<&Mapping>) -> bool {
+    let selector = svc
+        .get("spec")
+        .and_then(|s| s.get("selector"))
+        .and_then(Value::as_mapping);
+    same_namespace(namespace(svc), ns) && selector.is_some_and(|sel| selects(sel, labels))
+}
+
+/// Ingress to the selected pods on `ports` (TCP) only, from anywhere.
+fn network_policy_for(
+    name: &str,
+    namespace: Option<&str>,
+    labels: &Mapping,
+    ports: &[u16],
+) -> Value {
+    let mut metadata = Mapping::new();
+    metadata.insert("name".into(), name.into());
+    if let Some(ns) = namespace {
+        metadata.insert("namespace".into(), ns.into());
+    }
+    let mut component = Mapping::new();
+    component.insert("app.kubernetes.io/component".into(), "idemproxy".into());
+    metadata.insert("labels".into(), component.into());
+    let mut selector = Mapping::new();
+    selector.insert("matchLabels".into(), labels.clone().into());
+    let ports: Vec<Value> = ports
+        .iter()
+        .map(|p| {
+            let mut m = Mapping::new();
+            m.insert("protocol".into(), "TCP".into());
+            m.insert("port".into(), Value::from(*p));
+            m.into()
+        })
+        .collect();
+    let mut rule = Mapping::new();
+    rule.insert("ports".into(), ports.into());
+    let mut spec = Mapping::new();
+    spec.insert("podSelector".into(), selector.into());
+    spec.insert("policyTypes".into(), vec![Value::from("Ingress")].into());
+    spec.insert("ingress".into(), vec![Value::from(rule)].into());
+    let mut np = Mapping::new();
+    np.insert("apiVersion".into(), "networking.k8s.io/v1".into());
+    np.insert("kind".into(), "NetworkPolicy".into());
+    np.insert("metadata".into(), metadata.into());
+    np.insert("spec".into(), spec.into());
+    np.into()
+}
+
+/// A rewritten document is written from its parsed value, read as YAML 1.2:
+/// a plain `yes`, `off`, `0644` or `1:20` came in as a string, and would go
+/// out quoted, a string where Kubernetes (YAML 1.1) read a boolean or a
+/// number. Such a document is refused, naming the line and value.
+fn check_yaml_1_1(docs: &[Document]) -> Result<(), ManifestError> {
+    use yaml_rust2::parser::{Event, Parser};
+    use yaml_rust2::scanner::TScalarStyle;
+    for (i, d) in docs.iter().enumerate().filter(|(_, d)| d.changed) {
+        let mut parser = Parser::new_from_str(d.text);
+        // The text parsed once already (serde_norway); an error here ends the check.
+        while let Ok((event, mark)) = parser.next_token() {
+            match event {
+                Event::StreamEnd => break,
+                Event::Scalar(value, TScalarStyle::Plain, _, None) => {
+                    if let Some((meaning, fix)) = yaml_1_1_meaning(&value) {
+                        return Err(ManifestError::Yaml11 {
+                            doc: i + 1,
+                            line: d.line + mark.line().saturating_sub(1),
+                            value,
+                            meaning,
+                            fix,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What YAML 1.1 reads a plain scalar as, when YAML 1.2 (serde_norway) reads a string.
+fn yaml_1_1_meaning(s: &str) -> Option<(&'static str, &'static str)> {
+    const BOOLS: [&str; 16] = [
+        "y", "Y", "yes", "Yes", "YES", "n", "N", "no", "No", "NO", "on", "On", "ON", "off", "Off",
+        "OFF",
+    ];
+    if BOOLS.contains(&s) {
+        return Some(("a boolean", "true or false, or quoted if a string is meant"));
+    }
+    if !matches!(serde_norway::from_str::<Value>(s), Ok(Value::String(_))) {
+        return None;
+    }
+    let unsigned = s.strip_prefix(['-', '+']).unwrap_or(s);
+    let digits =
+        |t: &str, ok: fn(char) -> bool| !t.is_empty() && t.chars().all(|c| ok(c) || c == '_');
+    let number = if let Some(b) = unsigned.strip_prefix("0b") {
+        digits(b, |c| c == '0' || c == '1')
+    } else if let Some(x) = unsigned.strip_prefix("0x") {
+        digits(x, |c| c.is_ascii_hexdigit())
+    } else if unsigned.starts_with('0') && unsigned.len() > 1 && !unsigned.contains('.') {
+        digits(unsigned, |c| ('0'..='7').contains(&c))
+    } else if unsigned.contains(':') {
+        // Sexagesimal: 1:20, 190:20:30, 1:20.5.
+        let mut parts = unsigned.split(':');
+        let head = parts.next().unwrap_or("");
+        digits(head, |c| c.is_ascii_digit())
+            && parts.all(|p| {
+                let whole = p.split('.').next().unwrap_or("");
+                !whole.is_empty()
+                    && whole.len() <= 2
+                    && whole.chars().all(|c| c.is_ascii_digit())
+                    && p[whole.len()..]
+                        .strip_prefix('.')
+                        .is_none_or(|f| f.chars().all(|c| c.is_ascii_digit() || c == '_'))
+            })
+    } else {
+        // 1_000, 1_000.5: underscores in a number.
+        unsigned.contains('_')
+            && unsigned.starts_with(|c: char| c.is_ascii_digit())
+            && unsigned
+                .chars()
+                .all(|c| c.is_ascii_digit() || c == '_' || c == '.')
+            && unsigned.matches('.').count() <= 1
+    };
+    number.then_some((
+        "a number",
+        "a decimal number, or quoted if a string is meant",
+    ))
 }
 
 /// Points the Service's ports that target `app` by number at `proxy`; true when one changed.

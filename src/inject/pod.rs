@@ -163,6 +163,17 @@ pub fn inject_pod(
     if let Some(p) = app.filter(|p| !p.tcp) {
         return Ok(Outcome::Skipped(format!("port {} is not TCP", p.number)));
     }
+    // Port names are unique within a container, not within a pod: with two
+    // containers naming a port alike, a Service's named targetPort could
+    // reach the other container after the rename.
+    if let Some(name) = app.and_then(|p| p.name.as_deref()) {
+        if port_names(spec).iter().filter(|n| *n == name).count() > 1 {
+            return Ok(Outcome::Skipped(format!(
+                "several containers name a port {name:?}: a Service that targets it by name \
+                 could reach any of them; rename the others, or choose with --port"
+            )));
+        }
+    }
     let h2 = targeting.iter().any(|s| s.is_h2())
         || app
             .and_then(|p| p.name.as_deref())
@@ -196,7 +207,7 @@ pub fn inject_pod(
         proxy_port,
         h2,
     };
-    let sidecar = sidecar(settings, &change, &proxy_port_name);
+    let mut sidecar = sidecar(settings, &change, &proxy_port_name);
     let Some(spec) = pod.as_mapping_mut().and_then(|pod| map_at(pod, "spec")) else {
         return Err(FieldError {
             field: "spec".into(),
@@ -204,16 +215,37 @@ pub fn inject_pod(
         });
     };
     if let Some(p) = app {
-        if let Some(old) = &p.name {
-            let renamed = app_port_name(old, &names);
-            let port = spec
-                .get_mut("containers")
-                .and_then(|c| c.get_mut(p.container))
-                .and_then(|c| c.get_mut("ports"))
+        let renamed = p.name.as_deref().map(|old| app_port_name(old, &names));
+        let container = spec
+            .get_mut("containers")
+            .and_then(|c| c.get_mut(p.container));
+        if let Some(c) = container {
+            let port = c
+                .get_mut("ports")
                 .and_then(|ps| ps.get_mut(p.index))
                 .and_then(Value::as_mapping_mut);
             if let Some(port) = port {
-                port.insert("name".into(), renamed.into());
+                if let Some(renamed) = &renamed {
+                    port.insert("name".into(), renamed.clone().into());
+                }
+                // A hostPort on the app's port would let node:hostPort reach the
+                // app around the proxy: it moves to the proxy's port.
+                let host: Vec<(Value, Value)> = ["hostPort", "hostIP"]
+                    .iter()
+                    .filter_map(|k| port.remove(*k).map(|v| (Value::from(*k), v)))
+                    .collect();
+                let proxy = sidecar
+                    .get_mut("ports")
+                    .and_then(|ps| ps.get_mut(0))
+                    .and_then(Value::as_mapping_mut);
+                if let Some(proxy) = proxy {
+                    proxy.extend(host);
+                }
+            }
+            // The kubelet resolves a probe's named port in the probe's own container:
+            // the app's probes and lifecycle hooks follow the rename (and still reach the app).
+            if let (Some(old), Some(renamed)) = (&p.name, &renamed) {
+                rename_probe_ports(c, old, renamed);
             }
         }
     }
@@ -229,6 +261,60 @@ pub fn inject_pod(
         volumes.push(volume.into());
     }
     Ok(Outcome::Injected(change))
+}
+
+/// The ports of a pod injected before, read back from its sidecar's
+/// `--listen` and `--upstream` arguments: what its Services must be rewired to.
+pub fn injected_change(pod: &Value) -> Option<Change> {
+    let spec = pod.get("spec")?;
+    let sidecar = containers(spec, "initContainers").find(|c| name_of(c) == Some(SIDECAR))?;
+    let args: Vec<&str> = sidecar
+        .get("args")
+        .and_then(Value::as_sequence)?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let after = |flag: &str| args.windows(2).find(|w| w[0] == flag).map(|w| w[1]);
+    let port_of = |text: &str| {
+        text.rsplit(':')
+            .next()?
+            .trim_end_matches('/')
+            .parse::<u16>()
+            .ok()
+    };
+    Some(Change {
+        proxy_port: port_of(after("--listen")?)?,
+        app_port: port_of(after("--upstream")?)?,
+        h2: after("--upstream-protocol") == Some("h2c"),
+    })
+}
+
+/// Points the probes and lifecycle hooks of `container` that name port `old` at `new`.
+fn rename_probe_ports(container: &mut Value, old: &str, new: &str) {
+    let Some(c) = container.as_mapping_mut() else {
+        return;
+    };
+    let mut handlers: Vec<&mut Value> = Vec::new();
+    for (k, v) in c.iter_mut() {
+        match k.as_str() {
+            Some("startupProbe" | "readinessProbe" | "livenessProbe") => handlers.push(v),
+            Some("lifecycle") => {
+                if let Some(l) = v.as_mapping_mut() {
+                    handlers.extend(l.values_mut());
+                }
+            }
+            _ => {}
+        }
+    }
+    for h in handlers {
+        for action in ["httpGet", "tcpSocket"] {
+            if let Some(port) = h.get_mut(action).and_then(|a| a.get_mut("port")) {
+                if port.as_str() == Some(old) {
+                    *port = new.into();
+                }
+            }
+        }
+    }
 }
 
 /// The port the Services in the input target (the only HTTP one), else the
