@@ -576,9 +576,12 @@ async fn a_first_host_that_hangs_is_passed_over() {
 }
 
 /// The server turns read-only (`default_transaction_read_only`, as a fenced
-/// old primary): writes answer 503, the connections that met it are not
-/// used again and readiness says not ready; once it is writable again, the
-/// proxy serves without a restart.
+/// old primary): writes answer 503 (the connections that met it are closed,
+/// and new ones refuse a read-only server under
+/// `target_session_attrs=read-write`); a proxy started meanwhile pings a
+/// read-only server as failed, so it is not ready (even without
+/// `target_session_attrs`). Once the server is writable again, both serve
+/// without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_server_is_not_ready_until_writable_again() {
     let pg = PgServer::start().await;
@@ -590,7 +593,6 @@ async fn a_read_only_server_is_not_ready_until_writable_again() {
         .build();
     let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
-    let ready = proxy.admin_url("/readyz");
     assert_eq!(
         Call::post(&url).key("k-ro-before").body("x").await.status,
         201
@@ -612,26 +614,36 @@ async fn a_read_only_server_is_not_ready_until_writable_again() {
         }
     };
     read_only("on").await;
-    eventually(
-        "writes to answer 503 and readiness to fail",
-        DEADLINE,
-        || {
-            let (url, ready) = (url.clone(), ready.clone());
-            async move {
-                let w = Call::post(&url).key("k-ro-during").body("x").await.status;
-                let r = get(&ready).await.ok()?.status;
-                (w == 503 && r != 200).then_some(())
-            }
-        },
-    )
+    eventually("writes to answer 503", DEADLINE, || {
+        let url = url.clone();
+        async move {
+            let w = Call::post(&url).key("k-ro-during").body("x").await.status;
+            (w == 503).then_some(())
+        }
+    })
     .await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store("op_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let late = Proxy::spawn(&text, &[]).await;
+    let failed = late.wait_log("store ping failed").await;
+    assert!(
+        failed["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("read-only")),
+        "{failed}"
+    );
+    let ready = get(&late.admin_url("/readyz")).await.unwrap();
+    assert_eq!(ready.status, 503, "ready on a read-only server");
     read_only("off").await;
     eventually("writes to work again", DEADLINE, || {
         let url = url.clone();
         async move { (Call::post(&url).key("k-ro-after").body("x").await.status == 201).then_some(()) }
     })
     .await;
-    proxy.wait_ready().await;
+    late.wait_ready().await;
     assert_eq!(upstream.hits(), 2);
 }
 
