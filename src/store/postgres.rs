@@ -387,7 +387,11 @@ where
                 + '_,
         >,
     > {
-        let hosts = hosts_of(pg);
+        let mut hosts = hosts_of(pg);
+        if hosts.is_empty() {
+            // No host at all: the client's own connect says what is wrong.
+            hosts.push(pg.clone());
+        }
         let tls = self.tls.clone();
         let per_host = self.per_host;
         let first = self.first.clone();
@@ -865,6 +869,9 @@ pub enum Initialised {
 
 /// How long `--init-store`'s DDL waits for a lock before it gives up.
 const INIT_LOCK_TIMEOUT: &str = "2s";
+/// How long each of its statements may run (not `op_timeout`: a lock
+/// waited for is then reported as such).
+const INIT_STATEMENT_TIMEOUT: &str = "10s";
 
 /// `--init-store`: checks what is there first. A table as the proxy needs
 /// it: nothing is run (no DDL, no lock on a live table). A table of that
@@ -881,7 +888,8 @@ pub async fn init_store(cfg: &StoreConfig) -> Result<Initialised, SchemaProblem>
         Err(e) => return Err(e),
     }
     let ddl = format!(
-        "BEGIN; SET LOCAL lock_timeout = '{INIT_LOCK_TIMEOUT}'; {}; COMMIT",
+        "BEGIN; SET LOCAL lock_timeout = '{INIT_LOCK_TIMEOUT}'; \
+         SET LOCAL statement_timeout = '{INIT_STATEMENT_TIMEOUT}'; {}; COMMIT",
         SCHEMA.replace(SCHEMA_TABLE, &cfg.table)
     );
     let created = conn.client().batch_execute(&ddl).await;
