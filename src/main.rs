@@ -486,8 +486,18 @@ fn init_store(config: &Config) -> ExitCode {
         }
     };
     match runtime.block_on(postgres::init_store(store)) {
-        Ok(()) => {
-            println!("the PostgreSQL table \"{}\" is ready", store.table);
+        Ok(postgres::Initialised::Created) => {
+            println!(
+                "the PostgreSQL table \"{}\" was created: it is ready",
+                store.table
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(postgres::Initialised::AlreadyThere) => {
+            println!(
+                "the PostgreSQL table \"{}\" exists and is as the proxy needs it: it is ready, nothing was changed",
+                store.table
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -486,6 +486,14 @@ impl Metrics {
         self.store_up.set(i64::from(ok));
     }
 
+    /// A sweep of expired PostgreSQL rows that failed (counted as a store
+    /// error of the operation `sweep`; `store_up` is left to the requests).
+    pub fn store_sweep_failed(&self) {
+        self.store_errors
+            .get_or_create(&OpLabel { op: "sweep" })
+            .inc();
+    }
+
     pub fn lease_lost(&self, route: &RouteName) {
         self.lease_lost
             .get_or_create(&RouteLabel {

@@ -67,6 +67,68 @@ async fn a_missing_table_stops_the_start_and_init_store_creates_it_once() {
         assert!(String::from_utf8_lossy(&out.stdout).contains("is ready"));
     }
     assert_eq!(pg.keys().await.len(), 0);
+    let admin = pg.client().await;
+    // Again on a live table (a transaction holds the lock every write takes):
+    // nothing is run, so nothing waits for a lock.
+    admin
+        .batch_execute("BEGIN; LOCK TABLE idemproxy_records IN ROW EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let out = idemproxy(&config, &["--init-store"]);
+    assert_exit(&out, 0);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("nothing was changed"));
+    admin.batch_execute("COMMIT").await.unwrap();
+    // Other columns: fine when they may be null or have a default, wherever they are...
+    admin
+        .batch_execute(
+            "ALTER TABLE idemproxy_records ADD COLUMN note text, \
+             ADD COLUMN n int NOT NULL DEFAULT 0, ADD COLUMN must int",
+        )
+        .await
+        .unwrap();
+    assert_exit(&idemproxy(&config, &["--init-store"]), 0);
+    // ...not when one must be given a value (not the first of the others).
+    admin
+        .batch_execute("ALTER TABLE idemproxy_records ALTER COLUMN must SET NOT NULL")
+        .await
+        .unwrap();
+    let stderr = assert_exit(&idemproxy(&config, &["--init-store"]), 1);
+    assert!(stderr.contains("\"must\""), "{stderr}");
+    admin
+        .batch_execute(
+            "ALTER TABLE idemproxy_records DROP COLUMN must, DROP COLUMN n, DROP COLUMN note",
+        )
+        .await
+        .unwrap();
+    // An invalid key index (a failed CREATE INDEX CONCURRENTLY leaves one).
+    let validity = |v: bool| {
+        format!(
+            "UPDATE pg_index SET indisvalid = {v} \
+             WHERE indexrelid = 'idemproxy_records_pkey'::regclass"
+        )
+    };
+    admin.batch_execute(&validity(false)).await.unwrap();
+    let stderr = assert_exit(&idemproxy(&config, &["--init-store"]), 1);
+    assert!(stderr.contains("no valid unique index"), "{stderr}");
+    admin.batch_execute(&validity(true)).await.unwrap();
+    // An UNLOGGED table (emptied by a crash, not replicated) stops the
+    // start and `--init-store`, naming the fix.
+    admin
+        .batch_execute("ALTER TABLE idemproxy_records SET UNLOGGED")
+        .await
+        .unwrap();
+    for args in [&["--init-store"][..], &[][..]] {
+        let stderr = assert_exit(&idemproxy(&config, args), 1);
+        assert!(
+            stderr.contains("ALTER TABLE idemproxy_records SET LOGGED"),
+            "{stderr}"
+        );
+    }
+    admin
+        .batch_execute("ALTER TABLE idemproxy_records SET LOGGED")
+        .await
+        .unwrap();
+    assert_exit(&idemproxy(&config, &["--init-store"]), 0);
     // A table of another shape is not touched, and stops the start.
     pg.client()
         .await
@@ -95,6 +157,16 @@ fn init_store_exits_1_when_the_store_is_unreachable_2_when_invalid_0_for_the_oth
         ("sslmode = \"sometimes\"", "store.sslmode"),
         ("sslmode = \"verify-full\"", "store.sslmode"),
         ("pool_size = 0", "store.pool_size"),
+        // An sslmode in the URL that store.sslmode does not say: never
+        // silently overridden (here: plain text where the URL asked for TLS).
+        (
+            "url = \"postgres://u@127.0.0.1/db?sslmode=require\"",
+            "store.url",
+        ),
+        (
+            "url = \"postgres://u@127.0.0.1/db?sslmode=disable\"\nsslmode = \"prefer\"",
+            "store.url",
+        ),
     ] {
         let config = config_file(dir.path(), &format!("backend = \"postgres\"\n{bad}"));
         for args in [&["--init-store"][..], &["--check"][..]] {
@@ -405,4 +477,202 @@ async fn tls_to_postgres_is_verified_against_the_ca_file() {
         "no connection to a server the CA did not sign"
     );
     assert_eq!(upstream.hits(), 1);
+}
+
+/// Large expired rows take longer to delete than a request's statement may
+/// run (`op_timeout`): each sweep batch has its own statement timeout (and
+/// shrinks when even that runs out), so they are deleted all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_expired_rows_are_swept_with_a_short_op_timeout() {
+    let pg = PgServer::start().await;
+    let text = ConfigBuilder::new("http://127.0.0.1:1")
+        .postgres(&pg)
+        .store("op_timeout = \"20ms\"")
+        .build();
+    let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
+    let metrics = std::sync::Arc::new(idemproxy::metrics::Metrics::new());
+    let store = idemproxy::store::Store::new(&cfg.store, metrics, 1).unwrap();
+    // 200 expired rows of 256 KiB each (stored out of line, uncompressed).
+    pg.client()
+        .await
+        .execute(
+            "INSERT INTO idemproxy_records SELECT 'idemproxy:big' || i, \
+             decode(repeat(md5(i::text), 8192), 'hex'), '\\x00', true, \
+             now() - interval '1 minute' FROM generate_series(1, 200) i",
+            &[],
+        )
+        .await
+        .unwrap();
+    let swept = store.sweep_expired_once().await;
+    assert_eq!(swept.unwrap(), 200);
+    assert!(pg.keys().await.is_empty());
+    let rows: i64 = pg.query("SELECT count(*) FROM idemproxy_records").await[0].get(0);
+    assert_eq!(rows, 0);
+}
+
+/// The proxy's sessions do not wait for the flush (`synchronous_commit`
+/// off in the URL's options, as a role or a database could set it): the
+/// proxy says so when it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_without_synchronous_commit_is_warned_about() {
+    let pg = PgServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let warning = "synchronous_commit is not on";
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    assert_eq!(proxy.log_count(warning), 0, "on by default: no warning");
+    drop(proxy);
+    let url = format!("{}?options=-c%20synchronous_commit%3Doff", pg.url());
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres_url(&url)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let line = proxy.wait_log(warning).await;
+    assert_eq!(line["synchronous_commit"], "off", "{line}");
+}
+
+/// The first host of the URL accepts connections and never answers (a
+/// frozen server); the second is the primary. Each host's attempt is
+/// bounded on its own (TCP and the start-up), so the proxy gets ready and
+/// serves from the second host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_host_that_hangs_is_passed_over() {
+    let pg = PgServer::start().await;
+    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hang_port = hang.local_addr().unwrap().port();
+    let accepted = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = hang.accept().await {
+            held.push(s);
+        }
+    });
+    let upstream = TestUpstream::start().await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{hang_port},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        pg.port
+    );
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres_url(&url)
+        .store("op_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    for i in 0..5 {
+        let started = std::time::Instant::now();
+        let r = Call::post(&url).key(&format!("k-hang-{i}")).body("x").await;
+        assert_eq!(r.status, 201, "request {i}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "request {i} took {:?}",
+            started.elapsed()
+        );
+    }
+    accepted.abort();
+}
+
+/// The server turns read-only (`default_transaction_read_only`, as a fenced
+/// old primary): writes answer 503 (the connections that met it are closed,
+/// and new ones refuse a read-only server under
+/// `target_session_attrs=read-write`); a proxy started meanwhile pings a
+/// read-only server as failed, so it is not ready (even without
+/// `target_session_attrs`). Once the server is writable again, both serve
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_server_is_not_ready_until_writable_again() {
+    let pg = PgServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres_url(&format!("{}?target_session_attrs=read-write", pg.url()))
+        .store("op_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(
+        Call::post(&url).key("k-ro-before").body("x").await.status,
+        201
+    );
+    let admin = pg.client().await;
+    admin
+        .batch_execute("SET default_transaction_read_only = off")
+        .await
+        .unwrap();
+    let read_only = |on: &'static str| {
+        let admin = &admin;
+        async move {
+            let set = format!("ALTER SYSTEM SET default_transaction_read_only = {on}");
+            admin.batch_execute(&set).await.unwrap();
+            admin
+                .batch_execute("SELECT pg_reload_conf()")
+                .await
+                .unwrap();
+        }
+    };
+    read_only("on").await;
+    eventually("writes to answer 503", DEADLINE, || {
+        let url = url.clone();
+        async move {
+            let w = Call::post(&url).key("k-ro-during").body("x").await.status;
+            (w == 503).then_some(())
+        }
+    })
+    .await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store("op_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let late = Proxy::spawn(&text, &[]).await;
+    let failed = late.wait_log("store ping failed").await;
+    assert!(
+        failed["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("read-only")),
+        "{failed}"
+    );
+    let ready = get(&late.admin_url("/readyz")).await.unwrap();
+    assert_eq!(ready.status, 503, "ready on a read-only server");
+    read_only("off").await;
+    eventually("writes to work again", DEADLINE, || {
+        let url = url.clone();
+        async move { (Call::post(&url).key("k-ro-after").body("x").await.status == 201).then_some(()) }
+    })
+    .await;
+    late.wait_ready().await;
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// A row the proxy cannot read (its value NULL, the table altered under a
+/// running proxy): 503, never a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_cannot_be_read_is_a_503_not_a_panic() {
+    let env = Env::builder(Backend::Postgres).routes(ROUTES).start().await;
+    let pg = env.postgres.as_ref().unwrap();
+    let url = env.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("k-null").body("x").await.status, 201);
+    eventually("the record stored", DEADLINE, || async {
+        let finished: i64 = pg
+            .query("SELECT count(*) FROM idemproxy_records WHERE finished")
+            .await[0]
+            .get(0);
+        (finished == 1).then_some(())
+    })
+    .await;
+    pg.client()
+        .await
+        .batch_execute(
+            "ALTER TABLE idemproxy_records ALTER COLUMN value DROP NOT NULL; \
+             UPDATE idemproxy_records SET value = NULL",
+        )
+        .await
+        .unwrap();
+    let r = Call::post(&url).key("k-null").body("x").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(env.proxy.log_count("panicked"), 0, "{:?}", env.proxy.logs());
+    assert_eq!(env.upstream.hits(), 1);
 }

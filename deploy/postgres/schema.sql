@@ -5,7 +5,10 @@
 -- yourself: psql -v ON_ERROR_STOP=1 -f deploy/postgres/schema.sql
 -- The proxy never creates or alters the table when it starts: it checks the
 -- columns below and refuses to start (exit 1) when they are missing or
--- different. Running this file again changes nothing.
+-- different, or when the table is UNLOGGED (fix: ALTER TABLE ... SET LOGGED).
+-- Running this file again changes nothing, but its ALTER TABLE takes a brief
+-- ACCESS EXCLUSIVE lock (live requests wait); `--init-store` runs nothing
+-- when the table is already there and right.
 --
 -- One row per idempotency key:
 --   key         the store key, "<key_prefix>:<record id>" (a hash, never the client's key)

@@ -425,6 +425,9 @@ fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreConfig, Confi
             ));
         }
     }
+    if backend == Backend::Postgres {
+        url_sslmode(&url, sslmode, src)?;
+    }
     let table = table(s.table, src)?;
     let pool_size = match s.pool_size {
         Some(n) if *n.get_ref() == 0 => {
@@ -476,6 +479,31 @@ fn postgres_url(url: &Given, src: &Source) -> Result<(), ConfigError> {
             "store.url",
             format!("invalid PostgreSQL URL: {e}"),
         ));
+    }
+    Ok(())
+}
+
+/// An `sslmode` in the URL must say what `store.sslmode` says: the proxy
+/// sets the client's TLS mode from `store.sslmode` (with `tls_ca_file`), so
+/// a URL's `sslmode=require` would otherwise be overridden without a word,
+/// and a connection meant to be encrypted made in plain text.
+fn url_sslmode(url: &Given, sslmode: SslMode, src: &Source) -> Result<(), ConfigError> {
+    let query = url.value.split_once('?').map_or("", |(_, q)| q);
+    let query = query.split('#').next().unwrap_or("");
+    for pair in query.split('&') {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if name == "sslmode" && value != sslmode.name() {
+            return Err(src.given(
+                &url.origin,
+                "store.url",
+                format!(
+                    "the URL says sslmode={value} but store.sslmode is \"{}\": the proxy's TLS \
+                     follows store.sslmode (with tls_ca_file); set it there and leave sslmode \
+                     out of the URL",
+                    sslmode.name()
+                ),
+            ));
+        }
     }
     Ok(())
 }

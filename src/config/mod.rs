@@ -386,6 +386,17 @@ impl SslMode {
         })
     }
 
+    /// The name as the configuration spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SslMode::Disable => "disable",
+            SslMode::Prefer => "prefer",
+            SslMode::Require => "require",
+            SslMode::VerifyCa => "verify-ca",
+            SslMode::VerifyFull => "verify-full",
+        }
+    }
+
     /// TLS is a must (no plain connection is ever made).
     pub fn required(self) -> bool {
         matches!(

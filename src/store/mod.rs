@@ -330,6 +330,7 @@ impl Store {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(rows = n, "expired records deleted"),
                 Err(e) => {
+                    self.metrics.store_sweep_failed();
                     tracing::warn!(error = %e, "deleting expired records failed; trying again later")
                 }
             }

@@ -20,7 +20,8 @@
 //! the key were free. Expired rows are deleted by [`PostgresStore::sweep`]
 //! in batches of [`SWEEP_BATCH`], each batch a statement of its own.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -54,6 +55,12 @@ const COLUMNS: [(&str, &str); 5] = [
 
 /// How many expired rows one sweep statement deletes at most.
 pub const SWEEP_BATCH: i64 = 500;
+/// How long one sweep batch may run on the server (its own statement
+/// timeout; a request's statements have `op_timeout`).
+pub const SWEEP_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keepalives start after this much idleness; unacknowledged data
+/// closes a connection after as long.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 /// How often each proxy sweeps expired rows.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
@@ -145,7 +152,11 @@ impl Statements {
                  FROM {t} WHERE key = $1::text AND expires_at > now()"
             ),
             delete: format!("DELETE FROM {t} WHERE key = $1::text RETURNING expires_at > now()"),
-            ping: format!("SELECT 1 FROM {t} LIMIT 0"),
+            // Writable (not a standby, not read-only by default), and the table there.
+            ping: format!(
+                "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off' \
+                 FROM (SELECT 1) one LEFT JOIN (SELECT 1 FROM {t} LIMIT 0) t ON true"
+            ),
             // Rows another proxy is deleting are skipped, not waited for.
             sweep: format!(
                 "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} WHERE expires_at <= now() \
@@ -240,6 +251,14 @@ pub fn client_config(cfg: &StoreConfig) -> Result<tokio_postgres::Config, StoreS
         pg.password(p);
     }
     pg.connect_timeout(cfg.op_timeout.max(Duration::from_millis(100)));
+    // A server gone without a word (a host down, a network cut) is noticed
+    // on an idle connection by keepalives, and on a busy one when what was
+    // sent stays unacknowledged.
+    pg.keepalives(true)
+        .keepalives_idle(KEEPALIVE_IDLE)
+        .keepalives_interval(Duration::from_secs(2))
+        .keepalives_retries(3)
+        .tcp_user_timeout(KEEPALIVE_IDLE);
     pg.application_name("idemproxy");
     // Added to the URL's own `options` (a `search_path`, say), not in their place.
     let ms = cfg.op_timeout.as_millis().max(1);
@@ -259,29 +278,189 @@ pub fn client_config(cfg: &StoreConfig) -> Result<tokio_postgres::Config, StoreS
     Ok(pg)
 }
 
+/// The URL's hosts, one [`tokio_postgres::Config`] each (its `hostaddr` and
+/// port with it; everything else the same).
+fn hosts_of(pg: &tokio_postgres::Config) -> Vec<tokio_postgres::Config> {
+    use tokio_postgres::config::Host;
+    let n = pg.get_hosts().len().max(pg.get_hostaddrs().len());
+    (0..n)
+        .map(|i| {
+            let mut one = tokio_postgres::Config::new();
+            if let Some(u) = pg.get_user() {
+                one.user(u);
+            }
+            if let Some(p) = pg.get_password() {
+                one.password(p);
+            }
+            if let Some(d) = pg.get_dbname() {
+                one.dbname(d);
+            }
+            if let Some(o) = pg.get_options() {
+                one.options(o);
+            }
+            if let Some(a) = pg.get_application_name() {
+                one.application_name(a);
+            }
+            one.ssl_mode(pg.get_ssl_mode())
+                .ssl_negotiation(pg.get_ssl_negotiation())
+                .keepalives(pg.get_keepalives())
+                .keepalives_idle(pg.get_keepalives_idle())
+                .target_session_attrs(pg.get_target_session_attrs())
+                .channel_binding(pg.get_channel_binding());
+            if let Some(t) = pg.get_connect_timeout() {
+                one.connect_timeout(*t);
+            }
+            if let Some(t) = pg.get_tcp_user_timeout() {
+                one.tcp_user_timeout(*t);
+            }
+            if let Some(t) = pg.get_keepalives_interval() {
+                one.keepalives_interval(t);
+            }
+            if let Some(r) = pg.get_keepalives_retries() {
+                one.keepalives_retries(r);
+            }
+            match pg.get_hosts().get(i) {
+                Some(Host::Tcp(h)) => {
+                    one.host(h);
+                }
+                Some(Host::Unix(p)) => {
+                    one.host_path(p);
+                }
+                None => {}
+            }
+            if let Some(a) = pg.get_hostaddrs().get(i) {
+                one.hostaddr(*a);
+            }
+            if let Some(port) = pg.get_ports().get(i).or(pg.get_ports().first()) {
+                one.port(*port);
+            }
+            one
+        })
+        .collect()
+}
+
+/// How the pools connect: host by host, each attempt (TCP, TLS, the
+/// start-up, the read-write check of `target_session_attrs`) bounded on its
+/// own, so that a host that accepts connections and never answers (a frozen
+/// server) costs one attempt, not every connection. The client's own
+/// multi-host connect bounds only the TCP connect of each host.
+///
+/// The walk runs in a task of its own: a request that gives up on its
+/// connection does not stop it, so a hung first host is passed over and
+/// the host that answered is remembered; the next connections start there.
+struct HostByHost<T> {
+    tls: T,
+    per_host: Duration,
+    /// The index of the host to try first: the last that answered as asked
+    /// (or the one after the last that did not).
+    first: Arc<AtomicUsize>,
+}
+
+impl<T> HostByHost<T> {
+    fn new(tls: T, per_host: Duration, first: &Arc<AtomicUsize>) -> Self {
+        HostByHost {
+            tls,
+            per_host,
+            first: first.clone(),
+        }
+    }
+}
+
+impl<T> deadpool_postgres::Connect for HostByHost<T>
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket> + Clone + Sync + Send + 'static,
+    T::Stream: Sync + Send,
+    T::TlsConnect: Sync + Send,
+    <T::TlsConnect as tokio_postgres::tls::TlsConnect<tokio_postgres::Socket>>::Future: Send,
+{
+    fn connect(
+        &self,
+        pg: &tokio_postgres::Config,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<
+                        (tokio_postgres::Client, tokio::task::JoinHandle<()>),
+                        tokio_postgres::Error,
+                    >,
+                > + Send
+                + '_,
+        >,
+    > {
+        let mut hosts = hosts_of(pg);
+        if hosts.is_empty() {
+            // No host at all: the client's own connect says what is wrong.
+            hosts.push(pg.clone());
+        }
+        let tls = self.tls.clone();
+        let per_host = self.per_host;
+        let first = self.first.clone();
+        let walk = tokio::spawn(async move {
+            let n = hosts.len().max(1);
+            let start = first.load(Ordering::Relaxed);
+            let mut last = None;
+            for k in 0..hosts.len() {
+                let i = (start + k) % n;
+                match tokio::time::timeout(per_host, hosts[i].connect(tls.clone())).await {
+                    Ok(Ok((client, connection))) => {
+                        first.store(i, Ordering::Relaxed);
+                        let task = tokio::spawn(async move {
+                            if let Err(e) = connection.await {
+                                tracing::debug!(error = %e, "a PostgreSQL connection ended");
+                            }
+                        });
+                        return Ok((client, task));
+                    }
+                    Ok(Err(e)) => last = Some(e),
+                    Err(_) => last = Some(tokio_postgres::Error::__private_api_timeout()),
+                }
+                first.store((i + 1) % n, Ordering::Relaxed);
+            }
+            Err(last.unwrap_or_else(tokio_postgres::Error::__private_api_timeout))
+        });
+        Box::pin(async move {
+            match walk.await {
+                Ok(r) => r,
+                Err(_) => Err(tokio_postgres::Error::__private_api_timeout()),
+            }
+        })
+    }
+}
+
 /// A client error as a store error: a connection that is gone, a server
 /// shutting down, starting up or read-only (a standby: a failover in
 /// progress) is `Unavailable`; a statement the server cancelled at its
 /// `statement_timeout` a `Timeout`; anything else a `Backend` error.
 fn pg_error(e: tokio_postgres::Error, op_timeout: Duration) -> StoreError {
-    let unavailable = [
-        SqlState::READ_ONLY_SQL_TRANSACTION,
-        SqlState::ADMIN_SHUTDOWN,
-        SqlState::CRASH_SHUTDOWN,
-        SqlState::CANNOT_CONNECT_NOW,
-        SqlState::CONNECTION_EXCEPTION,
-        SqlState::CONNECTION_FAILURE,
-        SqlState::CONNECTION_DOES_NOT_EXIST,
-        SqlState::SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
-        SqlState::TOO_MANY_CONNECTIONS,
-    ];
     match e.code() {
         Some(c) if *c == SqlState::QUERY_CANCELED => StoreError::Timeout(op_timeout),
-        Some(c) if unavailable.contains(c) => StoreError::Unavailable(described(&e)),
+        Some(c) if UNAVAILABLE.contains(c) => StoreError::Unavailable(described(&e)),
         Some(_) => StoreError::Backend(described(&e)),
         None => StoreError::Unavailable(described(&e)),
     }
 }
+
+/// Does the connection stay in the pool after `e`? Only when the server
+/// answered with an error of the statement: not when the connection broke,
+/// nor when the server is read-only (a standby, or a fenced old primary: a
+/// new connection finds the primary), shutting down or refusing.
+fn keeps_connection(e: &tokio_postgres::Error, client: &tokio_postgres::Client) -> bool {
+    e.code().is_some_and(|c| !UNAVAILABLE.contains(c)) && !client.is_closed()
+}
+
+/// The server errors that say "not here, not now": the store is unavailable
+/// (a failover in progress), and the connection is not used again.
+const UNAVAILABLE: [SqlState; 9] = [
+    SqlState::READ_ONLY_SQL_TRANSACTION,
+    SqlState::ADMIN_SHUTDOWN,
+    SqlState::CRASH_SHUTDOWN,
+    SqlState::CANNOT_CONNECT_NOW,
+    SqlState::CONNECTION_EXCEPTION,
+    SqlState::CONNECTION_FAILURE,
+    SqlState::CONNECTION_DOES_NOT_EXIST,
+    SqlState::SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+    SqlState::TOO_MANY_CONNECTIONS,
+];
 
 /// An error with its causes ("error performing TLS handshake: invalid peer
 /// certificate: UnknownIssuer"): the client's own message alone hides them.
@@ -331,14 +510,26 @@ impl PostgresStore {
         let pg = client_config(cfg)?;
         let tls = tls(cfg)?;
         let per_slot = cfg.pool_size.div_ceil(slots.max(1)).max(1);
+        // Each host's attempt (TCP, TLS, start-up, the read-write check)
+        // has this long; the host to try first is shared by the pools.
+        let per_host = cfg.op_timeout.max(Duration::from_millis(100));
+        let first = Arc::new(AtomicUsize::new(0));
         let mut pools = Vec::with_capacity(slots.max(1));
         for _ in 0..slots.max(1) {
             let manager_config = ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             };
             let manager = match &tls {
-                Some(tls) => Manager::from_config(pg.clone(), tls.clone(), manager_config),
-                None => Manager::from_config(pg.clone(), NoTls, manager_config),
+                Some(tls) => Manager::from_connect(
+                    pg.clone(),
+                    HostByHost::new(tls.clone(), per_host, &first),
+                    manager_config,
+                ),
+                None => Manager::from_connect(
+                    pg.clone(),
+                    HostByHost::new(NoTls, per_host, &first),
+                    manager_config,
+                ),
             };
             let pool = Pool::builder(manager)
                 .max_size(per_slot)
@@ -397,8 +588,9 @@ impl PostgresStore {
                 Ok(rows)
             }
             Err(e) => {
-                // An error the server sent leaves the connection usable.
-                conn.healthy = e.code().is_some() && !client.is_closed();
+                // An error the server sent leaves the connection usable,
+                // unless it says the server is read-only or going away.
+                conn.healthy = keeps_connection(&e, client);
                 Err(self.error(e))
             }
         }
@@ -422,7 +614,7 @@ impl PostgresStore {
                 Ok(n)
             }
             Err(e) => {
-                conn.healthy = e.code().is_some() && !client.is_closed();
+                conn.healthy = keeps_connection(&e, client);
                 Err(self.error(e))
             }
         }
@@ -440,41 +632,113 @@ impl PostgresStore {
     }
 
     /// Deletes expired rows, [`SWEEP_BATCH`] at a time, each batch one
-    /// statement (never one long transaction), until a batch comes back
-    /// short; rows another proxy is deleting are skipped. How many went.
+    /// statement in a transaction of its own (never one long transaction)
+    /// with its own statement timeout ([`SWEEP_TIMEOUT`], not `op_timeout`:
+    /// deleting large rows takes longer than a request's statement), until
+    /// a batch comes back short; rows another proxy is deleting are skipped.
+    /// A batch that times out is tried again at half the size, down to one
+    /// row: large rows are deleted a few at a time rather than never. How
+    /// many went; an error when even one row could not be deleted in time.
     pub async fn sweep(&self) -> Result<u64, StoreError> {
         let mut total = 0;
+        let mut size = SWEEP_BATCH;
         loop {
-            let batch = async {
-                let mut conn = self.conn().await?;
-                self.execute(&mut conn, &self.sql.sweep, &[&SWEEP_BATCH])
-                    .await
-            };
-            let n = tokio::time::timeout(self.op_timeout.max(Duration::from_secs(5)), batch)
-                .await
-                .map_err(|_| StoreError::Timeout(self.op_timeout))??;
-            total += n;
-            if n < SWEEP_BATCH as u64 {
-                return Ok(total);
+            match self.sweep_batch(size).await {
+                Ok(n) => {
+                    total += n;
+                    if n < size as u64 {
+                        return Ok(total);
+                    }
+                }
+                Err(StoreError::Timeout(_)) if size > 1 => size = (size / 2).max(1),
+                Err(e) => return Err(e),
             }
             // Let the requests' statements in between batches.
             tokio::task::yield_now().await;
         }
     }
 
+    /// One sweep batch of at most `size` rows, within [`SWEEP_TIMEOUT`] on
+    /// the server (`SET LOCAL statement_timeout`) and a little more here.
+    async fn sweep_batch(&self, size: i64) -> Result<u64, StoreError> {
+        let server_ms = SWEEP_TIMEOUT.as_millis();
+        let sql = format!(
+            "BEGIN; SET LOCAL statement_timeout = {server_ms}; {}; COMMIT",
+            self.sql.sweep.replace("$1::bigint", &size.to_string())
+        );
+        let batch = async {
+            let mut conn = self.conn().await?;
+            let res = conn.client().simple_query(&sql).await;
+            match res {
+                Ok(messages) => {
+                    conn.healthy = true;
+                    Ok(messages
+                        .iter()
+                        .map(|m| match m {
+                            tokio_postgres::SimpleQueryMessage::CommandComplete(n) => *n,
+                            _ => 0,
+                        })
+                        .sum())
+                }
+                // The transaction is left aborted: the connection is closed,
+                // not given back.
+                Err(e) => Err(match e.code() {
+                    Some(c) if *c == SqlState::QUERY_CANCELED => StoreError::Timeout(SWEEP_TIMEOUT),
+                    _ => self.error(e),
+                }),
+            }
+        };
+        tokio::time::timeout(SWEEP_TIMEOUT + Duration::from_secs(1), batch)
+            .await
+            .map_err(|_| StoreError::Timeout(SWEEP_TIMEOUT))?
+    }
+
     /// The table as the proxy needs it: `Err(Missing)` when there is none,
-    /// `Err(Different)` when its columns or its key differ. Compared with
-    /// the catalog, on one connection of its own.
+    /// `Err(Different)` when its columns or its key differ, or it is not
+    /// logged. Compared with the catalog, on one connection of its own; then
+    /// a warning when the session's `synchronous_commit` does not wait for
+    /// the flush.
     pub async fn check_schema(&self) -> Result<(), SchemaProblem> {
         let bound = self.op_timeout.max(Duration::from_secs(2));
         let check = async {
             let mut conn = self.conn().await.map_err(SchemaProblem::Unreachable)?;
-            check_schema(&mut conn, self, &self.table).await
+            check_schema(&mut conn, self, &self.table).await?;
+            let sync = self
+                .query(
+                    &mut conn,
+                    "SELECT current_setting('synchronous_commit')",
+                    &[],
+                )
+                .await
+                .map_err(SchemaProblem::Unreachable)?;
+            let sync: String = match sync.first() {
+                Some(r) => col(r, 0).map_err(SchemaProblem::Unreachable)?,
+                None => String::new(),
+            };
+            if !durable_commit(&sync) {
+                tracing::warn!(
+                    synchronous_commit = %sync,
+                    "PostgreSQL's synchronous_commit is not on (nor remote_apply) for the proxy's \
+                     sessions: a record acknowledged just before a crash or a failover can be lost, \
+                     and a retry then runs the operation again; set synchronous_commit = on \
+                     (a role's, a database's or the URL's options can override the server's)"
+                );
+            }
+            Ok(())
         };
         tokio::time::timeout(bound, check)
             .await
             .unwrap_or(Err(SchemaProblem::Unreachable(StoreError::Timeout(bound))))
     }
+}
+
+/// Is a commit acknowledged only once it is flushed (on the primary, and on
+/// the synchronous standbys when there are any)? `on` and `remote_apply`
+/// only: `remote_write` acknowledges before the standby's disk has it,
+/// `local` and `off` before any standby has it (`off`: before the primary's
+/// disk has it).
+pub fn durable_commit(synchronous_commit: &str) -> bool {
+    matches!(synchronous_commit, "on" | "remote_apply")
 }
 
 /// What the start-up check (and `--init-store`) found wrong with the table.
@@ -483,12 +747,15 @@ pub enum SchemaProblem {
     Unreachable(StoreError),
     Missing(String),
     Different(String),
+    /// The schema's statements failed (a lock not granted in time, say).
+    Failed(StoreError),
 }
 
 impl std::fmt::Display for SchemaProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             SchemaProblem::Unreachable(e) => write!(f, "PostgreSQL is unreachable: {e}"),
+            SchemaProblem::Failed(e) => write!(f, "creating the table failed: {e}"),
             SchemaProblem::Missing(t) => write!(
                 f,
                 "the table \"{t}\" does not exist: create it with `idemproxy --init-store` \
@@ -508,37 +775,58 @@ async fn check_schema(
     store: &PostgresStore,
     table: &str,
 ) -> Result<(), SchemaProblem> {
-    let columns = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull \
+    let catalog = |e: StoreError| SchemaProblem::Unreachable(e);
+    let exists = store
+        .query(
+            conn,
+            "SELECT c.relpersistence::text FROM pg_class c WHERE c.oid = to_regclass($1::text)",
+            &[&table],
+        )
+        .await
+        .map_err(catalog)?;
+    let Some(row) = exists.first() else {
+        return Err(SchemaProblem::Missing(table.to_string()));
+    };
+    // An UNLOGGED table is emptied by a crash and not replicated: every
+    // record would be lost, and retries run the operation again.
+    let persistence: String = col(row, 0).map_err(catalog)?;
+    if persistence != "p" {
+        return Err(SchemaProblem::Different(format!(
+            "the table \"{table}\" is not a logged table (relpersistence '{persistence}': \
+             UNLOGGED or temporary, emptied by a crash and not replicated); make it logged \
+             with `ALTER TABLE {table} SET LOGGED`"
+        )));
+    }
+    let columns = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, \
+         a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '' \
          FROM pg_attribute a WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 \
          AND NOT a.attisdropped ORDER BY a.attnum";
-    let exists = store
-        .query(conn, "SELECT to_regclass($1::text) IS NOT NULL", &[&table])
-        .await
-        .map_err(SchemaProblem::Unreachable)?;
-    if !exists.first().is_some_and(|r| r.get::<_, bool>(0)) {
-        return Err(SchemaProblem::Missing(table.to_string()));
-    }
     let rows = store
         .query(conn, columns, &[&table])
         .await
-        .map_err(SchemaProblem::Unreachable)?;
-    let found: Vec<(String, String, bool)> = rows
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
+        .map_err(catalog)?;
+    let mut found: Vec<(String, String, bool, bool)> = Vec::with_capacity(rows.len());
+    for r in &rows {
+        found.push((
+            col(r, 0).map_err(catalog)?,
+            col(r, 1).map_err(catalog)?,
+            col(r, 2).map_err(catalog)?,
+            col(r, 3).map_err(catalog)?,
+        ));
+    }
     for (name, ty) in COLUMNS {
-        match found.iter().find(|(n, _, _)| n == name) {
+        match found.iter().find(|(n, ..)| n == name) {
             None => {
                 return Err(SchemaProblem::Different(format!(
                     "the table \"{table}\" has no column \"{name}\""
                 )))
             }
-            Some((_, t, _)) if t != ty => {
+            Some((_, t, ..)) if t != ty => {
                 return Err(SchemaProblem::Different(format!(
                     "the table \"{table}\"'s column \"{name}\" is {t}, not {ty}"
                 )))
             }
-            Some((_, _, false)) => {
+            Some((_, _, false, _)) => {
                 return Err(SchemaProblem::Different(format!(
                     "the table \"{table}\"'s column \"{name}\" may be null"
                 )))
@@ -546,48 +834,79 @@ async fn check_schema(
             Some(_) => {}
         }
     }
-    if let Some((extra, _, true)) = found
-        .iter()
-        .find(|(n, _, _)| !COLUMNS.iter().any(|(c, _)| c == n))
-    {
+    // Every other column: the inserts give it no value, so it must take
+    // NULL or have a default.
+    if let Some((extra, ..)) = found.iter().find(|(n, _, not_null, has_default)| {
+        !COLUMNS.iter().any(|(c, _)| c == n) && *not_null && !*has_default
+    }) {
         return Err(SchemaProblem::Different(format!(
             "the table \"{table}\" has a column \"{extra}\" that must be given a value"
         )));
     }
-    // The inserts name `ON CONFLICT (key)`: a unique index on the key alone.
+    // The inserts name `ON CONFLICT (key)`: a valid unique index on the key alone.
     let keyed = "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
          ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
          WHERE i.indrelid = to_regclass($1::text) AND i.indisunique AND i.indnkeyatts = 1 \
-         AND i.indpred IS NULL AND a.attname = 'key')";
-    let rows = store
-        .query(conn, keyed, &[&table])
-        .await
-        .map_err(SchemaProblem::Unreachable)?;
-    if !rows.first().is_some_and(|r| r.get::<_, bool>(0)) {
-        return Err(SchemaProblem::Different(format!(
-            "the table \"{table}\" has no unique index on \"key\" alone"
-        )));
+         AND i.indisvalid AND i.indpred IS NULL AND a.attname = 'key')";
+    let rows = store.query(conn, keyed, &[&table]).await.map_err(catalog)?;
+    match rows.first().map(|r| col::<bool>(r, 0)) {
+        Some(Ok(true)) => Ok(()),
+        Some(Err(e)) => Err(catalog(e)),
+        _ => Err(SchemaProblem::Different(format!(
+            "the table \"{table}\" has no valid unique index on \"key\" alone"
+        ))),
     }
-    Ok(())
 }
 
-/// `--init-store`: runs the schema with the configured table's name, then
-/// checks what is there (a table of that name but another shape is not
-/// altered: an error). Ok when the table is as the proxy needs it.
-pub async fn init_store(cfg: &StoreConfig) -> Result<(), SchemaProblem> {
+/// What `--init-store` did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Initialised {
+    /// The table was missing: created.
+    Created,
+    /// The table was there, as the proxy needs it: nothing run.
+    AlreadyThere,
+}
+
+/// How long `--init-store`'s DDL waits for a lock before it gives up.
+const INIT_LOCK_TIMEOUT: &str = "2s";
+/// How long each of its statements may run (not `op_timeout`: a lock
+/// waited for is then reported as such).
+const INIT_STATEMENT_TIMEOUT: &str = "10s";
+
+/// `--init-store`: checks what is there first. A table as the proxy needs
+/// it: nothing is run (no DDL, no lock on a live table). A table of that
+/// name but another shape: an error, never altered. No table: the schema,
+/// with the configured table's name, in one transaction that waits at most
+/// [`INIT_LOCK_TIMEOUT`] for a lock; then checked.
+pub async fn init_store(cfg: &StoreConfig) -> Result<Initialised, SchemaProblem> {
     let store = PostgresStore::new(cfg, 1)
         .map_err(|e| SchemaProblem::Unreachable(StoreError::Backend(e.to_string())))?;
     let mut conn = store.conn().await.map_err(SchemaProblem::Unreachable)?;
-    let ddl = SCHEMA.replace(SCHEMA_TABLE, &cfg.table);
-    // A table of that name but another shape: say so, before any DDL.
     match check_schema(&mut conn, &store, &cfg.table).await {
-        Ok(()) | Err(SchemaProblem::Missing(_)) => {}
+        Ok(()) => return Ok(Initialised::AlreadyThere),
+        Err(SchemaProblem::Missing(_)) => {}
         Err(e) => return Err(e),
     }
+    let ddl = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{INIT_LOCK_TIMEOUT}'; \
+         SET LOCAL statement_timeout = '{INIT_STATEMENT_TIMEOUT}'; {}; COMMIT",
+        SCHEMA.replace(SCHEMA_TABLE, &cfg.table)
+    );
     let created = conn.client().batch_execute(&ddl).await;
-    created.map_err(|e| SchemaProblem::Unreachable(store.error(e)))?;
+    created.map_err(|e| SchemaProblem::Failed(store.error(e)))?;
     conn.healthy = true;
-    check_schema(&mut conn, &store, &cfg.table).await
+    check_schema(&mut conn, &store, &cfg.table).await?;
+    Ok(Initialised::Created)
+}
+
+/// Column `i` of a row the store sent, or `Untrue` when it is NULL or of
+/// another type (a table someone altered): never a panic.
+fn col<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a tokio_postgres::Row,
+    i: usize,
+) -> Result<T, StoreError> {
+    row.try_get(i)
+        .map_err(|e| StoreError::Untrue(format!("column {i} of the reply: {e}")))
 }
 
 /// Milliseconds as the statements take them.
@@ -621,13 +940,13 @@ impl Operations for PostgresStore {
                 )
                 .await?;
             let Some(row) = rows.first() else { continue };
-            if row.get::<_, bool>(0) {
+            if col::<bool>(row, 0)? {
                 return Ok(None);
             }
             taken.store(true, Ordering::Relaxed);
-            let start: Vec<u8> = row.get(1);
-            let len: i64 = row.get(2);
-            let left: i64 = row.get(3);
+            let start: Vec<u8> = col(row, 1)?;
+            let len: i64 = col(row, 2)?;
+            let left: i64 = col(row, 3)?;
             if start.len() > inline as usize {
                 return Err(StoreError::Untrue(format!(
                     "{} bytes for a reserve of at most {inline}",
@@ -655,9 +974,10 @@ impl Operations for PostgresStore {
     async fn pttl(&self, key: &str) -> Result<Duration, StoreError> {
         let mut conn = self.conn().await?;
         let rows = self.query(&mut conn, &self.sql.pttl, &[&key]).await?;
-        Ok(rows.first().map_or(Duration::ZERO, |r| {
-            Duration::from_millis(r.get::<_, i64>(0).max(0) as u64)
-        }))
+        Ok(match rows.first() {
+            Some(r) => Duration::from_millis(col::<i64>(r, 0)?.max(0) as u64),
+            None => Duration::ZERO,
+        })
     }
 
     /// One statement, whatever the record's size, within `op_timeout`.
@@ -682,7 +1002,7 @@ impl Operations for PostgresStore {
             let row = rows
                 .first()
                 .ok_or_else(|| StoreError::Backend("a completion without an answer".into()))?;
-            Ok(match (row.get::<_, bool>(0), row.get::<_, bool>(1)) {
+            Ok(match (col::<bool>(row, 0)?, col::<bool>(row, 1)?) {
                 (false, _) => Completion::Refused,
                 (true, true) => Completion::Stored,
                 (true, false) => Completion::StoredAfterExpiry,
@@ -732,7 +1052,7 @@ impl Operations for PostgresStore {
         let Some(row) = rows.first() else {
             return Ok(None);
         };
-        let (len, left, first): (i64, i64, Vec<u8>) = (row.get(0), row.get(1), row.get(2));
+        let (len, left, first): (i64, i64, Vec<u8>) = (col(row, 0)?, col(row, 1)?, col(row, 2)?);
         let len = len.max(0) as u64;
         if len > at_most {
             return Err(StoreError::Untrue(format!(
@@ -774,29 +1094,45 @@ impl Operations for PostgresStore {
             )
             .await?;
             match rows.first() {
-                Some(r) => next = r.get(0),
+                Some(r) => next = col(r, 0)?,
                 None => return Ok(None),
             }
         }
         let rows = Self::step(steps, self.query(&mut conn, &self.sql.check, &[&key])).await?;
-        let same = rows.first().is_some_and(|r| {
-            let (len_now, token): (i64, Vec<u8>) = (r.get(0), r.get(1));
-            len_now as u64 == len && whole.get(TOKEN_RANGE) == Some(&token[..])
-        });
+        let same = match rows.first() {
+            Some(r) => {
+                let (len_now, token): (i64, Vec<u8>) = (col(r, 0)?, col(r, 1)?);
+                len_now as u64 == len && whole.get(TOKEN_RANGE) == Some(&token[..])
+            }
+            None => false,
+        };
         Ok(same.then(|| (whole.freeze(), ttl)))
     }
 
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let mut conn = self.conn().await?;
         let rows = self.query(&mut conn, &self.sql.delete, &[&key]).await?;
-        Ok(rows.iter().any(|r| r.get::<_, bool>(0)))
+        let mut live = false;
+        for r in &rows {
+            live |= col::<bool>(r, 0)?;
+        }
+        Ok(live)
     }
 
     /// A statement on the table: the server answers, it is a primary (the
     /// URL's `target_session_attrs` picks one), and the table is there.
     async fn ping(&self) -> Result<(), StoreError> {
         let mut conn = self.conn().await?;
-        self.query(&mut conn, &self.sql.ping, &[]).await?;
-        Ok(())
+        let rows = self.query(&mut conn, &self.sql.ping, &[]).await?;
+        match rows.first() {
+            Some(r) if col::<bool>(r, 0)? => Ok(()),
+            _ => {
+                // A standby or a read-only server: not this connection again.
+                conn.healthy = false;
+                Err(StoreError::Unavailable(
+                    "the server is read-only (a standby, or default_transaction_read_only)".into(),
+                ))
+            }
+        }
     }
 }

@@ -382,11 +382,19 @@ impl PgServer {
     /// Kills the server and every backend of it at once (SIGKILL to its
     /// process group, as a machine that dies would): nothing more is
     /// committed or sent to a standby.
+    ///
+    /// The backends are killed by their pids: each is a session (and a
+    /// process group) of its own, so a signal to the server's group misses
+    /// them, and an idle one would still answer a statement before it
+    /// noticed that its server was gone.
     pub fn kill(&mut self) {
         if let Some(c) = &self.child {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", c.id())])
-                .status();
+            let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", c.id()))
+                .unwrap_or_default();
+            let mut kill = Command::new("kill");
+            kill.args(["-KILL", "--", &format!("-{}", c.id())]);
+            kill.args(children.split_whitespace());
+            let _ = kill.status();
         }
         kill_child(&mut self.child);
     }
