@@ -578,6 +578,12 @@ fn kubernetes_configmap_holds_a_valid_config_aligned_with_the_pod() {
         "kubelet probes reach the pod IP"
     );
     let deployment = std::fs::read_to_string(format!("{dir}/deployment.yaml")).unwrap();
+    // The kubelet probes from the node: a probe's `host: 127.0.0.1` is the
+    // node's loopback, never the pod's.
+    assert!(
+        !deployment.lines().any(|l| l.trim() == "host: 127.0.0.1"),
+        "a probe aimed at the node's loopback"
+    );
     let number_after = |key: &str| -> u64 {
         let line = deployment
             .lines()
