@@ -192,6 +192,10 @@ fn spawn_postgres(data: &Path, port: u16, settings: &[&str]) -> Child {
         "max_connections=60",
         "-c",
         "shared_buffers=16MB",
+        // Its dynamic shared memory in the data directory (not /dev/shm),
+        // so that a server killed leaves nothing behind its directory.
+        "-c",
+        "dynamic_shared_memory_type=mmap",
     ]);
     for s in settings {
         cmd.args(["-c", s]);
