@@ -225,6 +225,8 @@ async fn connect_within(port: u16, within: Duration) -> tokio_postgres::Client {
 }
 
 pub struct PgServer {
+    /// The role the proxy connects as (`url`): this server's own.
+    pub role: String,
     child: Option<Child>,
     pub port: u16,
     /// The data directory.
@@ -254,11 +256,24 @@ impl PgServer {
             .is_ok_and(|s| s.success());
         assert!(ok, "copying the template data directory");
         give(&data);
-        Self::run(dir, data, settings).await
+        let mut server = Self::run(dir, data, settings).await;
+        // A role of this server's own, which the proxy connects as: tests
+        // run at once, and one that kills its server frees its port for
+        // another test's, where this role does not exist (a proxy that
+        // reconnects there is refused, as it would be by no server at all).
+        server.role = format!("t{}_{}", server.port, std::process::id());
+        server
+            .client()
+            .await
+            .batch_execute(&format!("CREATE ROLE {} LOGIN SUPERUSER", server.role))
+            .await
+            .expect("CREATE ROLE");
+        server
     }
 
     async fn run(dir: tempfile::TempDir, data: PathBuf, settings: &[&str]) -> PgServer {
         let mut server = PgServer {
+            role: "postgres".to_string(),
             child: None,
             port: 0,
             data,
@@ -291,7 +306,9 @@ impl PgServer {
             .is_ok_and(|s| s.success());
         assert!(ok, "pg_basebackup failed");
         let settings: Vec<&str> = primary.settings.iter().map(String::as_str).collect();
-        let standby = Self::run(dir, data, &settings).await;
+        let mut standby = Self::run(dir, data, &settings).await;
+        // The primary's role came with the base backup.
+        standby.role = primary.role.clone();
         let client = primary.client().await;
         // Two statements: ALTER SYSTEM refuses to run in the implicit
         // transaction of a multi-statement query.
@@ -338,7 +355,7 @@ impl PgServer {
 
     /// The URL the proxy is given (one host).
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://{}@127.0.0.1:{}/postgres", self.role, self.port)
     }
 
     /// A connection of the test's own.
