@@ -225,6 +225,8 @@ async fn connect_within(port: u16, within: Duration) -> tokio_postgres::Client {
 }
 
 pub struct PgServer {
+    /// The port held while the server is down ([`PgServer::kill_keeping_port`]).
+    holder: Option<std::net::TcpListener>,
     /// The role the proxy connects as (`url`): this server's own.
     pub role: String,
     child: Option<Child>,
@@ -273,6 +275,7 @@ impl PgServer {
 
     async fn run(dir: tempfile::TempDir, data: PathBuf, settings: &[&str]) -> PgServer {
         let mut server = PgServer {
+            holder: None,
             role: "postgres".to_string(),
             child: None,
             port: 0,
@@ -441,9 +444,19 @@ impl PgServer {
         kill_child(&mut self.child);
     }
 
+    /// [`PgServer::kill`], then keeps its port bound (a listener that never
+    /// answers) until [`PgServer::restart`]: tests run at once, and another
+    /// one's server could take the port meanwhile. A client connecting gets
+    /// no answer (its connect timeout), not a refusal.
+    pub fn kill_keeping_port(&mut self) {
+        self.kill();
+        self.holder = std::net::TcpListener::bind(("127.0.0.1", self.port)).ok();
+    }
+
     /// Starts it again on the same port.
     pub async fn restart(&mut self) {
         self.stop();
+        self.holder = None;
         assert!(
             self.spawn().await,
             "postgres did not restart on port {}",
