@@ -116,8 +116,8 @@ async fn the_primary_dies_and_the_synchronous_standby_takes_over_losing_nothing(
     let standby = PgServer::standby_of(&primary).await;
     let upstream = TestUpstream::start().await;
     let url_pg = format!(
-        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
-        primary.port, standby.port
+        "postgres://{}@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.role, primary.port, standby.port
     );
     let config = ConfigBuilder::new(&upstream.url())
         .postgres_url(&url_pg)

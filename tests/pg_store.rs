@@ -288,10 +288,10 @@ async fn a_postgres_restart_gives_503_then_recovers_without_a_proxy_restart() {
         .await;
     let url = env.url("/v1/payments");
     assert_eq!(Call::post(&url).key("k-before").body("x").await.status, 201);
-    env.postgres.as_mut().unwrap().kill();
+    env.postgres.as_mut().unwrap().kill_keeping_port();
     for _ in 0..3 {
         let r = Call::post(&url).key("k-during").body("x").await;
-        assert_eq!(r.status, 503);
+        assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
     }
     env.postgres.as_mut().unwrap().restart().await;
     eventually("protected routes to work again", DEADLINE, || {

@@ -94,7 +94,7 @@ fn template() -> &'static Path {
             .map(|v| v.to_string_lossy().into_owned())
             .unwrap_or_default();
         let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        let done = root.join(format!("pg-template-{version}"));
+        let done = root.join(format!("pg-template-{version}-v2"));
         if done.join("data/PG_VERSION").exists() && done.join("data/.with-schema").exists() {
             return done;
         }
@@ -106,7 +106,9 @@ fn template() -> &'static Path {
         let ok = tool("initdb")
             .args(["-D"])
             .arg(&data)
+            // 1 MiB WAL segments: a copy of 24 MiB rather than 39.
             .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
+            .arg("--wal-segsize=1")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
@@ -146,6 +148,33 @@ fn template() -> &'static Path {
     })
 }
 
+/// Where a server's directory goes: in memory (/dev/shm) when it has room
+/// (copying the template and running the server are then not disk-bound),
+/// else the system's temporary directory.
+fn temp_dir() -> tempfile::TempDir {
+    static SHM: OnceLock<bool> = OnceLock::new();
+    let shm = *SHM.get_or_init(|| {
+        Command::new("df")
+            .args(["--output=avail", "-k", "/dev/shm"])
+            .output()
+            .ok()
+            .and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .nth(1)?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .is_some_and(|kib| kib > 2 << 20)
+    });
+    match shm {
+        true => tempfile::tempdir_in("/dev/shm"),
+        false => tempfile::tempdir(),
+    }
+    .expect("temp dir")
+}
+
 /// Starts `postgres` on `data` and `port` (loopback only, no Unix socket)
 /// with `settings` (`name=value`), its logs in `data/../log`.
 fn spawn_postgres(data: &Path, port: u16, settings: &[&str]) -> Child {
@@ -163,6 +192,10 @@ fn spawn_postgres(data: &Path, port: u16, settings: &[&str]) -> Child {
         "max_connections=60",
         "-c",
         "shared_buffers=16MB",
+        // Its dynamic shared memory in the data directory (not /dev/shm),
+        // so that a server killed leaves nothing behind its directory.
+        "-c",
+        "dynamic_shared_memory_type=mmap",
     ]);
     for s in settings {
         cmd.args(["-c", s]);
@@ -192,6 +225,10 @@ async fn connect_within(port: u16, within: Duration) -> tokio_postgres::Client {
 }
 
 pub struct PgServer {
+    /// The port held while the server is down ([`PgServer::kill_keeping_port`]).
+    holder: Option<std::net::TcpListener>,
+    /// The role the proxy connects as (`url`): this server's own.
+    pub role: String,
     child: Option<Child>,
     pub port: u16,
     /// The data directory.
@@ -210,7 +247,7 @@ impl PgServer {
 
     /// A server with the records' table and these settings (`name=value`).
     pub async fn start_with(settings: &[&str]) -> PgServer {
-        let dir = tempfile::tempdir().expect("temp dir");
+        let dir = temp_dir();
         give(dir.path());
         let data = dir.path().join("data");
         let ok = Command::new("cp")
@@ -221,11 +258,25 @@ impl PgServer {
             .is_ok_and(|s| s.success());
         assert!(ok, "copying the template data directory");
         give(&data);
-        Self::run(dir, data, settings).await
+        let mut server = Self::run(dir, data, settings).await;
+        // A role of this server's own, which the proxy connects as: tests
+        // run at once, and one that kills its server frees its port for
+        // another test's, where this role does not exist (a proxy that
+        // reconnects there is refused, as it would be by no server at all).
+        server.role = format!("t{}_{}", server.port, std::process::id());
+        server
+            .client()
+            .await
+            .batch_execute(&format!("CREATE ROLE {} LOGIN SUPERUSER", server.role))
+            .await
+            .expect("CREATE ROLE");
+        server
     }
 
     async fn run(dir: tempfile::TempDir, data: PathBuf, settings: &[&str]) -> PgServer {
         let mut server = PgServer {
+            holder: None,
+            role: "postgres".to_string(),
             child: None,
             port: 0,
             data,
@@ -245,7 +296,7 @@ impl PgServer {
     /// started; the primary then waits for it on every commit
     /// (`synchronous_standby_names = '*'`). Returns once it is in sync.
     pub async fn standby_of(primary: &PgServer) -> PgServer {
-        let dir = tempfile::tempdir().expect("temp dir");
+        let dir = temp_dir();
         give(dir.path());
         let data = dir.path().join("data");
         let ok = tool("pg_basebackup")
@@ -258,7 +309,9 @@ impl PgServer {
             .is_ok_and(|s| s.success());
         assert!(ok, "pg_basebackup failed");
         let settings: Vec<&str> = primary.settings.iter().map(String::as_str).collect();
-        let standby = Self::run(dir, data, &settings).await;
+        let mut standby = Self::run(dir, data, &settings).await;
+        // The primary's role came with the base backup.
+        standby.role = primary.role.clone();
         let client = primary.client().await;
         // Two statements: ALTER SYSTEM refuses to run in the implicit
         // transaction of a multi-statement query.
@@ -305,7 +358,7 @@ impl PgServer {
 
     /// The URL the proxy is given (one host).
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://{}@127.0.0.1:{}/postgres", self.role, self.port)
     }
 
     /// A connection of the test's own.
@@ -399,9 +452,19 @@ impl PgServer {
         kill_child(&mut self.child);
     }
 
+    /// [`PgServer::kill`], then keeps its port bound (a listener that never
+    /// answers) until [`PgServer::restart`]: tests run at once, and another
+    /// one's server could take the port meanwhile. A client connecting gets
+    /// no answer (its connect timeout), not a refusal.
+    pub fn kill_keeping_port(&mut self) {
+        self.kill();
+        self.holder = std::net::TcpListener::bind(("127.0.0.1", self.port)).ok();
+    }
+
     /// Starts it again on the same port.
     pub async fn restart(&mut self) {
         self.stop();
+        self.holder = None;
         assert!(
             self.spawn().await,
             "postgres did not restart on port {}",
