@@ -176,20 +176,6 @@ pub struct PostgresStore {
     op_timeout: Duration,
 }
 
-/// The password: `IDEMPROXY_POSTGRES_PASSWORD`, else `password_file`, else none (the URL may carry one).
-fn password(cfg: &StoreConfig) -> Result<Option<String>, StoreSetupError> {
-    match (std::env::var(PASSWORD_ENV), &cfg.password_file) {
-        (Ok(p), _) if !p.is_empty() => Ok(Some(p)),
-        (_, Some(path)) => std::fs::read_to_string(path)
-            .map(|p| Some(p.trim_end_matches(['\r', '\n']).to_string()))
-            .map_err(|source| StoreSetupError::PasswordFile {
-                path: path.clone(),
-                source,
-            }),
-        _ => Ok(None),
-    }
-}
-
 /// The TLS connector: none with `disable`, or with `prefer` and no CA file;
 /// otherwise rustls with the CA file's certificates as the only roots.
 fn tls(
@@ -247,7 +233,7 @@ pub fn client_config(cfg: &StoreConfig) -> Result<tokio_postgres::Config, StoreS
         .url
         .parse()
         .map_err(|e| StoreSetupError::Postgres(format!("invalid PostgreSQL URL: {e}")))?;
-    if let Some(p) = password(cfg)? {
+    if let Some(p) = super::settings::password(cfg, PASSWORD_ENV)? {
         pg.password(p);
     }
     pg.connect_timeout(cfg.op_timeout.max(Duration::from_millis(100)));

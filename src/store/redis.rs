@@ -12,7 +12,7 @@ use super::cluster::ClusterNodes;
 use super::conn::store_error;
 use super::connections::{Connections, Source};
 use super::sentinel::Sentinel;
-use super::settings::{manager_config, password, standalone, tls_certs};
+use super::settings::{manager_config, password, standalone, tls_certs, PASSWORD_ENV};
 use super::{StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 
@@ -32,7 +32,7 @@ impl RedisStore {
     pub fn new(cfg: &StoreConfig, slots: usize) -> Result<Self, StoreSetupError> {
         // rustls needs a process-wide crypto provider; a second install is a no-op error.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let password = password(cfg)?;
+        let password = password(cfg, PASSWORD_ENV)?;
         let certs = tls_certs(cfg)?;
         let (user, password) = (cfg.username.as_deref(), password.as_deref());
         let source = match cfg.mode {

@@ -17,9 +17,11 @@ pub(super) fn setup(e: impl std::fmt::Display) -> StoreSetupError {
     StoreSetupError::Redis(e.to_string())
 }
 
-/// The password: `IDEMPROXY_REDIS_PASSWORD`, else `password_file`, else none (a URL may carry one).
-pub(super) fn password(cfg: &StoreConfig) -> Result<Option<String>, StoreSetupError> {
-    match (std::env::var(PASSWORD_ENV), &cfg.password_file) {
+/// A store's password: the variable `env` (`IDEMPROXY_REDIS_PASSWORD`,
+/// `IDEMPROXY_POSTGRES_PASSWORD`), else `password_file`, else none (a URL
+/// may carry one).
+pub(super) fn password(cfg: &StoreConfig, env: &str) -> Result<Option<String>, StoreSetupError> {
+    match (std::env::var(env), &cfg.password_file) {
         (Ok(p), _) if !p.is_empty() => Ok(Some(p)),
         (_, Some(path)) => std::fs::read_to_string(path)
             .map(|p| Some(p.trim_end_matches(['\r', '\n']).to_string()))
