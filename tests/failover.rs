@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -290,7 +290,7 @@ async fn the_only_seed_master_dies_under_traffic() {
 
     // Settled: every key the upstream executed was executed once and replays
     // (whether or not its client got the answer): no record was lost.
-    let executed = executions(&upstream);
+    let executed = upstream.executions();
     let twice: Vec<_> = executed.iter().filter(|(_, &n)| n > 1).collect();
     assert!(twice.is_empty(), "executed more than once: {twice:?}");
     for key in log.answered.keys() {
@@ -316,7 +316,7 @@ async fn the_only_seed_master_dies_under_traffic() {
             assert_eq!(&r.body, first, "{key}: another answer");
         }
     }
-    assert_eq!(executions(&upstream), executed, "a retry executed again");
+    assert_eq!(upstream.executions(), executed, "a retry executed again");
 
     // A new connection can be made although the only seed is dead: writes
     // pause on every master, so that operations keep failing and the proxy
@@ -368,19 +368,4 @@ async fn the_only_seed_master_dies_under_traffic() {
             .await
             .is_replay());
     }
-}
-
-/// Executions per idempotency key, as the upstream saw them.
-fn executions(upstream: &TestUpstream) -> HashMap<String, usize> {
-    let mut out = HashMap::new();
-    for s in upstream.seen() {
-        if let Some(k) = s
-            .headers
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-        {
-            *out.entry(k.to_string()).or_default() += 1;
-        }
-    }
-    out
 }

@@ -7,7 +7,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -92,21 +92,6 @@ async fn client(
             }
         }
     }
-}
-
-/// Executions per idempotency key, as the upstream saw them.
-fn executions(upstream: &TestUpstream) -> HashMap<String, usize> {
-    let mut out = HashMap::new();
-    for s in upstream.seen() {
-        if let Some(k) = s
-            .headers
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-        {
-            *out.entry(k.to_string()).or_default() += 1;
-        }
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,7 +181,7 @@ async fn the_primary_dies_and_the_synchronous_standby_takes_over_losing_nothing(
 
     // Settled: every key the upstream executed was executed once; every key
     // answered 2xx replays the same answer from the new primary.
-    let executed = executions(&upstream);
+    let executed = upstream.executions();
     let twice: Vec<_> = executed.iter().filter(|(_, &n)| n > 1).collect();
     assert!(twice.is_empty(), "executed more than once: {twice:?}");
     let mut lost = Vec::new();
@@ -221,7 +206,7 @@ async fn the_primary_dies_and_the_synchronous_standby_takes_over_losing_nothing(
         log.answered.len(),
         &lost[..lost.len().min(10)]
     );
-    assert_eq!(executions(&upstream), executed, "a retry executed again");
+    assert_eq!(upstream.executions(), executed, "a retry executed again");
     eprintln!(
         "{} acknowledged records, all replayed from the promoted standby; {} keys executed, none twice",
         log.answered.len(),

@@ -237,6 +237,21 @@ impl TestUpstream {
         self.state.seen.lock().unwrap().clone()
     }
 
+    /// Executions per idempotency key, as the upstream saw them.
+    pub fn executions(&self) -> std::collections::HashMap<String, usize> {
+        let mut out = std::collections::HashMap::new();
+        for s in self.state.seen.lock().unwrap().iter() {
+            if let Some(k) = s
+                .headers
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+            {
+                *out.entry(k.to_string()).or_default() += 1;
+            }
+        }
+        out
+    }
+
     /// Waits until at least `n` requests have reached the upstream.
     pub async fn wait_hits(&self, n: usize) {
         let mut rx = self.state.arrived.subscribe();
