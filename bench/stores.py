@@ -25,12 +25,25 @@ and reads, around each run:
     `GETRANGE` calls in `INFO commandstats` (a reserve is SET NX + GETRANGE in
     one write, a completion a script that runs one GETRANGE: exactly one per
     round trip);
-  - p50 and p99 latency (wrk --latency).
+  - p50 and p99 latency (wrk --latency);
+  - the proxy's context switches per request, over its threads (voluntary
+    and not, /proc/<pid>/task/*/status): a store that answers later leaves
+    the proxy's worker asleep in epoll_wait more often per request, and each
+    sleep and wake-up is kernel time the proxy is charged.
+
+With --pin each proxy runs with one worker on CPU 1 and everything else
+(wrk, nginx, redis-server, PostgreSQL) on CPU 0: the proxy's CPU is then
+not shared with the store's processes, as when the database runs on a
+machine of its own. With --pace MS each wrk connection waits MS ms after an
+answer before its next request, so that both stores run at about the same rate, well below
+either's maximum: without it each proxy runs flat out and PostgreSQL's runs
+at about a third of Redis's rate, and a proxy that waits on its store more
+wakes up more often per request.
 
 Prints, per workload, the medians (min-max) per store and the paired ratios
 postgres/redis of each repetition; writes everything as JSON with --out.
 
-    bench/stores.py [--reps 3] [--duration 3] [--connections 8] [--out bench/results/stores.json]
+    bench/stores.py [--reps 3] [--duration 3] [--connections 8] [--pace MS] [--pin] [--out bench/results/stores.json]
 
 Needs: nginx (nginx-light), wrk, redis-server, PostgreSQL's server binaries
 (/usr/lib/postgresql/*/bin; run as root, they run as the postgres user), cargo.
@@ -42,6 +55,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,6 +118,17 @@ def tree_cpu(root_pid):
 
 
 class Stores(Stack):
+    def __init__(self, workdir, pin=False):
+        super().__init__(workdir)
+        self.pin = pin
+
+    def spawn(self, args, **kw):
+        """Starts a process; with --pin, a proxy on CPU 1 and anything else on CPU 0."""
+        if self.pin:
+            cpu = "1" if os.path.basename(args[0]).startswith("idemproxy") else "0"
+            args = ["taskset", "-c", cpu] + args
+        return super().spawn(args, **kw)
+
     def start_postgres(self):
         data = os.path.join(self.dir, "pgdata")
         os.makedirs(data)
@@ -142,6 +167,7 @@ class Stores(Stack):
 listen = "127.0.0.1:{port}"
 admin_listen = "127.0.0.1:{admin}"
 upstream = "http://127.0.0.1:{self.up_port}"
+{"workers = 1" if self.pin else ""}
 
 [store]
 {store}
@@ -172,8 +198,38 @@ path = "/v1/payments"
                                       "AND query NOT LIKE '%SKIP LOCKED%' AND query NOT LIKE '%pg_stat%'"))
 
 
-def wrk(url, duration, connections, script):
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", script, url],
+def run_time(pid):
+    """CPU seconds of a process's live threads as the scheduler counts them
+    (/proc/<pid>/task/*/schedstat, nanoseconds): exact, where utime + stime
+    are counted in ticks, which a process that runs in bursts of a few
+    microseconds between sleeps can be charged too much or too little of."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass
+    return total / 1e9
+
+
+def context_switches(pid):
+    """Context switches of a process, over its live threads."""
+    switches = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        switches += int(line.split()[-1])
+        except OSError:
+            pass
+    return switches
+
+
+def wrk(url, duration, connections, script, pin=False):
+    pinned = ["taskset", "-c", "0"] if pin else []
+    out = subprocess.run(pinned + ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", script, url],
                          capture_output=True, text=True, check=True).stdout
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     if non2xx:
@@ -187,21 +243,66 @@ def wrk(url, duration, connections, script):
     return int(re.search(r"(\d+) requests in", out).group(1)), ms("50%"), ms("99%")
 
 
-def run_one(stack, name, duration, connections, script):
+# --profile: where a proxy's CPU goes, from the call stacks perf sampled, in
+# the order the rules are tried; the leaf frame decides kernel or user.
+PROFILE_RULES = (
+    ("waking another process", True, re.compile(r"sock_def_readable|try_to_wake_up|ep_poll_callback")),
+    ("sleeping and being woken", True, re.compile(r"schedule|finish_task_switch|__switch_to|exit_to_user_mode_loop")),
+    ("other kernel: TCP, epoll", True, None),
+    ("the PostgreSQL client", False, re.compile(r"tokio_postgres|postgres_protocol|postgres_types|deadpool|store::postgres")),
+    ("the Redis client", False, re.compile(r"store::wire|store::ops|store::redis|store::conn|store::reply|redis::")),
+    ("the rest: HTTP, tokio, records, malloc", False, None),
+)
+
+
+def profile_shares(data):
+    """Each PROFILE_RULES category's share of the samples in a perf.data."""
+    out = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym"], capture_output=True, text=True).stdout
+    counts, total = {c: 0 for c, _, _ in PROFILE_RULES}, 0
+    for sample in out.split("\n\n"):
+        frames = [line.split(None, 1) for line in sample.strip().splitlines()]
+        frames = [(int(f[0], 16), f[1] if len(f) > 1 else "") for f in frames if f and f[0].strip()]
+        if not frames:
+            continue
+        total += 1
+        kernel = frames[0][0] >= 0xffff800000000000
+        stack = " ".join(sym for _, sym in frames)
+        for category, in_kernel, pattern in PROFILE_RULES:
+            if in_kernel == kernel and (pattern is None or pattern.search(stack)):
+                counts[category] += 1
+                break
+    return {c: k / total for c, k in counts.items()} if total else {}
+
+
+def run_one(stack, name, duration, connections, script, profile=False):
     proxy_pid = stack.proxies[name]["proc"].pid
-    p0, s0, r0 = cpu_seconds(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
-    n, p50, p99 = wrk(stack.url(name), duration, connections, script)
+    p0, s0, r0 = run_time(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
+    c0 = context_switches(proxy_pid)
+    perf = None
+    if profile:
+        data = os.path.join(stack.dir, f"perf-{name}.data")
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", "2999", "-g", "-p", str(proxy_pid), "-o", data],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n, p50, p99 = wrk(stack.url(name), duration, connections, script, stack.pin)
+    c1 = context_switches(proxy_pid)
+    if perf:
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
     # pg_stat_statements and the backends' CPU are current once the statements are done.
     time.sleep(0.2)
-    p1, s1, r1 = cpu_seconds(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
+    p1, s1, r1 = run_time(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
     return {
         "requests": n,
         "rps": n / duration,
         "proxy_cpu_us": (p1 - p0) * 1e6 / n,
+        "proxy_switches": (c1 - c0) / n,
         "store_cpu_us": (s1 - s0) * 1e6 / n,
         "round_trips": (r1 - r0) / n,
         "p50_ms": p50,
         "p99_ms": p99,
+        **({f"us: {c}": share * (p1 - p0) * 1e6 / n
+            for c, share in profile_shares(os.path.join(stack.dir, f"perf-{name}.data")).items()}
+           if profile else {}),
     }
 
 
@@ -214,6 +315,13 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--duration", type=int, default=3)
     ap.add_argument("--connections", type=int, default=8)
+    ap.add_argument("--pace", type=int, default=0, metavar="MS",
+                    help="each connection waits MS ms after an answer before its next request "
+                         "(both stores then run at about the same rate, below either's maximum)")
+    ap.add_argument("--profile", action="store_true",
+                    help="sample each proxy with perf and split its CPU per request by where it goes")
+    ap.add_argument("--pin", action="store_true",
+                    help="each proxy with one worker on CPU 1; wrk, nginx and the stores on CPU 0")
     ap.add_argument("--out", default=None)
     ap.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "idemproxy"))
     args = ap.parse_args()
@@ -221,7 +329,7 @@ def main():
         subprocess.run(["cargo", "build", "--release", "--bin", "idemproxy"], cwd=ROOT, check=True)
 
     work = tempfile.mkdtemp(prefix="idem-stores-")
-    stack = Stores(work)
+    stack = Stores(work, pin=args.pin)
     try:
         stack.start_upstream()
         stack.start_postgres()
@@ -237,6 +345,8 @@ def main():
                     f.write(NEWKEY_LUA % (f"k-{name}-r{rep}", REQUEST))
                 else:
                     f.write(REPLAY_LUA % (REPLAY_KEYS, REQUEST))
+                if args.pace:
+                    f.write(f"function delay() return {args.pace} end\n")
             return path
 
         results = {w: {n: [] for n in STORES} for w in ("new key", "replay")}
@@ -244,7 +354,8 @@ def main():
             for workload in results:
                 order = STORES if rep % 2 == 0 else tuple(reversed(STORES))
                 for name in order:
-                    r = run_one(stack, name, args.duration, args.connections, script(workload, name, rep))
+                    r = run_one(stack, name, args.duration, args.connections, script(workload, name, rep),
+                                args.profile)
                     results[workload][name].append(r)
                     print(f"rep {rep + 1} {workload:8} {name:8} " +
                           " ".join(f"{k}={v:.2f}" for k, v in r.items() if k != "requests"), file=sys.stderr)
@@ -252,9 +363,11 @@ def main():
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{args.reps} reps x {args.duration}s, {args.connections} connections, 1 KiB answers; "
+    paced = f", each waiting {args.pace} ms between requests" if args.pace else ""
+    paced += "; pinned: each proxy (one worker) on CPU 1, the rest on CPU 0" if args.pin else ""
+    print(f"\n{args.reps} reps x {args.duration}s, {args.connections} connections{paced}, 1 KiB answers; "
           "medians (min-max); ratio = postgres/redis, paired per rep")
-    keys = ("proxy_cpu_us", "store_cpu_us", "round_trips", "p50_ms", "p99_ms", "rps")
+    keys = ("proxy_cpu_us", "proxy_switches", "store_cpu_us", "round_trips", "p50_ms", "p99_ms", "rps")
     summary = {}
     for workload, per in results.items():
         print(f"\n{workload}")
@@ -265,10 +378,17 @@ def main():
                   for k in keys}
         print(f"  {'ratio':14}" + "".join(f"{fmt(ratios[k], 2):>22}" for k in keys))
         summary[workload] = {"runs": per, "ratio_median": {k: statistics.median(v) for k, v in ratios.items()}}
+        if args.profile:
+            print(f"  where each proxy's CPU goes, us per request (median; perf's samples): "
+                  f"{'redis':>8} {'postgres':>9} {'difference':>11}")
+            for category, _, _ in PROFILE_RULES:
+                k = f"us: {category}"
+                r, p = (statistics.median(x[k] for x in per[n]) for n in STORES)
+                print(f"    {category:71} {r:8.1f} {p:9.1f} {p - r:+11.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"reps": args.reps, "duration": args.duration, "connections": args.connections,
-                       "results": summary}, f, indent=1)
+                       "pace_ms": args.pace, "pin": args.pin, "results": summary}, f, indent=1)
         print(f"\nwritten to {args.out}")
 
 
