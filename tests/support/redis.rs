@@ -203,24 +203,42 @@ pub fn reply_text(v: redis::Value) -> String {
     redis::from_redis_value::<String>(v).unwrap_or_default()
 }
 
+/// A replica's first sync starts at once (by default a master waits 5 s for
+/// more replicas to share its diskless transfer): for a master that has
+/// replicas, and for a replica, which may become one.
+const SYNC_AT_ONCE: [&str; 2] = ["--repl-diskless-sync-delay", "0"];
+
 /// A master and a replica of it (no persistence), the replica in sync.
 pub async fn master_and_replica(dir: &Path) -> (Node, Node) {
     let mp = free_port();
-    let master = Node::start(dir, mp, &redis_args(mp, &[]));
+    let master = Node::start(dir, mp, &redis_args(mp, &SYNC_AT_ONCE));
     wait_pong(mp).await;
+    let replica = replica_of(dir, mp).await;
+    (master, replica)
+}
+
+/// A new replica (no persistence) of the master on `master`, in sync.
+pub async fn replica_of(dir: &Path, master: u16) -> Node {
     let rp = free_port();
-    let mp_text = mp.to_string();
+    let mp_text = master.to_string();
     let replica = Node::start(
         dir,
         rp,
-        &redis_args(rp, &["--replicaof", "127.0.0.1", &mp_text]),
+        &redis_args(
+            rp,
+            &[&["--replicaof", "127.0.0.1", &mp_text][..], &SYNC_AT_ONCE].concat(),
+        ),
     );
     eventually("the replica to sync", DEADLINE, || async move {
         let info = reply_text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
-        info.contains("master_link_status:up").then_some(())
+        let up = info.contains("master_link_status:up");
+        // And the master counts it (WAIT does from then on).
+        let master = reply_text(redis_cmd(master, &["INFO", "replication"]).await.ok()?);
+        let online = master.contains(&format!("port={rp},state=online"));
+        (up && online).then_some(())
     })
     .await;
-    (master, replica)
+    replica
 }
 
 /// A Redis Cluster: masters (with replicas when asked for), every slot served.
