@@ -472,21 +472,8 @@ async fn wait_replicas_writes_a_completion_again_when_the_replica_missed_it() {
 
     // Cut the replica off before the answer comes: it cannot log back in to
     // its master, but stays up and answers the sentinels.
-    let (mp, rp) = (setup.master.port, setup.replica.port);
-    redis_cmd(rp, &["CONFIG", "SET", "masteruser", "nobody"])
-        .await
-        .unwrap();
-    redis_cmd(rp, &["CONFIG", "SET", "masterauth", "wrong"])
-        .await
-        .unwrap();
-    redis_cmd(mp, &["CLIENT", "KILL", "TYPE", "replica"])
-        .await
-        .unwrap();
-    eventually("the master to lose its replica", DEADLINE, || async move {
-        let info = reply_text(redis_cmd(mp, &["INFO", "replication"]).await.ok()?);
-        info.contains("connected_slaves:0").then_some(())
-    })
-    .await;
+    let rp = setup.replica.port;
+    setup.cut_replica_off().await;
 
     upstream.release(1);
     let first = first.await.unwrap();
@@ -502,15 +489,7 @@ async fn wait_replicas_writes_a_completion_again_when_the_replica_missed_it() {
 
     // The master dies with the only finished copy; the sentinels promote the replica.
     setup.master.kill();
-    eventually(
-        "the replica to be promoted",
-        Duration::from_secs(30),
-        || {
-            let setup = &setup;
-            async move { (setup.master_port().await == Some(rp)).then_some(()) }
-        },
-    )
-    .await;
+    setup.wait_replica_promoted().await;
 
     // The proxy writes the record again on the new master: the retry is a
     // replay (without that, 409 until the 60 s lease ran out, then a second run).

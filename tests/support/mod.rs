@@ -15,7 +15,8 @@
 //! - `env`: `Env`, a standard set of the above, and `on_every_backend!`;
 //! - `relay`: a fault-injecting TCP relay;
 //! - `peers`: client peers in Python (grpcio, urllib3) run as subprocesses;
-//! - `otel`: OpenTelemetry peers: a real OTLP receiver, the Python SDK's client, spans read back.
+//! - `otel`: OpenTelemetry peers: a real OTLP receiver, the Python SDK's client, spans read back;
+//! - `failover`: the store failover tests' traffic (`Traffic`) and their final check (`settle`).
 //!
 //! Waits are on events with deadlines (`eventually`), never fixed sleeps.
 // Every test binary compiles this module and uses a part of it: what one binary
@@ -27,6 +28,7 @@ mod client;
 mod config;
 mod curl;
 mod env;
+pub mod failover;
 mod inprocess;
 mod logs;
 mod otel;

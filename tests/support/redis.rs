@@ -203,24 +203,50 @@ pub fn reply_text(v: redis::Value) -> String {
     redis::from_redis_value::<String>(v).unwrap_or_default()
 }
 
+/// One field of `INFO <section>` of the redis-server on `port`.
+pub async fn info_field(port: u16, section: &str, field: &str) -> Option<String> {
+    let info = reply_text(redis_cmd(port, &["INFO", section]).await.ok()?);
+    let prefix = format!("{field}:");
+    info.lines()
+        .find_map(|l| Some(l.strip_prefix(prefix.as_str())?.trim().to_string()))
+}
+
+/// A replica's first sync starts at once (by default a master waits 5 s for
+/// more replicas to share its diskless transfer): for a master that has
+/// replicas, and for a replica, which may become one.
+const SYNC_AT_ONCE: [&str; 2] = ["--repl-diskless-sync-delay", "0"];
+
 /// A master and a replica of it (no persistence), the replica in sync.
 pub async fn master_and_replica(dir: &Path) -> (Node, Node) {
     let mp = free_port();
-    let master = Node::start(dir, mp, &redis_args(mp, &[]));
+    let master = Node::start(dir, mp, &redis_args(mp, &SYNC_AT_ONCE));
     wait_pong(mp).await;
+    let replica = replica_of(dir, mp).await;
+    (master, replica)
+}
+
+/// A new replica (no persistence) of the master on `master`, in sync.
+pub async fn replica_of(dir: &Path, master: u16) -> Node {
     let rp = free_port();
-    let mp_text = mp.to_string();
+    let mp_text = master.to_string();
     let replica = Node::start(
         dir,
         rp,
-        &redis_args(rp, &["--replicaof", "127.0.0.1", &mp_text]),
+        &redis_args(
+            rp,
+            &[&["--replicaof", "127.0.0.1", &mp_text][..], &SYNC_AT_ONCE].concat(),
+        ),
     );
     eventually("the replica to sync", DEADLINE, || async move {
         let info = reply_text(redis_cmd(rp, &["INFO", "replication"]).await.ok()?);
-        info.contains("master_link_status:up").then_some(())
+        let up = info.contains("master_link_status:up");
+        // And the master counts it (WAIT does from then on).
+        let master = reply_text(redis_cmd(master, &["INFO", "replication"]).await.ok()?);
+        let online = master.contains(&format!("port={rp},state=online"));
+        (up && online).then_some(())
     })
     .await;
-    (master, replica)
+    replica
 }
 
 /// A Redis Cluster: masters (with replicas when asked for), every slot served.
@@ -463,6 +489,56 @@ impl SentinelSetup {
             "mode = \"sentinel\"\nsentinels = [{}]\nmaster_name = \"mymaster\"\nop_timeout = \"300ms\"\n",
             s.join(", ")
         )
+    }
+
+    /// Cuts the replica off its master: it cannot log back in (a wrong
+    /// `masteruser`/`masterauth`), but stays up and answers the sentinels.
+    /// Returns once the master has no replica; from then on nothing the master
+    /// writes reaches the replica (replication lag, made deterministic).
+    pub async fn cut_replica_off(&self) {
+        let (mp, rp) = (self.master.port, self.replica.port);
+        redis_cmd(rp, &["CONFIG", "SET", "masteruser", "nobody"])
+            .await
+            .unwrap();
+        redis_cmd(rp, &["CONFIG", "SET", "masterauth", "wrong"])
+            .await
+            .unwrap();
+        redis_cmd(mp, &["CLIENT", "KILL", "TYPE", "replica"])
+            .await
+            .unwrap();
+        eventually("the master to lose its replica", DEADLINE, || async move {
+            let info = reply_text(redis_cmd(mp, &["INFO", "replication"]).await.ok()?);
+            info.contains("connected_slaves:0").then_some(())
+        })
+        .await;
+    }
+
+    /// Waits until the replica has processed everything the master has
+    /// written (their replication offsets are equal): with no writes meanwhile,
+    /// everything the master acknowledged so far is on the replica.
+    pub async fn wait_replica_caught_up(&self) {
+        let (mp, rp) = (self.master.port, self.replica.port);
+        eventually("the replica to catch up", DEADLINE, || async move {
+            let master = info_field(mp, "replication", "master_repl_offset").await?;
+            let replica = info_field(rp, "replication", "slave_repl_offset").await?;
+            (master == replica).then_some(())
+        })
+        .await;
+    }
+
+    /// Waits until the sentinels name the replica as the master and it says
+    /// it is one (after the master was killed).
+    pub async fn wait_replica_promoted(&self) {
+        let rp = self.replica.port;
+        eventually(
+            "the replica to be promoted",
+            Duration::from_secs(30),
+            || async move {
+                let role = info_field(rp, "replication", "role").await?;
+                (self.master_port().await == Some(rp) && role == "master").then_some(())
+            },
+        )
+        .await;
     }
 
     pub async fn master_port(&self) -> Option<u16> {
