@@ -391,13 +391,17 @@ impl PgServer {
 
     /// `pg_ctl promote` (a standby becomes a primary); returns once it accepts writes.
     pub async fn promote(&self) {
-        let ok = tool("pg_ctl")
+        // pg_ctl waits for the promotion: off the runtime's threads, so that
+        // the test's clients go on meanwhile.
+        let mut promote = tool("pg_ctl");
+        promote
             .args(["promote", "-D"])
             .arg(&self.data)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
+            .stderr(Stdio::null());
+        let ok = tokio::task::spawn_blocking(move || promote.status().is_ok_and(|s| s.success()))
+            .await
+            .expect("pg_ctl promote's thread");
         assert!(ok, "pg_ctl promote failed");
         let client = self.client().await;
         eventually("the promoted standby to accept writes", DEADLINE, || {
