@@ -144,9 +144,22 @@ const EXIT_CONFIG: u8 = 2;
 /// Exit status for any other failure to start.
 const EXIT_START: u8 = 1;
 
+/// `RUST_LOG`'s filter (`info` when it is unset or invalid), with
+/// tokio-postgres held at `info` unless `RUST_LOG` names it: at `debug` it
+/// logs every statement's parameters, and a completion's parameter is the
+/// whole record, the upstream's answer with its headers and body.
+fn log_filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
+    let filter = spec
+        .and_then(|s| tracing_subscriber::EnvFilter::try_new(s).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+    if spec.is_some_and(|s| s.contains("tokio_postgres")) {
+        return filter;
+    }
+    filter.add_directive("tokio_postgres=info".parse().expect("a valid directive"))
+}
+
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = log_filter(std::env::var("RUST_LOG").ok().as_deref());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
