@@ -525,8 +525,116 @@ fn sslmode(given: Option<Spanned<String>>, src: &Source) -> Result<SslMode, Conf
     }
 }
 
+/// PostgreSQL's reserved key words (`pg_get_keywords()`, categories `R`
+/// and `T`, in PostgreSQL 15, with 16's `system_user`): none can name a
+/// table unquoted.
+const RESERVED: [&str; 101] = [
+    "all",
+    "analyse",
+    "analyze",
+    "and",
+    "any",
+    "array",
+    "as",
+    "asc",
+    "asymmetric",
+    "authorization",
+    "binary",
+    "both",
+    "case",
+    "cast",
+    "check",
+    "collate",
+    "collation",
+    "column",
+    "concurrently",
+    "constraint",
+    "create",
+    "cross",
+    "current_catalog",
+    "current_date",
+    "current_role",
+    "current_schema",
+    "current_time",
+    "current_timestamp",
+    "current_user",
+    "default",
+    "deferrable",
+    "desc",
+    "distinct",
+    "do",
+    "else",
+    "end",
+    "except",
+    "false",
+    "fetch",
+    "for",
+    "foreign",
+    "freeze",
+    "from",
+    "full",
+    "grant",
+    "group",
+    "having",
+    "ilike",
+    "in",
+    "initially",
+    "inner",
+    "intersect",
+    "into",
+    "is",
+    "isnull",
+    "join",
+    "lateral",
+    "leading",
+    "left",
+    "like",
+    "limit",
+    "localtime",
+    "localtimestamp",
+    "natural",
+    "not",
+    "notnull",
+    "null",
+    "offset",
+    "on",
+    "only",
+    "or",
+    "order",
+    "outer",
+    "overlaps",
+    "placing",
+    "primary",
+    "references",
+    "returning",
+    "right",
+    "select",
+    "session_user",
+    "similar",
+    "some",
+    "symmetric",
+    "system_user",
+    "table",
+    "tablesample",
+    "then",
+    "to",
+    "trailing",
+    "true",
+    "union",
+    "unique",
+    "user",
+    "using",
+    "variadic",
+    "verbose",
+    "when",
+    "where",
+    "window",
+    "with",
+];
+
 /// The records' table: a plain lower-case SQL identifier (it is spelt into
-/// every statement unquoted), at most 50 bytes so that its index's name fits.
+/// every statement unquoted), not a reserved key word, at most 50 bytes so
+/// that its index's name fits.
 fn table(given: Option<Spanned<String>>, src: &Source) -> Result<String, ConfigError> {
     let Some(t) = given else {
         return Ok("idemproxy_records".to_string());
@@ -545,6 +653,13 @@ fn table(given: Option<Spanned<String>>, src: &Source) -> Result<String, ConfigE
             format!(
                 "invalid table name \"{name}\": a lower-case identifier (a-z, 0-9, _; not starting with a digit), at most 50 bytes"
             ),
+        ));
+    }
+    if RESERVED.contains(&name.as_str()) {
+        return Err(src.entry(
+            &t.span(),
+            "store.table",
+            format!("invalid table name \"{name}\": a key word PostgreSQL reserves"),
         ));
     }
     Ok(t.into_inner())
