@@ -111,6 +111,24 @@ async fn a_missing_table_stops_the_start_and_init_store_creates_it_once() {
     let stderr = assert_exit(&idemproxy(&config, &["--init-store"]), 1);
     assert!(stderr.contains("no valid unique index"), "{stderr}");
     admin.batch_execute(&validity(true)).await.unwrap();
+    // A deferrable key (ON CONFLICT cannot use it: every reserve would fail).
+    admin
+        .batch_execute(
+            "ALTER TABLE idemproxy_records DROP CONSTRAINT idemproxy_records_pkey, \
+             ADD PRIMARY KEY (key) DEFERRABLE INITIALLY IMMEDIATE",
+        )
+        .await
+        .unwrap();
+    let stderr = assert_exit(&idemproxy(&config, &["--init-store"]), 1);
+    assert!(stderr.contains("DEFERRABLE"), "{stderr}");
+    admin
+        .batch_execute(
+            "ALTER TABLE idemproxy_records DROP CONSTRAINT idemproxy_records_pkey, \
+             ADD PRIMARY KEY (key)",
+        )
+        .await
+        .unwrap();
+    assert_exit(&idemproxy(&config, &["--init-store"]), 0);
     // An UNLOGGED table (emptied by a crash, not replicated) stops the
     // start and `--init-store`, naming the fix.
     admin
@@ -154,6 +172,9 @@ fn init_store_exits_1_when_the_store_is_unreachable_2_when_invalid_0_for_the_oth
     for (bad, key) in [
         ("url = \"redis://127.0.0.1:6379\"", "store.url"),
         ("table = \"Robert'); DROP TABLE x\"", "store.table"),
+        // A reserved key word cannot name a table unquoted.
+        ("table = \"user\"", "store.table"),
+        ("table = \"order\"", "store.table"),
         ("sslmode = \"sometimes\"", "store.sslmode"),
         ("sslmode = \"verify-full\"", "store.sslmode"),
         ("pool_size = 0", "store.pool_size"),
@@ -197,6 +218,7 @@ async fn expired_rows_are_never_served_and_are_swept_in_batches() {
     let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
     let metrics = std::sync::Arc::new(idemproxy::metrics::Metrics::new());
     let store = idemproxy::store::Store::new(&cfg.store, metrics, 1).unwrap();
+    store.check_schema().await.unwrap();
     let key = store.key_for("expired");
     let old = Token::new();
     let finished = Record::Finished(Finished {
@@ -492,6 +514,7 @@ async fn large_expired_rows_are_swept_with_a_short_op_timeout() {
     let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
     let metrics = std::sync::Arc::new(idemproxy::metrics::Metrics::new());
     let store = idemproxy::store::Store::new(&cfg.store, metrics, 1).unwrap();
+    store.check_schema().await.unwrap();
     // 200 expired rows of 256 KiB each (stored out of line, uncompressed).
     pg.client()
         .await
@@ -675,4 +698,88 @@ async fn a_reply_that_cannot_be_read_is_a_503_not_a_panic() {
     assert_eq!(r.status, 503);
     assert_eq!(env.proxy.log_count("panicked"), 0, "{:?}", env.proxy.logs());
     assert_eq!(env.upstream.hits(), 1);
+}
+
+/// PostgreSQL down at start: the proxy starts, not ready, and checks the
+/// table when the server first answers. A table that is not as the proxy
+/// needs it (here UNLOGGED: emptied by a crash, never replicated) is then
+/// never written to: protected routes answer 503 and `/readyz` stays 503,
+/// with the problem logged, until the table is fixed; then they work
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_checked_after_a_late_start_is_not_written_to_until_it_is_right() {
+    let mut pg = PgServer::start().await;
+    pg.client()
+        .await
+        .batch_execute("ALTER TABLE idemproxy_records SET UNLOGGED")
+        .await
+        .unwrap();
+    pg.kill_keeping_port();
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .store("op_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::spawn(&config, &[]).await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("k-1").body("x").await.status, 503);
+
+    pg.restart().await;
+    proxy
+        .wait_log("the PostgreSQL table is not as the proxy needs it")
+        .await;
+    for key in ["k-1", "k-2"] {
+        let r = Call::post(&url).key(key).body("x").await;
+        assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let ready = get(&proxy.admin_url("/readyz")).await.expect("/readyz");
+    assert_eq!(ready.status, 503);
+    assert_eq!(upstream.hits(), 0);
+    assert!(pg.keys().await.is_empty(), "{:?}", pg.keys().await);
+
+    // Fixed while the proxy runs: checked again at its next ping, then served.
+    pg.client()
+        .await
+        .batch_execute("ALTER TABLE idemproxy_records SET LOGGED")
+        .await
+        .unwrap();
+    eventually("protected routes to work", DEADLINE, || {
+        let url = url.clone();
+        async move { (Call::post(&url).key("k-3").body("x").await.status == 201).then_some(()) }
+    })
+    .await;
+    proxy.wait_log("the table is as the proxy needs it").await;
+    assert_eq!(upstream.hits(), 1);
+}
+
+/// `RUST_LOG=debug` does not turn on tokio-postgres's statement log, which
+/// would write every record (the upstream's answer, headers and body) into
+/// the proxy's log; naming it in `RUST_LOG` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_logging_does_not_log_the_statements_parameters() {
+    let pg = PgServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .routes(ROUTES)
+        .build();
+    for (filter, logged) in [("debug", false), ("debug,tokio_postgres=debug", true)] {
+        let proxy = Proxy::spawn(&config, &[("RUST_LOG", filter)]).await;
+        proxy.wait_ready().await;
+        let key = format!("k-{logged}");
+        let r = Call::post(&proxy.url("/v1/payments"))
+            .key(&key)
+            .body("x")
+            .await;
+        assert_eq!(r.status, 201);
+        // The request's access line comes after its reserve's statement,
+        // whose line (when logged) is before it in the same stream.
+        proxy.wait_log("idemproxy::access").await;
+        assert_eq!(
+            proxy.log_count("executing statement") > 0,
+            logged,
+            "RUST_LOG={filter}"
+        );
+    }
 }

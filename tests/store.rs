@@ -225,10 +225,14 @@ async fn store_for(
     postgres: Option<&PgServer>,
 ) -> idemproxy::store::Store {
     let config = ConfigBuilder::new("http://127.0.0.1:1");
-    store_from(match postgres {
+    let store = store_from(match postgres {
         Some(pg) => config.postgres(pg),
         None => config.backend(backend, redis),
-    })
+    });
+    // As the server does before it serves: PostgreSQL's table is checked
+    // (no statement is sent before).
+    store.check_schema().await.expect("the table as the proxy needs it");
+    store
 }
 
 /// The store a configuration describes, through the library API.

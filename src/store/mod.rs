@@ -293,7 +293,9 @@ impl Store {
 
     /// PostgreSQL: is the table there, and as the proxy needs it? `Ok` for
     /// the other stores, and when PostgreSQL cannot be reached (the proxy
-    /// starts, not ready, as with an unreachable Redis).
+    /// starts, not ready, as with an unreachable Redis, and checks the
+    /// table when the server first answers; no request's statement is sent
+    /// before).
     pub async fn check_schema(&self) -> Result<(), StoreSetupError> {
         let Inner::Postgres(p) = &self.inner else {
             return Ok(());
@@ -301,7 +303,7 @@ impl Store {
         match p.check_schema().await {
             Ok(()) => Ok(()),
             Err(postgres::SchemaProblem::Unreachable(e)) => {
-                tracing::warn!(error = %e, "PostgreSQL cannot be reached yet: the table is checked by the first statements");
+                tracing::warn!(error = %e, "PostgreSQL cannot be reached yet: the table is checked when it first answers, and protected routes answer 503 until then");
                 Ok(())
             }
             Err(e) => Err(StoreSetupError::Schema(e.to_string())),

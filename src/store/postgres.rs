@@ -174,6 +174,15 @@ pub struct PostgresStore {
     sql: Statements,
     table: String,
     op_timeout: Duration,
+    /// The table was found as the proxy needs it. Until then no request's
+    /// statement is sent (its operation is `Unavailable`): a proxy that
+    /// could not reach PostgreSQL at start checks the table when the
+    /// server first answers (the health ping), and a table missing,
+    /// UNLOGGED or of another shape is never written to.
+    checked: AtomicBool,
+    /// When the table's problem was last logged (once a minute, not at
+    /// every ping).
+    problem_logged: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 /// The TLS connector: none with `disable`, or with `prefer` and no CA file;
@@ -534,6 +543,8 @@ impl PostgresStore {
             sql: Statements::new(&cfg.table),
             table: cfg.table.clone(),
             op_timeout: cfg.op_timeout,
+            checked: AtomicBool::new(false),
+            problem_logged: std::sync::Mutex::new(None),
         })
     }
 
@@ -541,7 +552,22 @@ impl PostgresStore {
         pg_error(e, self.op_timeout)
     }
 
+    /// A pooled connection for a request's statement, once the table is
+    /// checked ([`PostgresStore::checked`]).
     async fn conn(&self) -> Result<Lent, StoreError> {
+        if !self.checked.load(Ordering::Acquire) {
+            return Err(StoreError::Unavailable(
+                "the table has not been checked yet (PostgreSQL has not answered since the start, \
+                 or the table is not as the proxy needs it)"
+                    .into(),
+            ));
+        }
+        self.any_conn().await
+    }
+
+    /// A pooled connection, whether or not the table was checked: for the
+    /// check itself and `--init-store`.
+    async fn any_conn(&self) -> Result<Lent, StoreError> {
         match self.pools.get().get().await {
             Ok(c) => Ok(Lent {
                 client: Some(c),
@@ -687,7 +713,7 @@ impl PostgresStore {
     pub async fn check_schema(&self) -> Result<(), SchemaProblem> {
         let bound = self.op_timeout.max(Duration::from_secs(2));
         let check = async {
-            let mut conn = self.conn().await.map_err(SchemaProblem::Unreachable)?;
+            let mut conn = self.any_conn().await.map_err(SchemaProblem::Unreachable)?;
             check_schema(&mut conn, self, &self.table).await?;
             let sync = self
                 .query(
@@ -710,6 +736,7 @@ impl PostgresStore {
                      (a role's, a database's or the URL's options can override the server's)"
                 );
             }
+            self.checked.store(true, Ordering::Release);
             Ok(())
         };
         tokio::time::timeout(bound, check)
@@ -833,13 +860,14 @@ async fn check_schema(
     let keyed = "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
          ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
          WHERE i.indrelid = to_regclass($1::text) AND i.indisunique AND i.indnkeyatts = 1 \
-         AND i.indisvalid AND i.indpred IS NULL AND a.attname = 'key')";
+         AND i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND a.attname = 'key')";
     let rows = store.query(conn, keyed, &[&table]).await.map_err(catalog)?;
     match rows.first().map(|r| col::<bool>(r, 0)) {
         Some(Ok(true)) => Ok(()),
         Some(Err(e)) => Err(catalog(e)),
         _ => Err(SchemaProblem::Different(format!(
-            "the table \"{table}\" has no valid unique index on \"key\" alone"
+            "the table \"{table}\" has no valid unique index on \"key\" alone that is \
+             checked at once (not DEFERRABLE: ON CONFLICT cannot use a deferrable one)"
         ))),
     }
 }
@@ -867,7 +895,7 @@ const INIT_STATEMENT_TIMEOUT: &str = "10s";
 pub async fn init_store(cfg: &StoreConfig) -> Result<Initialised, SchemaProblem> {
     let store = PostgresStore::new(cfg, 1)
         .map_err(|e| SchemaProblem::Unreachable(StoreError::Backend(e.to_string())))?;
-    let mut conn = store.conn().await.map_err(SchemaProblem::Unreachable)?;
+    let mut conn = store.any_conn().await.map_err(SchemaProblem::Unreachable)?;
     match check_schema(&mut conn, &store, &cfg.table).await {
         Ok(()) => return Ok(Initialised::AlreadyThere),
         Err(SchemaProblem::Missing(_)) => {}
@@ -1107,7 +1135,34 @@ impl Operations for PostgresStore {
 
     /// A statement on the table: the server answers, it is a primary (the
     /// URL's `target_session_attrs` picks one), and the table is there.
+    /// Until the table has been checked (PostgreSQL could not be reached at
+    /// start), the check first: a table missing or of another shape keeps
+    /// the store down (not ready, requests 503), logged at every ping.
     async fn ping(&self) -> Result<(), StoreError> {
+        if !self.checked.load(Ordering::Acquire) {
+            match self.check_schema().await {
+                Ok(()) => {
+                    tracing::info!(table = %self.table, "PostgreSQL answered: the table is as the proxy needs it")
+                }
+                Err(SchemaProblem::Unreachable(e)) => return Err(e),
+                Err(problem) => {
+                    let now = tokio::time::Instant::now();
+                    let mut logged = self
+                        .problem_logged
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    if logged.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60)) {
+                        *logged = Some(now);
+                        tracing::error!(
+                            problem = %problem,
+                            "the PostgreSQL table is not as the proxy needs it: protected routes \
+                             answer 503 until it is (run `idemproxy --init-store`, or fix the table)"
+                        );
+                    }
+                    return Err(StoreError::Backend(problem.to_string()));
+                }
+            }
+        }
         let mut conn = self.conn().await?;
         let rows = self.query(&mut conn, &self.sql.ping, &[]).await?;
         match rows.first() {
