@@ -783,3 +783,84 @@ async fn debug_logging_does_not_log_the_statements_parameters() {
         );
     }
 }
+
+/// Logins slower than `op_timeout` (a relay delays every byte 150 ms each
+/// way: a login takes two trips, 300 ms, and each host's attempt has 200 ms)
+/// while many clients retry: the proxy's sockets to the server stay within
+/// its pools' bound. Each pool holds at most its share of `pool_size` and
+/// has at most as many attempts in flight; an attempt whose request gave up
+/// no longer lets the next request start another one. (Without that bound
+/// the attempts in flight grew with the request rate: each request that got
+/// a pool slot late in its `op_timeout` started a walk and gave the slot
+/// back while the walk went on.) Once logins are fast again, requests work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_logins_open_no_more_connections_than_the_pools_allow() {
+    use support::relay::{Fault, Relay};
+    let pg = PgServer::start().await;
+    let relay = Relay::start(([127, 0, 0, 1], pg.port).into()).await;
+    let upstream = TestUpstream::start().await;
+    let url = pg.url().replace(
+        &format!(":{}/", pg.port),
+        &format!(":{}/", relay.addr.port()),
+    );
+    // One worker: two slots (the worker's, and slot 0 for the health ping
+    // and the sweep), `pool_size = 2` shared out: one connection each.
+    let (slots, per_slot) = (2, 1);
+    let text = ConfigBuilder::new(&upstream.url())
+        .server("workers = 1\nruntime = \"per_thread\"")
+        .postgres_url(&url)
+        .store("op_timeout = \"200ms\"\npool_size = 2")
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::in_process(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    relay.set(Fault::Latency(150));
+    relay.reset_peak();
+    let clients = 40;
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for round in 0..3 {
+        let calls: Vec<_> = (0..clients)
+            .map(|c| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    for i in 0..5 {
+                        let key = format!("k-slow-{round}-{c}-{i}");
+                        seen.push(Call::post(&url).key(&key).body("x").await.status);
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for call in calls {
+            for status in call.await.unwrap() {
+                *statuses.entry(status).or_default() += 1;
+            }
+        }
+    }
+    // Every attempt ends within its 200 ms once the requests are answered:
+    // wait until no more than the pools' connections are open.
+    eventually("the connection attempts to end", DEADLINE, || async {
+        (relay.open() <= slots * per_slot).then_some(())
+    })
+    .await;
+    let (peak, accepted) = (relay.peak(), relay.accepted());
+    eprintln!("statuses {statuses:?}; relay: {accepted} accepted, at most {peak} open at once");
+    assert!(
+        peak <= 2 * slots * per_slot,
+        "{peak} connections open at once (at most {} expected; {accepted} accepted)",
+        2 * slots * per_slot
+    );
+    assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), [503]);
+    assert!(
+        proxy.log_count("already in flight") > 0,
+        "{:?}",
+        proxy.logs()
+    );
+    relay.set(Fault::Pass);
+    eventually("protected routes to work again", DEADLINE, || {
+        let url = url.clone();
+        async move { (Call::post(&url).key("k-fast").body("x").await.status == 201).then_some(()) }
+    })
+    .await;
+}

@@ -231,7 +231,10 @@ async fn store_for(
     });
     // As the server does before it serves: PostgreSQL's table is checked
     // (no statement is sent before).
-    store.check_schema().await.expect("the table as the proxy needs it");
+    store
+        .check_schema()
+        .await
+        .expect("the table as the proxy needs it");
     store
 }
 

@@ -20,12 +20,14 @@
 //! the key were free. Expired rows are deleted by [`PostgresStore::sweep`]
 //! in batches of [`SWEEP_BATCH`], each batch a statement of its own.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
@@ -343,20 +345,66 @@ fn hosts_of(pg: &tokio_postgres::Config) -> Vec<tokio_postgres::Config> {
 /// The walk runs in a task of its own: a request that gives up on its
 /// connection does not stop it, so a hung first host is passed over and
 /// the host that answered is remembered; the next connections start there.
+///
+/// A pool has at most its size of walks in flight: each holds a permit of
+/// `attempts` until it ends. Without that bound, a request that gave up
+/// freed its pool slot while its walk went on, and the next request started
+/// another: while logins were slower than `op_timeout`, the attempts in
+/// flight grew with the request rate (each one a backend forked on the
+/// server) until the server ran out of `max_connections`. With no permit
+/// free, `connect` fails at once (a 503, as a timeout would give) and no
+/// walk starts. So a pool has at most its size of connections and as many
+/// attempts again.
+///
+/// A walk that connects after its request gave up keeps the connection, with
+/// its permit, for the pool's next `connect`, which takes it without
+/// connecting. (deadpool's managed pool cannot be handed a connection made
+/// outside its `get`, so it waits here rather than in the pool.)
 struct HostByHost<T> {
     tls: T,
     per_host: Duration,
     /// The index of the host to try first: the last that answered as asked
     /// (or the one after the last that did not).
     first: Arc<AtomicUsize>,
+    /// A permit per walk in flight or connection waiting in `spare`.
+    attempts: Arc<Semaphore>,
+    /// Connections made after their request had given up.
+    spare: Arc<Mutex<Vec<Spare>>>,
+}
+
+/// A new connection: the client and the task that runs its connection.
+type Connected = (tokio_postgres::Client, tokio::task::JoinHandle<()>);
+
+/// A connection no request took yet, and its attempt's permit.
+type Spare = (Connected, OwnedSemaphorePermit);
+
+tokio::task_local! {
+    /// Set by [`HostByHost::connect`] when it refused to start a walk (every
+    /// permit held), for [`PostgresStore::conn`] to say so: the client's
+    /// error type has no constructor for a message of ours.
+    static REFUSED: Cell<bool>;
 }
 
 impl<T> HostByHost<T> {
-    fn new(tls: T, per_host: Duration, first: &Arc<AtomicUsize>) -> Self {
+    /// `attempts`: the walks in flight at most (the pool's size).
+    fn new(tls: T, per_host: Duration, first: &Arc<AtomicUsize>, attempts: usize) -> Self {
         HostByHost {
             tls,
             per_host,
             first: first.clone(),
+            attempts: Arc::new(Semaphore::new(attempts)),
+            spare: Arc::default(),
+        }
+    }
+
+    /// A spare connection still open, if any (its permit is given back: it
+    /// is the pool's now).
+    fn take_spare(&self) -> Option<Connected> {
+        loop {
+            let (conn, _permit) = self.spare.lock().expect("spare connections").pop()?;
+            if !conn.0.is_closed() {
+                return Some(conn);
+            }
         }
     }
 }
@@ -382,6 +430,13 @@ where
                 + '_,
         >,
     > {
+        if let Some(conn) = self.take_spare() {
+            return Box::pin(async move { Ok(conn) });
+        }
+        let Ok(permit) = self.attempts.clone().try_acquire_owned() else {
+            let _ = REFUSED.try_with(|r| r.set(true));
+            return Box::pin(async { Err(tokio_postgres::Error::__private_api_timeout()) });
+        };
         let mut hosts = hosts_of(pg);
         if hosts.is_empty() {
             // No host at all: the client's own connect says what is wrong.
@@ -390,7 +445,9 @@ where
         let tls = self.tls.clone();
         let per_host = self.per_host;
         let first = self.first.clone();
-        let walk = tokio::spawn(async move {
+        let spare = self.spare.clone();
+        let (done, walked) = oneshot::channel::<Result<Connected, tokio_postgres::Error>>();
+        let walk = async move {
             let n = hosts.len().max(1);
             let start = first.load(Ordering::Relaxed);
             let mut last = None;
@@ -412,12 +469,21 @@ where
                 first.store((i + 1) % n, Ordering::Relaxed);
             }
             Err(last.unwrap_or_else(tokio_postgres::Error::__private_api_timeout))
+        };
+        tokio::spawn(async move {
+            if let Err(Ok(conn)) = done.send(walk.await) {
+                // Its request gave up: the next one takes it.
+                spare
+                    .lock()
+                    .expect("spare connections")
+                    .push((conn, permit));
+            }
+            // Otherwise the permit is given back here, as the walk ends.
         });
         Box::pin(async move {
-            match walk.await {
-                Ok(r) => r,
-                Err(_) => Err(tokio_postgres::Error::__private_api_timeout()),
-            }
+            walked
+                .await
+                .unwrap_or_else(|_| Err(tokio_postgres::Error::__private_api_timeout()))
         })
     }
 }
@@ -517,12 +583,12 @@ impl PostgresStore {
             let manager = match &tls {
                 Some(tls) => Manager::from_connect(
                     pg.clone(),
-                    HostByHost::new(tls.clone(), per_host, &first),
+                    HostByHost::new(tls.clone(), per_host, &first, per_slot),
                     manager_config,
                 ),
                 None => Manager::from_connect(
                     pg.clone(),
-                    HostByHost::new(NoTls, per_host, &first),
+                    HostByHost::new(NoTls, per_host, &first, per_slot),
                     manager_config,
                 ),
             };
@@ -568,11 +634,21 @@ impl PostgresStore {
     /// A pooled connection, whether or not the table was checked: for the
     /// check itself and `--init-store`.
     async fn any_conn(&self) -> Result<Lent, StoreError> {
-        match self.pools.get().get().await {
+        let (got, refused) = REFUSED
+            .scope(Cell::new(false), async {
+                let got = self.pools.get().get().await;
+                (got, REFUSED.with(Cell::get))
+            })
+            .await;
+        match got {
             Ok(c) => Ok(Lent {
                 client: Some(c),
                 healthy: false,
             }),
+            Err(PoolError::Backend(_)) if refused => Err(StoreError::Unavailable(
+                "connection attempts to PostgreSQL already in flight, as many as the pool holds"
+                    .into(),
+            )),
             Err(PoolError::Backend(e)) => Err(self.error(e)),
             Err(PoolError::Timeout(_)) => Err(StoreError::Unavailable(
                 "no connection to PostgreSQL in time".into(),

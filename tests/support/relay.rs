@@ -30,11 +30,33 @@ pub enum Fault {
     Latency(u64),
 }
 
-/// Bytes relayed so far, each way.
+/// Bytes relayed so far, each way; connections accepted, open now and
+/// open at most at once.
 #[derive(Default)]
 struct Counts {
     to_far: AtomicU64,
     to_near: AtomicU64,
+    accepted: AtomicU64,
+    open: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// One accepted connection, counted open until its handler ends.
+struct Open(Arc<Counts>);
+
+impl Open {
+    fn new(counts: &Arc<Counts>) -> Open {
+        counts.accepted.fetch_add(1, Ordering::SeqCst);
+        let now = counts.open.fetch_add(1, Ordering::SeqCst) + 1;
+        counts.peak.fetch_max(now, Ordering::SeqCst);
+        Open(counts.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 pub struct Relay {
@@ -58,7 +80,12 @@ impl Relay {
                     continue;
                 };
                 let rx = m.subscribe();
-                tokio::spawn(handle(client, target, rx, c.clone()));
+                let open = Open::new(&c);
+                let c = c.clone();
+                tokio::spawn(async move {
+                    handle(client, target, rx, c).await;
+                    drop(open);
+                });
             }
         });
         Relay {
@@ -81,6 +108,28 @@ impl Relay {
     /// Bytes delivered so far back to the near side (the proxy).
     pub fn bytes_to_near(&self) -> u64 {
         self.counts.to_near.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.counts.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Connections open now (accepted, and neither side closed yet).
+    pub fn open(&self) -> u64 {
+        self.counts.open.load(Ordering::SeqCst)
+    }
+
+    /// The most connections that were open at once.
+    pub fn peak(&self) -> u64 {
+        self.counts.peak.load(Ordering::SeqCst)
+    }
+
+    /// Counts the most open at once from now: the peak becomes the number open now.
+    pub fn reset_peak(&self) {
+        self.counts
+            .peak
+            .store(self.counts.open.load(Ordering::SeqCst), Ordering::SeqCst);
     }
 }
 
