@@ -145,14 +145,19 @@ const EXIT_CONFIG: u8 = 2;
 const EXIT_START: u8 = 1;
 
 /// `RUST_LOG`'s filter (`info` when it is unset or invalid), with
-/// tokio-postgres held at `info` unless `RUST_LOG` names it: at `debug` it
+/// tokio-postgres held at `info` unless a directive of `RUST_LOG` names it
+/// (`tokio_postgres=debug`, `tokio_postgres::query=debug`): at `debug` it
 /// logs every statement's parameters, and a completion's parameter is the
 /// whole record, the upstream's answer with its headers and body.
 fn log_filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
     let filter = spec
         .and_then(|s| tracing_subscriber::EnvFilter::try_new(s).ok())
         .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
-    if spec.is_some_and(|s| s.contains("tokio_postgres")) {
+    let names_it = |directive: &str| {
+        let target = directive.split(['=', '[']).next().unwrap_or("").trim();
+        target == "tokio_postgres" || target.starts_with("tokio_postgres::")
+    };
+    if spec.is_some_and(|s| s.split(',').any(names_it)) {
         return filter;
     }
     filter.add_directive("tokio_postgres=info".parse().expect("a valid directive"))
@@ -664,5 +669,27 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM received"),
         _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_filter;
+
+    #[test]
+    fn tokio_postgres_is_held_at_info_unless_a_directive_names_it() {
+        for spec in [
+            None,
+            Some("debug"),
+            Some("trace"),
+            Some("debug,tokio_postgres_x=trace"),
+        ] {
+            let filter = log_filter(spec).to_string();
+            assert!(filter.contains("tokio_postgres=info"), "{spec:?}: {filter}");
+        }
+        for spec in ["debug,tokio_postgres=debug", "tokio_postgres::query=debug"] {
+            let filter = log_filter(Some(spec)).to_string();
+            assert!(!filter.contains("tokio_postgres=info"), "{spec}: {filter}");
+        }
     }
 }
