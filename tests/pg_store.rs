@@ -129,6 +129,22 @@ async fn a_missing_table_stops_the_start_and_init_store_creates_it_once() {
         .await
         .unwrap();
     assert_exit(&idemproxy(&config, &["--init-store"]), 0);
+    // ...nor a deferrable unique constraint beside the key: ON CONFLICT
+    // takes it as an arbiter too.
+    admin
+        .batch_execute(
+            "ALTER TABLE idemproxy_records ADD CONSTRAINT key_deferred UNIQUE (key) \
+             DEFERRABLE INITIALLY IMMEDIATE",
+        )
+        .await
+        .unwrap();
+    let stderr = assert_exit(&idemproxy(&config, &["--init-store"]), 1);
+    assert!(stderr.contains("DEFERRABLE"), "{stderr}");
+    admin
+        .batch_execute("ALTER TABLE idemproxy_records DROP CONSTRAINT key_deferred")
+        .await
+        .unwrap();
+    assert_exit(&idemproxy(&config, &["--init-store"]), 0);
     // An UNLOGGED table (emptied by a crash, not replicated) stops the
     // start and `--init-store`, naming the fix.
     admin
@@ -755,7 +771,8 @@ async fn a_table_checked_after_a_late_start_is_not_written_to_until_it_is_right(
 
 /// `RUST_LOG=debug` does not turn on tokio-postgres's statement log, which
 /// would write every record (the upstream's answer, headers and body) into
-/// the proxy's log; naming it in `RUST_LOG` does.
+/// the proxy's log, nor does naming the crate or another of its modules;
+/// naming the statement log itself does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_logging_does_not_log_the_statements_parameters() {
     let pg = PgServer::start().await;
@@ -764,10 +781,16 @@ async fn debug_logging_does_not_log_the_statements_parameters() {
         .postgres(&pg)
         .routes(ROUTES)
         .build();
-    for (filter, logged) in [("debug", false), ("debug,tokio_postgres=debug", true)] {
+    for (filter, logged) in [
+        ("debug", false),
+        ("debug,tokio_postgres=debug", false),
+        ("debug,tokio_postgres::connection=info", false),
+        ("info,tokio_postgres:=debug", false),
+        ("debug,tokio_postgres::query=debug", true),
+    ] {
         let proxy = Proxy::spawn(&config, &[("RUST_LOG", filter)]).await;
         proxy.wait_ready().await;
-        let key = format!("k-{logged}");
+        let key = format!("k-{}", filter.len());
         let r = Call::post(&proxy.url("/v1/payments"))
             .key(&key)
             .body("x")
@@ -863,4 +886,50 @@ async fn slow_logins_open_no_more_connections_than_the_pools_allow() {
         async move { (Call::post(&url).key("k-fast").body("x").await.status == 201).then_some(()) }
     })
     .await;
+}
+
+/// The table's check after a late start is several statements (a prepare
+/// and an execute each, on a new connection). On a link slow enough that
+/// together they take longer than `op_timeout`, while a request's statements
+/// each fit in it, the check still passes (it has a bound of its own, not
+/// the ping's `op_timeout`), and protected routes work: the proxy is not
+/// held at 503 for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_late_table_check_is_not_cut_short_by_op_timeout() {
+    use support::relay::{Fault, Relay};
+    let mut pg = PgServer::start().await;
+    let relay = Relay::start(([127, 0, 0, 1], pg.port).into()).await;
+    // 80 ms a round trip: the check's 8 round trips take about 640 ms.
+    relay.set(Fault::Latency(40));
+    pg.kill_keeping_port();
+    let upstream = TestUpstream::start().await;
+    let url = pg.url().replace(
+        &format!(":{}/", pg.port),
+        &format!(":{}/", relay.addr.port()),
+    );
+    let text = ConfigBuilder::new(&upstream.url())
+        .postgres_url(&url)
+        .store("op_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::spawn(&text, &[]).await;
+    let url = proxy.url("/v1/payments");
+    pg.restart().await;
+    proxy.wait_log("the table is as the proxy needs it").await;
+    eventually(
+        "protected routes to work on the slow link",
+        DEADLINE,
+        || {
+            let url = url.clone();
+            async move {
+                (Call::post(&url).key("k-slow-link").body("x").await.status == 201).then_some(())
+            }
+        },
+    )
+    .await;
+    assert!(Call::post(&url)
+        .key("k-slow-link")
+        .body("x")
+        .await
+        .is_replay());
 }

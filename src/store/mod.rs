@@ -608,8 +608,13 @@ impl Store {
             .await
     }
 
-    /// A health check; also loads the scripts, so that the first request is not slowed by it.
+    /// A health check; also loads the scripts, so that the first request is
+    /// not slowed by it. PostgreSQL: first the table's check, when it has not
+    /// passed yet (outside `op_timeout`: it has a bound of its own).
     pub async fn ping(&self) -> Result<(), StoreError> {
+        if let Inner::Postgres(p) = &self.inner {
+            p.check_pending().await?;
+        }
         self.timed("ping", backend!(&self.inner, b => b.ping()))
             .await
     }

@@ -665,6 +665,9 @@ impl PostgresStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<tokio_postgres::Row>, StoreError> {
+        // Not given back to the pool if this statement does not finish
+        // (its operation's `op_timeout` runs out): it may still be running.
+        conn.healthy = false;
         let client = conn.client();
         let res = match client.prepare_cached(sql).await {
             Ok(stmt) => client.query(&stmt, params).await,
@@ -691,6 +694,7 @@ impl PostgresStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, StoreError> {
+        conn.healthy = false;
         let client = conn.client();
         let res = match client.prepare_cached(sql).await {
             Ok(stmt) => client.execute(&stmt, params).await,
@@ -787,7 +791,9 @@ impl PostgresStore {
     /// a warning when the session's `synchronous_commit` does not wait for
     /// the flush.
     pub async fn check_schema(&self) -> Result<(), SchemaProblem> {
-        let bound = self.op_timeout.max(Duration::from_secs(2));
+        // Several statements, each a prepare and an execute on a connection
+        // that may be new: more than a request's `op_timeout`.
+        let bound = (self.op_timeout * 10).max(Duration::from_secs(2));
         let check = async {
             let mut conn = self.any_conn().await.map_err(SchemaProblem::Unreachable)?;
             check_schema(&mut conn, self, &self.table).await?;
@@ -818,6 +824,41 @@ impl PostgresStore {
         tokio::time::timeout(bound, check)
             .await
             .unwrap_or(Err(SchemaProblem::Unreachable(StoreError::Timeout(bound))))
+    }
+
+    /// The table's check, when it has not passed yet (PostgreSQL could not
+    /// be reached at start): the health ping runs it before the ping, within
+    /// the check's own bound, not `op_timeout` (it is several statements, a
+    /// prepare and an execute each on a new connection). A table missing or
+    /// of another shape keeps the store down (not ready, requests 503),
+    /// logged once a minute.
+    pub async fn check_pending(&self) -> Result<(), StoreError> {
+        if self.checked.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match self.check_schema().await {
+            Ok(()) => {
+                tracing::info!(table = %self.table, "PostgreSQL answered: the table is as the proxy needs it")
+            }
+            Err(SchemaProblem::Unreachable(e)) => return Err(e),
+            Err(problem) => {
+                let now = tokio::time::Instant::now();
+                let mut logged = self
+                    .problem_logged
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if logged.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60)) {
+                    *logged = Some(now);
+                    tracing::error!(
+                        problem = %problem,
+                        "the PostgreSQL table is not as the proxy needs it: protected routes \
+                         answer 503 until it is (run `idemproxy --init-store`, or fix the table)"
+                    );
+                }
+                return Err(StoreError::Backend(problem.to_string()));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -933,17 +974,20 @@ async fn check_schema(
         )));
     }
     // The inserts name `ON CONFLICT (key)`: a valid unique index on the key alone.
-    let keyed = "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a \
-         ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+    // A valid unique index on `key` alone, and none of them deferrable:
+    // `ON CONFLICT (key)` takes every one as its arbiter, and refuses a
+    // deferrable one.
+    let keyed = "SELECT coalesce(bool_and(i.indimmediate), false) FROM pg_index i \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
          WHERE i.indrelid = to_regclass($1::text) AND i.indisunique AND i.indnkeyatts = 1 \
-         AND i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND a.attname = 'key')";
+         AND i.indisvalid AND i.indpred IS NULL AND a.attname = 'key'";
     let rows = store.query(conn, keyed, &[&table]).await.map_err(catalog)?;
     match rows.first().map(|r| col::<bool>(r, 0)) {
         Some(Ok(true)) => Ok(()),
         Some(Err(e)) => Err(catalog(e)),
         _ => Err(SchemaProblem::Different(format!(
-            "the table \"{table}\" has no valid unique index on \"key\" alone that is \
-             checked at once (not DEFERRABLE: ON CONFLICT cannot use a deferrable one)"
+            "the table \"{table}\" has no valid unique index on \"key\" alone, or one of \
+             them is DEFERRABLE (ON CONFLICT cannot use a deferrable one)"
         ))),
     }
 }
@@ -1211,34 +1255,7 @@ impl Operations for PostgresStore {
 
     /// A statement on the table: the server answers, it is a primary (the
     /// URL's `target_session_attrs` picks one), and the table is there.
-    /// Until the table has been checked (PostgreSQL could not be reached at
-    /// start), the check first: a table missing or of another shape keeps
-    /// the store down (not ready, requests 503), logged at every ping.
     async fn ping(&self) -> Result<(), StoreError> {
-        if !self.checked.load(Ordering::Acquire) {
-            match self.check_schema().await {
-                Ok(()) => {
-                    tracing::info!(table = %self.table, "PostgreSQL answered: the table is as the proxy needs it")
-                }
-                Err(SchemaProblem::Unreachable(e)) => return Err(e),
-                Err(problem) => {
-                    let now = tokio::time::Instant::now();
-                    let mut logged = self
-                        .problem_logged
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner());
-                    if logged.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60)) {
-                        *logged = Some(now);
-                        tracing::error!(
-                            problem = %problem,
-                            "the PostgreSQL table is not as the proxy needs it: protected routes \
-                             answer 503 until it is (run `idemproxy --init-store`, or fix the table)"
-                        );
-                    }
-                    return Err(StoreError::Backend(problem.to_string()));
-                }
-            }
-        }
         let mut conn = self.conn().await?;
         let rows = self.query(&mut conn, &self.sql.ping, &[]).await?;
         match rows.first() {
