@@ -184,7 +184,7 @@ pub struct PostgresStore {
     checked: AtomicBool,
     /// When the table's problem was last logged (once a minute, not at
     /// every ping).
-    problem_logged: std::sync::Mutex<Option<tokio::time::Instant>>,
+    problem_logged: Mutex<Option<tokio::time::Instant>>,
 }
 
 /// The TLS connector: none with `disable`, or with `prefer` and no CA file;
@@ -610,7 +610,7 @@ impl PostgresStore {
             table: cfg.table.clone(),
             op_timeout: cfg.op_timeout,
             checked: AtomicBool::new(false),
-            problem_logged: std::sync::Mutex::new(None),
+            problem_logged: Mutex::new(None),
         })
     }
 
