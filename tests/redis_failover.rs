@@ -268,19 +268,7 @@ async fn with_wait_replicas_nothing_acknowledged_is_lost() {
         "fresh keys answered while the master had no replica in sync: {unreplicated:?}"
     );
     assert!(log.wrong_retries.is_empty(), "{:?}", log.wrong_retries);
-    let lost = &settled.not_replayed;
-    assert!(
-        lost.is_empty(),
-        "{} of {} acknowledged records lost or changed: {:?}",
-        lost.len(),
-        log.answered.len(),
-        lost.iter().take(10).collect::<Vec<_>>()
-    );
-    assert!(
-        settled.twice.is_empty(),
-        "executed more than once: {:?}",
-        settled.twice
-    );
+    settled.assert_nothing_lost(&log);
     // Refused keys never reached the upstream.
     assert_eq!(
         settled.executed,

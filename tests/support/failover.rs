@@ -263,6 +263,26 @@ pub struct Settled {
     pub executed: usize,
 }
 
+impl Settled {
+    /// Nothing acknowledged lost: every key answered 2xx replayed its
+    /// answer, and no key was executed more than once.
+    pub fn assert_nothing_lost(&self, log: &Log) {
+        let lost = &self.not_replayed;
+        assert!(
+            lost.is_empty(),
+            "{} of {} acknowledged records lost or changed: {:?}",
+            lost.len(),
+            log.answered.len(),
+            lost.iter().take(10).collect::<Vec<_>>()
+        );
+        assert!(
+            self.twice.is_empty(),
+            "executed more than once: {:?}",
+            self.twice
+        );
+    }
+}
+
 /// Retries every key answered 2xx, each once its record is settled (a 409,
 /// its completion still being written in the background, is retried until
 /// [`DEADLINE`]); then counts the upstream's executions per key.
