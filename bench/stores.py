@@ -198,33 +198,25 @@ path = "/v1/payments"
                                       "AND query NOT LIKE '%SKIP LOCKED%' AND query NOT LIKE '%pg_stat%'"))
 
 
-def run_time(pid):
-    """CPU seconds of a process's live threads as the scheduler counts them
-    (/proc/<pid>/task/*/schedstat, nanoseconds): exact, where utime + stime
-    are counted in ticks, which a process that runs in bursts of a few
-    microseconds between sleeps can be charged too much or too little of."""
-    total = 0
+def thread_counters(pid):
+    """(CPU seconds, context switches) of a process's live threads, as the
+    scheduler counts them (/proc/<pid>/task/*/schedstat, in nanoseconds, and
+    the voluntary and involuntary switches in .../status). The CPU time is
+    exact, where utime + stime are counted in ticks, which a process that
+    runs in bursts of a few microseconds between sleeps can be charged too
+    much or too little of."""
+    run, switches = 0, 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:
-            pass
-    return total / 1e9
-
-
-def context_switches(pid):
-    """Context switches of a process, over its live threads."""
-    switches = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
+                run += int(f.read().split()[0])
             with open(f"/proc/{pid}/task/{task}/status") as f:
                 for line in f:
                     if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
                         switches += int(line.split()[-1])
         except OSError:
             pass
-    return switches
+    return run / 1e9, switches
 
 
 def wrk(url, duration, connections, script, pin=False):
@@ -276,21 +268,19 @@ def profile_shares(data):
 
 def run_one(stack, name, duration, connections, script, profile=False):
     proxy_pid = stack.proxies[name]["proc"].pid
-    p0, s0, r0 = run_time(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
-    c0 = context_switches(proxy_pid)
+    (p0, c0), s0, r0 = thread_counters(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
     perf = None
     if profile:
         data = os.path.join(stack.dir, f"perf-{name}.data")
         perf = subprocess.Popen(["perf", "record", "-q", "-F", "2999", "-g", "-p", str(proxy_pid), "-o", data],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     n, p50, p99 = wrk(stack.url(name), duration, connections, script, stack.pin)
-    c1 = context_switches(proxy_pid)
     if perf:
         perf.send_signal(signal.SIGINT)
         perf.wait()
     # pg_stat_statements and the backends' CPU are current once the statements are done.
     time.sleep(0.2)
-    p1, s1, r1 = run_time(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
+    (p1, c1), s1, r1 = thread_counters(proxy_pid), stack.store_cpu(name), stack.round_trips(name)
     return {
         "requests": n,
         "rps": n / duration,
