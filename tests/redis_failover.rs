@@ -268,7 +268,7 @@ async fn with_wait_replicas_nothing_acknowledged_is_lost() {
         "fresh keys answered while the master had no replica in sync: {unreplicated:?}"
     );
     assert!(log.wrong_retries.is_empty(), "{:?}", log.wrong_retries);
-    settled.assert_nothing_lost(&log);
+    settled.assert_nothing_lost(log);
     // Refused keys never reached the upstream.
     assert_eq!(
         settled.executed,
