@@ -240,6 +240,7 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
                 trace: None,
                 completed_ms: now_ms(),
                 status: 200,
+                reason: None,
                 body_stored: true,
                 headers: vec![(
                     http::header::CONTENT_TYPE,

@@ -36,6 +36,7 @@ fn main() {
         trace: None,
         completed_ms: 2,
         status: 201,
+        reason: None,
         body_stored: true,
         headers: vec![
             (

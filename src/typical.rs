@@ -14,9 +14,12 @@ pub const UNMEASURED: Duration = Duration::from_secs(1);
 /// invited to poll faster than this (gRPC clients take the milliseconds).
 pub const MIN_WAIT: Duration = Duration::from_millis(100);
 
-/// A moving average of a route's whole upstream exchanges (sent → answer
-/// read), each new one weighing a quarter: it follows a change within a few
-/// requests. One atomic, in microseconds (0: none yet): no lock and no
+/// A moving average of a route's successful exchanges the route stored
+/// (sent → answer read), each new one weighing a quarter and first held
+/// within half and twice the average: it follows a change within a few
+/// requests, and no one answer moves it by more than a quarter of the way to
+/// twice or half of itself (one client cannot steer every other client's
+/// `Retry-After`). One atomic, in microseconds (0: none yet): no lock and no
 /// allocation per request.
 #[derive(Debug, Default)]
 pub struct Typical(AtomicU64);
@@ -31,7 +34,10 @@ impl Typical {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
                 Some(match old {
                     0 => sample,
-                    old => (old - old / 4).saturating_add(sample / 4),
+                    old => {
+                        let sample = sample.clamp((old / 2).max(1), old.saturating_mul(2));
+                        (old - old / 4).saturating_add(sample / 4)
+                    }
                 })
             });
     }
@@ -76,9 +82,9 @@ mod tests {
         let t = Typical::default();
         t.observe(MS(1500));
         assert_eq!(t.get(), MS(1500));
-        t.observe(MS(500));
-        assert_eq!(t.get(), MS(1250));
-        for _ in 0..20 {
+        t.observe(MS(1000));
+        assert_eq!(t.get(), MS(1375));
+        for _ in 0..30 {
             t.observe(MS(200));
         }
         assert!(
@@ -105,6 +111,26 @@ mod tests {
         assert_eq!(t.retry_after(MS(1000), MS(2500)), MS(2500));
         assert_eq!(t.retry_after(MS(1000), Duration::ZERO), MIN_WAIT);
         assert_eq!(t.retry_after(MS(1000), MS(30)), MIN_WAIT);
+    }
+
+    #[test]
+    fn one_sample_moves_the_estimate_by_at_most_a_factor_of_two() {
+        let t = Typical::default();
+        t.observe(MS(6000));
+        t.observe(Duration::ZERO);
+        assert!(t.get() >= MS(3000), "{:?}", t.get());
+        t.observe(Duration::from_secs(3600));
+        assert!(t.get() <= MS(2 * 6000), "{:?}", t.get());
+        // Many fast answers still bring it down, a step at a time.
+        let t = Typical::default();
+        t.observe(MS(6000));
+        let mut last = t.get();
+        for _ in 0..40 {
+            t.observe(MS(1));
+            assert!(t.get() * 2 >= last, "{:?} after {last:?}", t.get());
+            last = t.get();
+        }
+        assert!(t.get() < MS(100));
     }
 
     #[test]

@@ -245,6 +245,7 @@ async fn expired_rows_are_never_served_and_are_swept_in_batches() {
         trace: None,
         completed_ms: 2,
         status: 201,
+        reason: None,
         body_stored: true,
         headers: vec![],
         body: bytes::Bytes::from_static(b"stale"),

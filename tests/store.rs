@@ -305,6 +305,7 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
         trace: None,
         completed_ms: 2,
         status: 201,
+        reason: None,
         body_stored: true,
         headers: vec![],
         body: bytes::Bytes::from_static(b"done"),

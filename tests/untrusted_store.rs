@@ -156,6 +156,7 @@ static RECORD: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
         trace: None,
         completed_ms: 2,
         status: 201,
+        reason: None,
         body_stored: true,
         headers: Vec::new(),
         body: vec![b'x'; 1 << 20].into(),

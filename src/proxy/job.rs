@@ -162,6 +162,15 @@ struct Retry {
     pause: Duration,
 }
 
+/// The reason phrase an HTTP/1.1 upstream sent when it is not the status's
+/// usual one (hyper keeps only such), for replays to repeat; at most 255
+/// bytes, as a record keeps it.
+fn reason_phrase(parts: &Parts) -> Option<Bytes> {
+    let reason = parts.extensions.get::<hyper::ext::ReasonPhrase>()?;
+    (reason.as_bytes().len() <= usize::from(u8::MAX))
+        .then(|| Bytes::copy_from_slice(reason.as_bytes()))
+}
+
 /// Header or trailer fields as a record keeps them.
 type Fields = Vec<(HeaderName, HeaderValue)>;
 
@@ -191,13 +200,9 @@ impl Job {
             let sent = tokio::time::Instant::now();
             let exchange = std::pin::pin!(self.exchange(request, sent));
             let exchanged = self.holding_lease(exchange, sent).await;
-            // What a duplicate's 409 estimates from: answers read whole
-            // (a failure's time, a timeout's above all, says nothing of it).
-            if let Ok((_, Capped::Whole(..), _)) = &exchanged {
-                self.typical.observe(sent.elapsed());
-            }
-            exchanged
+            (exchanged, sent.elapsed())
         };
+        let (exchanged, took) = exchanged;
         if let Some(client) = self.trace.as_mut().and_then(|t| t.client.take()) {
             client.end(match &exchanged {
                 Ok((parts, ..)) => Ok(parts.status.as_u16()),
@@ -207,7 +212,7 @@ impl Job {
         self.request_room = None;
         match exchanged {
             Ok((parts, Capped::Whole(body, trailers), room)) => {
-                let (resp, outcome) = self.answered(parts, body, trailers).await;
+                let (resp, outcome) = self.answered(parts, body, trailers, took).await;
                 (resp.map(|b| b.counted(room)), outcome)
             }
             Ok((parts, Capped::Partial(read, rest, cut), room)) => {
@@ -268,25 +273,38 @@ impl Job {
         }
     }
 
-    /// A whole answer: released when its status (or, from a gRPC upstream, its
-    /// `grpc-status`) says "try again", stored with its trailers otherwise.
+    /// A whole answer, `took` from sending to its last byte: released when
+    /// its status (or, from a gRPC upstream, its `grpc-status`) says "try
+    /// again", stored with its trailers otherwise.
     async fn answered(
         &mut self,
         parts: Parts,
         body: Bytes,
         trailers: Option<HeaderMap>,
+        took: Duration,
     ) -> (Response<Body>, Outcome) {
         let status = parts.status.as_u16();
-        let grpc_release = grpc::is_grpc(&parts.headers)
-            && grpc::status_of(&parts.headers, trailers.as_ref())
-                .is_some_and(|s| self.policy.release_grpc_statuses.contains(&s));
+        let grpc = grpc::is_grpc(&parts.headers);
+        let grpc_status = grpc
+            .then(|| grpc::status_of(&parts.headers, trailers.as_ref()))
+            .flatten();
+        let grpc_release =
+            grpc_status.is_some_and(|s| self.policy.release_grpc_statuses.contains(&s));
         let outcome = if grpc_release || self.policy.release_statuses.contains(&status) {
             self.release().await;
             Outcome::Released
         } else {
+            // What a duplicate's 409 estimates from: successes stored, and
+            // only they (docs/reference/behaviour.md#conflict). A client's
+            // fast 4xx, a failure's time, a timeout's above all, says nothing
+            // of how long the operation takes.
+            if parts.status.is_success() && (!grpc || grpc_status == Some(0)) {
+                self.typical.observe(took);
+            }
             let headers = storable_headers(&parts.headers);
             let kept = trailers.as_ref().map_or_else(Vec::new, storable_headers);
-            self.complete(status, (headers, kept), body.clone(), true)
+            let reason = reason_phrase(&parts);
+            self.complete((status, reason), (headers, kept), body.clone(), true)
                 .await;
             Outcome::Forwarded
         };
@@ -310,7 +328,8 @@ impl Job {
         );
         let headers = storable_headers(&parts.headers);
         let status = parts.status.as_u16();
-        self.complete(status, (headers, Vec::new()), Bytes::new(), false)
+        let reason = reason_phrase(parts);
+        self.complete((status, reason), (headers, Vec::new()), Bytes::new(), false)
             .await;
     }
 
@@ -333,7 +352,7 @@ impl Job {
             self.release().await;
         } else {
             let fields = (fields(&headers), Vec::new());
-            self.complete(status.as_u16(), fields, body.clone(), true)
+            self.complete((status.as_u16(), None), fields, body.clone(), true)
                 .await;
         }
         (
@@ -394,7 +413,7 @@ impl Job {
     /// gets its answer at once and [`Job::settle`] keeps trying.
     async fn complete(
         &mut self,
-        status: u16,
+        (status, reason): (u16, Option<Bytes>),
         (headers, trailers): (Fields, Fields),
         body: Bytes,
         body_stored: bool,
@@ -417,6 +436,7 @@ impl Job {
             trace: self.trace.as_ref().and_then(|t| t.record),
             completed_ms: now_ms(),
             status,
+            reason,
             body_stored,
             headers,
             body,

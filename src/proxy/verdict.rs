@@ -7,8 +7,11 @@ use http::{HeaderMap, HeaderName, Response, StatusCode};
 use crate::body::Body;
 use crate::record::{Finished, Head, Record, Token};
 
-/// The meaning of the record that holds a key.
+/// The meaning of the record that holds a key. (A replay's record is moved
+/// into the answer, not boxed: a boxed one would cost every replay an
+/// allocation to save the other verdicts' bytes.)
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Verdict {
     /// Our own reservation: a reserve sent twice (the client library re-sent it) finds it.
     Ours,
@@ -73,6 +76,13 @@ pub fn replay(f: Finished, replayed_header: &HeaderName) -> Response<Body> {
     });
     let mut resp = Response::new(Body::full(f.body).trailed(trailers));
     *resp.status_mut() = StatusCode::from_u16(f.status).unwrap_or(StatusCode::OK);
+    // HTTP/1.1 clients get the upstream's own reason phrase back (HTTP/2 has none).
+    if let Some(reason) = f
+        .reason
+        .and_then(|r| hyper::ext::ReasonPhrase::try_from(r).ok())
+    {
+        resp.extensions_mut().insert(reason);
+    }
     let headers = resp.headers_mut();
     headers.reserve(f.headers.len() + 1);
     for (name, value) in f.headers {
@@ -117,6 +127,7 @@ mod tests {
             trace: None,
             completed_ms: 2,
             status: 201,
+            reason: None,
             body_stored,
             headers: vec![
                 (

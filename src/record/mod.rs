@@ -147,6 +147,9 @@ pub struct Finished {
     pub route: String,
     pub completed_ms: u64,
     pub status: u16,
+    /// The reason phrase the upstream sent, when not the status's usual one
+    /// (HTTP/1.1; at most 255 bytes): replays repeat it.
+    pub reason: Option<Bytes>,
     /// The executing request's trace context (tracing on), else `None`.
     pub trace: Option<TraceRef>,
     /// False when the answer was larger than `max_response_body`: retries get a 410.
@@ -351,7 +354,7 @@ impl Record {
                 b.freeze()
             }
             Record::Finished(f) => {
-                let trailers = !f.trailers.is_empty() || f.trace.is_some();
+                let trailers = !f.trailers.is_empty() || f.trace.is_some() || f.reason.is_some();
                 let version = match (f.trace.is_some(), trailers) {
                     (true, _) => VERSION_TRACED,
                     (false, true) => VERSION_2,
@@ -434,7 +437,7 @@ impl Record {
         } else {
             rest
         };
-        let (headers, body, trailers) = read_answer(answer, version != VERSION_1)?;
+        let (headers, body, trailers, reason) = read_answer(answer, version != VERSION_1)?;
         Ok(Record::Finished(Finished {
             token: head.token,
             fingerprint: head.fingerprint,
@@ -442,6 +445,7 @@ impl Record {
             route: head.route,
             completed_ms: answered.completed_ms,
             status: answered.status,
+            reason,
             trace: head.trace,
             body_stored: answered.body_stored,
             headers,
@@ -466,7 +470,8 @@ fn head_len(f: &Finished) -> usize {
 
 fn answer_len(f: &Finished, trailers: bool) -> usize {
     let t = if trailers { fields_len(&f.trailers) } else { 0 };
-    fields_len(&f.headers) + 4 + f.body.len() + t
+    let reason = f.reason.as_ref().map_or(0, |r| 1 + r.len());
+    fields_len(&f.headers) + 4 + f.body.len() + t + reason
 }
 
 /// What a head holds before its route name and answer.
@@ -518,28 +523,48 @@ fn put_finished_head(b: &mut BytesMut, version: u8, f: &Finished) {
     put_head(b, version, common, Some(answered));
 }
 
-/// Headers, body, and (from version 2 on) trailers.
+/// Headers, body, and (from version 2 on) trailers, then a reason phrase
+/// when there is one (u8 + bytes: a build that does not know it stops
+/// reading before it, and replays the status's usual phrase).
 fn put_answer(b: &mut BytesMut, f: &Finished, trailers: bool) {
     put_fields(b, &f.headers);
     b.put_u32(f.body.len() as u32);
     b.put_slice(&f.body);
     if trailers {
         put_fields(b, &f.trailers);
+        if let Some(reason) = f
+            .reason
+            .as_ref()
+            .filter(|r| r.len() <= usize::from(u8::MAX))
+        {
+            put_str8(b, reason);
+        }
     }
 }
 
-fn read_answer(mut b: Bytes, trailers: bool) -> Result<(Fields, Bytes, Fields), DecodeError> {
+/// An answer section: headers, body, trailers, reason phrase.
+type Answer = (Fields, Bytes, Fields, Option<Bytes>);
+
+fn read_answer(mut b: Bytes, trailers: bool) -> Result<Answer, DecodeError> {
     let headers = get_fields(&mut b)?;
     need(&b, 4)?;
     let len = b.get_u32() as usize;
     need(&b, len)?;
     let body = b.split_to(len);
-    let trailers = if trailers {
-        get_fields(&mut b)?
+    let (trailers, reason) = if trailers {
+        let fields = get_fields(&mut b)?;
+        let reason = if b.has_remaining() {
+            let len = usize::from(b.get_u8());
+            need(&b, len)?;
+            Some(b.split_to(len))
+        } else {
+            None
+        };
+        (fields, reason)
     } else {
-        Vec::new()
+        (Vec::new(), None)
     };
-    Ok((headers, body, trailers))
+    Ok((headers, body, trailers, reason))
 }
 
 /// A count, then each field as u16 + name, u32 + value (at most 65,535 fields).

@@ -20,6 +20,7 @@ fn roundtrip_both_states() {
         trace: None,
         completed_ms: 2,
         status: 201,
+        reason: None,
         body_stored: true,
         headers: vec![
             (
@@ -47,6 +48,7 @@ fn trailers_make_a_version_2_record_that_roundtrips() {
         trace: None,
         completed_ms: 2,
         status: 200,
+        reason: None,
         body_stored: true,
         headers: vec![(
             HeaderName::from_static("content-type"),
@@ -113,6 +115,7 @@ fn answer() -> Finished {
         trace: None,
         completed_ms: 20,
         status: 201,
+        reason: None,
         body_stored: true,
         headers: vec![(
             HeaderName::from_static("location"),
@@ -422,4 +425,46 @@ fn v4_v5_heads_truncated_in_the_trace_block_are_errors() {
         let _ = Head::decode(sealed.slice(..cut));
         assert!(Record::open(sealed.slice(..cut), Some(&keys(OLD)), ID).is_err());
     }
+}
+
+#[test]
+fn a_reason_phrase_roundtrips_clear_sealed_and_traced_and_older_readers_stop_before_it() {
+    let mut f = answer();
+    f.trailers.clear();
+    f.reason = Some(Bytes::from_static(b"Charged Once"));
+    let clear = Record::Finished(f.clone()).encode();
+    assert_eq!(clear[0], VERSION_2, "a reason needs the version-2 layout");
+    assert_eq!(
+        Record::decode(clear.clone()).unwrap(),
+        Record::Finished(f.clone())
+    );
+    // What a build without reason phrases reads: the answer up to its trailers.
+    let mut rest = clear.clone();
+    read_head(&mut rest).unwrap();
+    let headers = get_fields(&mut rest).unwrap();
+    assert_eq!(headers, f.headers);
+    let len = rest.get_u32() as usize;
+    assert_eq!(&rest.split_to(len)[..], &f.body[..]);
+    assert!(get_fields(&mut rest).unwrap().is_empty());
+    assert_eq!(&rest[..], b"\x0cCharged Once", "the reason comes last");
+
+    let k = keys(OLD);
+    let sealed = Record::Finished(f.clone()).seal(&k, ID).unwrap();
+    assert!(
+        !contains(&sealed, b"Charged Once"),
+        "sealed with the answer"
+    );
+    assert_eq!(
+        Record::open(sealed, Some(&k), ID).unwrap(),
+        Record::Finished(f.clone())
+    );
+    f.trace = Some(TraceRef {
+        trace_id: [1; 16],
+        span_id: [2; 8],
+    });
+    let traced = Record::Finished(f.clone()).encode();
+    assert_eq!(Record::decode(traced).unwrap(), Record::Finished(f.clone()));
+    // A reason cut short is a malformed record, not a shorter reason.
+    let cut = clear.slice(..clear.len() - 1);
+    assert!(Record::decode(cut).is_err());
 }

@@ -192,6 +192,12 @@ impl TestUpstream {
         };
         let mut resp = Response::new(body);
         *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+        // A reason phrase of the test's own (`x-test-reason`), on the status line.
+        if let Some(reason) = h.get("x-test-reason") {
+            let reason = hyper::ext::ReasonPhrase::try_from(reason.as_bytes().to_vec());
+            resp.extensions_mut()
+                .insert(reason.expect("a valid reason phrase"));
+        }
         let rh = resp.headers_mut();
         rh.insert("content-type", HeaderValue::from_static(content_type));
         rh.insert(
