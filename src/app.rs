@@ -38,6 +38,8 @@ pub struct App {
     pub hard_stop: CancellationToken,
     /// A protected request's body must arrive within this time.
     pub body_read_timeout: std::time::Duration,
+    /// `[server] forward_normalised_path`: the upstream gets the normalised path.
+    pub forward_normalised_path: bool,
     /// The key admin API's token; `None` switches the API off.
     pub admin_token: Option<AdminToken>,
     /// Tracing, when `[telemetry]` names an endpoint; `None` costs nothing.
@@ -73,6 +75,7 @@ impl App {
             draining: AtomicBool::new(false),
             hard_stop: CancellationToken::new(),
             body_read_timeout: config.server.body_read_timeout,
+            forward_normalised_path: config.server.forward_normalised_path,
             admin_token: AdminToken::from_env(),
             started_with: config.clone(),
         }))

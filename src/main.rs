@@ -564,6 +564,9 @@ fn print_check(config: &Config) {
             HumanDuration(r.policy.lease),
             r.policy.mode,
         );
+        for line in r.coverage() {
+            println!("  {line}");
+        }
     }
     if config.routes.is_empty() {
         println!("no routes: every request is passed through unprotected");

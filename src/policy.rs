@@ -39,6 +39,9 @@ pub struct Policy {
     pub mode: Mode,
     pub on_store_error: OnStoreError,
     pub replayed_header: HeaderName,
+    /// The route also protects its path with a format suffix (`/v1/payments.json`,
+    /// as Rails and Django REST framework route it).
+    pub format_suffix: bool,
 }
 
 impl Default for Policy {
@@ -64,6 +67,7 @@ impl Default for Policy {
             mode: Mode::Enforce,
             on_store_error: OnStoreError::Reject,
             replayed_header: HeaderName::from_static("idempotent-replayed"),
+            format_suffix: true,
         }
     }
 }

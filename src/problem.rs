@@ -61,6 +61,9 @@ pub enum Problem {
     RecordUnreadable,
     /// The memory budget (`max_buffered`) has no room for this request now.
     ProxyBusy,
+    /// A control character in the path, on a method a route names: which
+    /// handler the upstream would run is not to be judged (docs/routes-and-keys.md#what-is-refused).
+    PathNotAccepted,
 }
 
 impl Problem {
@@ -92,7 +95,9 @@ impl Problem {
             Problem::UpstreamUnreachable
             | Problem::UpstreamReset { .. }
             | Problem::UpstreamTimeout { .. } => Outcome::UpstreamError,
-            Problem::BodyUnreadable | Problem::BodyTimeout { .. } => Outcome::BadRequest,
+            Problem::BodyUnreadable | Problem::BodyTimeout { .. } | Problem::PathNotAccepted => {
+                Outcome::BadRequest
+            }
             Problem::RecordUnreadable => Outcome::Unreadable,
             Problem::ProxyBusy => Outcome::Busy,
         }
@@ -100,9 +105,10 @@ impl Problem {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            Problem::MissingKey { .. } | Problem::InvalidKey { .. } | Problem::BodyUnreadable => {
-                StatusCode::BAD_REQUEST
-            }
+            Problem::MissingKey { .. }
+            | Problem::InvalidKey { .. }
+            | Problem::BodyUnreadable
+            | Problem::PathNotAccepted => StatusCode::BAD_REQUEST,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Problem::Conflict { .. } => StatusCode::CONFLICT,
@@ -133,6 +139,7 @@ impl Problem {
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
             Problem::RecordUnreadable => "record-unreadable",
             Problem::ProxyBusy => "proxy-busy",
+            Problem::PathNotAccepted => "path-not-accepted",
         }
     }
 
@@ -156,6 +163,7 @@ impl Problem {
             Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
             Problem::RecordUnreadable => "The record of this idempotency key cannot be read",
             Problem::ProxyBusy => "The proxy is busy",
+            Problem::PathNotAccepted => "The request path is not accepted",
         }
     }
 
@@ -227,6 +235,10 @@ impl Problem {
             Problem::ProxyBusy => "The proxy holds as many bytes as it may right now; nothing was executed. \
                                    Retry later."
                 .to_string(),
+            Problem::PathNotAccepted => "The request path holds a control character (raw or percent-encoded), \
+                                         or the request-target a NUL; nothing was executed. \
+                                         Send the path without it."
+                .to_string(),
         }
     }
 
@@ -280,7 +292,8 @@ impl Problem {
             Problem::MissingKey { .. }
             | Problem::InvalidKey { .. }
             | Problem::Mismatch
-            | Problem::BodyUnreadable => INVALID_ARGUMENT,
+            | Problem::BodyUnreadable
+            | Problem::PathNotAccepted => INVALID_ARGUMENT,
             Problem::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
             Problem::Conflict { .. } => ABORTED,
             Problem::NotStored => FAILED_PRECONDITION,

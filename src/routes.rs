@@ -4,11 +4,11 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-use http::Method;
+use http::{HeaderMap, Method, Uri};
 
 /// (A metric label as much as a route's name: the metrics own it.)
 pub use crate::metrics::RouteName;
-use crate::policy::Policy;
+use crate::policy::{Mode, Policy};
 
 /// One segment of a path pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,15 +108,15 @@ impl PathPattern {
         })
     }
 
-    /// Does the request path (without its query) match, once normalised, or
-    /// broadly (see [`RouteTable::position`])?
+    /// Does the request path (without its query) match in any of its
+    /// spellings, exactly or broadly (see [`RouteTable::judge`]), suffixes aside?
     pub fn matches(&self, path: &str) -> bool {
-        self.matches_normal(&normalise(path), false)
-            || self.matches_normal(&broaden(path).unwrap_or_default(), true)
-            || self.matches_normal(&normalise(path), true)
+        let spellings = Spellings::of(path);
+        spellings.each(false).any(|s| self.matches_normal(s, false))
+            || spellings.each(true).any(|s| self.matches_normal(s, true))
     }
 
-    /// Does a path [`normalise`] made match? `broad`: a path [`broaden`]
+    /// Does a path [`normalise`] made match? `broad`: a broad spelling ([`Spellings`])
     /// made, compared with the decoded literals, letters in any case.
     fn matches_normal(&self, path: &str, broad: bool) -> bool {
         let Some(mut rest) = path.strip_prefix('/') else {
@@ -179,12 +179,38 @@ pub fn normalise(path: &str) -> Cow<'_, str> {
     if !path.starts_with('/') || is_normal(path) {
         return Cow::Borrowed(path);
     }
+    squash(path, true)
+}
+
+/// [`normalise`], but `.` and `..` kept as segments of their own (decoded
+/// from `%2e` too): what Flask, FastAPI, aiohttp and Express 4 route by,
+/// taking `.` or `..` as the value of a `{param}`. `None` when the path has no
+/// dot segment (then it is the normalised path).
+pub fn with_dot_segments(path: &str) -> Option<String> {
+    if !path.starts_with('/') || !has_dot_segment(path) {
+        return None;
+    }
+    Some(squash(path, false).into_owned())
+}
+
+/// Does a segment of `path` read `.` or `..`, once unreserved escapes are decoded?
+fn has_dot_segment(path: &str) -> bool {
+    (path.contains('.') || path.contains("%2"))
+        && path.split('/').any(|s| {
+            let s = decode_unreserved(s);
+            s == "." || s == ".."
+        })
+}
+
+/// Empty segments dropped, unreserved escapes decoded; dot segments resolved
+/// when `resolve` (else kept).
+fn squash(path: &str, resolve: bool) -> Cow<'_, str> {
     let mut segments: Vec<Cow<'_, str>> = Vec::new();
     for raw in path.split('/').filter(|s| !s.is_empty()) {
         let seg = decode_unreserved(raw);
         match &*seg {
-            "." => {}
-            ".." => {
+            "." if resolve => {}
+            ".." if resolve => {
                 segments.pop();
             }
             _ => segments.push(seg),
@@ -201,14 +227,34 @@ pub fn normalise(path: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// A squashed path without the format suffix of its last segment: `.` and
+/// what follows it to the end, with no `/` or `.` in it, as Rails' optional
+/// `(.:format)` and Django REST framework's format suffixes take it
+/// (`/v1/payments.json` is `/v1/payments`). `None` when the last segment has
+/// no `.`, or is itself a dot segment.
+pub fn without_format_suffix(path: &str) -> Option<&str> {
+    let last = path.rfind('/')?;
+    let segment = &path[last + 1..];
+    if segment == "." || segment == ".." {
+        return None;
+    }
+    let dot = last + 1 + segment.rfind('.')?;
+    match &path[..dot] {
+        // A segment that was all suffix (`/v1/payments/.json`): its parent.
+        p if p.len() == last + 1 && last > 0 => Some(&path[..last]),
+        "/" => Some("/"),
+        p => Some(p),
+    }
+}
+
 /// The broad form of a path, for what some upstream frameworks do beyond
-/// [`normalise`]: every escape decoded (`%2F` included: WSGI servers, Go's
-/// `URL.Path`, nginx's `proxy_pass` with a URI decode before routing), `\`
-/// taken as `/` (IIS), `;parameters` cut from each segment (Servlet
-/// containers, Spring), then normalised. None when the path has none of `%`,
-/// `;` or `\` (then only letter case can differ, which the broad match
+/// [`normalise`], before it is normalised: every escape decoded (`%2F`
+/// included: WSGI servers, Go's `URL.Path`, nginx's `proxy_pass` with a URI
+/// decode before routing), `\` taken as `/` (IIS), `;parameters` cut from
+/// each segment (Servlet containers, Spring). None when the path has none of
+/// `%`, `;` or `\` (then only letter case can differ, which the broad match
 /// ignores). Never forwarded: the upstream gets the request-target as sent.
-pub fn broaden(path: &str) -> Option<String> {
+fn broad_text(path: &str) -> Option<String> {
     if !path.bytes().any(|b| matches!(b, b'%' | b';' | b'\\')) {
         return None;
     }
@@ -221,7 +267,144 @@ pub fn broaden(path: &str) -> Option<String> {
         }
         cut.push_str(seg.split(';').next().unwrap_or(""));
     }
-    Some(normalise(&cut).into_owned())
+    Some(cut)
+}
+
+/// The spellings of one request path that upstream frameworks route by
+/// (docs/routes-and-keys.md#what-is-protected): the normalised path, the
+/// path with its dot segments kept, and the broad forms of both. Each is
+/// also tried without its format suffix, on routes that take one.
+struct Spellings<'a> {
+    /// Compared with the routes' literals as written.
+    exact: [Option<Cow<'a, str>>; 2],
+    /// Compared with the decoded literals, letters in any case.
+    broad: [Option<String>; 2],
+}
+
+impl<'a> Spellings<'a> {
+    fn of(path: &'a str) -> Self {
+        let text = broad_text(path);
+        let broad = match &text {
+            Some(text) => [Some(normalise(text).into_owned()), with_dot_segments(text)],
+            None => [None, None],
+        };
+        Spellings {
+            exact: [
+                Some(normalise(path)),
+                with_dot_segments(path).map(Cow::Owned),
+            ],
+            broad,
+        }
+    }
+
+    /// The spellings for one pass: the exact ones; or (`broad`) the broad
+    /// ones, and those exact ones that a broad comparison could match where
+    /// the exact one did not (with a capital letter or an escape in them).
+    fn each(&self, broad: bool) -> impl Iterator<Item = &str> {
+        let differs = |s: &&str| s.bytes().any(|b| b.is_ascii_uppercase() || b == b'%');
+        let exact = self.exact.iter().flatten().map(|s| &**s);
+        let more = self.broad.iter().flatten().map(String::as_str);
+        exact
+            .filter(move |s| !broad || differs(s))
+            .chain(more.filter(move |_| broad))
+    }
+}
+
+/// The methods the upstream might run a request as: its own, any that a
+/// method-override header (`X-HTTP-Method-Override`, `X-HTTP-Method`,
+/// `X-Method-Override`) or a `_method` query parameter names (Rails' and
+/// Express's method-override, Laravel, Symfony), and every method for a POST
+/// with a form body, whose `_method` field Rails' `Rack::MethodOverride` obeys.
+struct Methods<'a> {
+    own: &'a Method,
+    overrides: Vec<Method>,
+    any: bool,
+}
+
+/// The headers frameworks take a method override from.
+const OVERRIDE_HEADERS: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+impl<'a> Methods<'a> {
+    fn of(own: &'a Method, query: Option<&str>, headers: &HeaderMap) -> Self {
+        let mut overrides = Vec::new();
+        // One walk over the names (a lookup by a name given as text parses
+        // and hashes it: three of them cost more than the walk).
+        for name in headers.keys() {
+            if OVERRIDE_HEADERS.contains(&name.as_str()) {
+                for value in headers.get_all(name) {
+                    let text = value.as_bytes();
+                    overrides.extend(text.split(|b| *b == b',').filter_map(method_named));
+                }
+            }
+        }
+        if let Some(query) = query.filter(|q| q.contains("_method")) {
+            for pair in query.split('&') {
+                if let Some(value) = pair.strip_prefix("_method=") {
+                    overrides.extend(method_named(&decode_all(value)));
+                }
+            }
+        }
+        let any = own == Method::POST && is_form(headers);
+        Methods {
+            own,
+            overrides,
+            any,
+        }
+    }
+
+    /// Might the upstream run the request as one of `methods`?
+    fn among(&self, methods: &[Method]) -> bool {
+        let same = |a: &Method, b: &Method| a == b || a.as_str().eq_ignore_ascii_case(b.as_str());
+        self.any
+            || methods
+                .iter()
+                .any(|m| same(m, self.own) || self.overrides.iter().any(|o| same(m, o)))
+    }
+}
+
+/// A method named in an override, trimmed; `None` when it is no method.
+fn method_named(text: &[u8]) -> Option<Method> {
+    let text = text.trim_ascii();
+    (!text.is_empty()).then(|| Method::from_bytes(text).ok())?
+}
+
+/// A form body (urlencoded or multipart), where a `_method` field may override the method.
+fn is_form(headers: &HeaderMap) -> bool {
+    let Some(value) = headers.get(http::header::CONTENT_TYPE) else {
+        return false;
+    };
+    let value = value.as_bytes().trim_ascii_start();
+    let starts = |prefix: &[u8]| {
+        value
+            .get(..prefix.len())
+            .is_some_and(|v| v.eq_ignore_ascii_case(prefix))
+    };
+    starts(b"application/x-www-form-urlencoded") || starts(b"multipart/form-data")
+}
+
+/// Does the path hold a control character, raw or percent-encoded
+/// (`%00`-`%1F`, `%7F`), or the query a NUL? Starlette routes
+/// `/v1/payments%0a` as `/v1/payments`; no real API names such a path.
+pub fn has_control(path: &str, query: Option<&str>) -> bool {
+    let escaped = |text: &str, control: fn(u8) -> bool| {
+        text.as_bytes().windows(3).any(|w| {
+            w[0] == b'%'
+                && matches!(
+                    (char::from(w[1]).to_digit(16), char::from(w[2]).to_digit(16)),
+                    (Some(h), Some(l)) if control((h * 16 + l) as u8)
+                )
+        })
+    };
+    let control = |b: u8| b < 0x20 || b == 0x7f;
+    path.bytes().any(control)
+        || (path.contains('%') && escaped(path, control))
+        || query.is_some_and(|q| {
+            q.bytes().any(|b| b == 0) || (q.contains('%') && escaped(q, |b| b == 0))
+        })
 }
 
 /// Every `%XX` escape decoded to its byte (a malformed one kept as it came).
@@ -321,6 +504,53 @@ pub struct Route {
     pub typical: Arc<crate::typical::Typical>,
 }
 
+impl Route {
+    /// What the route covers, for `--check`: its paths, the spellings and
+    /// methods taken for them, and what is refused.
+    pub fn coverage(&self) -> Vec<String> {
+        let methods: Vec<&str> = self.methods.iter().map(Method::as_str).collect();
+        let methods = methods.join(", ");
+        let path = self.path.as_str();
+        let mut paths = vec![path.to_string()];
+        if self.policy.format_suffix && !self.path.prefix {
+            paths.push(format!("{}.{{format}}", path.trim_end_matches('/')));
+        }
+        let mut lines = vec![
+            format!("covers {}", paths.join(" ")),
+            "  spellings: letters in any case; repeated and trailing slashes; any percent-encoding \
+             (%2F and %5C taken as / too); \\ as /; ;params cut; . and .. resolved, or taken as a {param}'s value"
+                .to_string(),
+            format!(
+                "  methods: {methods}; or any method with X-HTTP-Method-Override, X-HTTP-Method, \
+                 X-Method-Override or ?_method= naming one of them"
+            ),
+        ];
+        if !self.methods.contains(&Method::POST) {
+            lines
+                .push("  and a POST with a form body (its _method field may name one)".to_string());
+        }
+        if self.policy.mode == Mode::Enforce {
+            lines.push(format!(
+                "  refused (400 path-not-accepted): {methods} with a control character in the path \
+                 (raw, or %00-%1F, %7F) or a NUL in the query"
+            ));
+        }
+        lines
+    }
+}
+
+/// What the route table makes of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Judgement {
+    /// The route at this position protects it.
+    Protected(usize),
+    /// 400 `path-not-accepted`: a control character in the path, on a
+    /// method a route names (docs/routes-and-keys.md#what-is-refused).
+    Refused,
+    /// No route protects it: passed through.
+    Unprotected,
+}
+
 /// Routes in file order; the first whose method and path match wins.
 #[derive(Debug, Default)]
 pub struct RouteTable {
@@ -332,49 +562,60 @@ impl RouteTable {
         RouteTable { routes }
     }
 
-    pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
-        self.position(method, path).map(|i| &self.routes[i])
+    /// The route that protects a request, if any (see [`RouteTable::judge`]).
+    pub fn find(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Option<&Route> {
+        match self.judge(method, uri, headers) {
+            Judgement::Protected(i) => Some(&self.routes[i]),
+            Judgement::Refused | Judgement::Unprotected => None,
+        }
     }
 
-    /// Where in the table the first route for `method` and `path` is
-    /// (the path normalised once, for every route).
+    /// What the table makes of a request (docs/routes-and-keys.md#what-is-protected).
     ///
-    /// Two passes: the normalised path (docs/reference/behaviour.md#normalised-path) against
-    /// the routes as written;
-    /// then, when that finds none and the path has anything more to undo, its
-    /// broad form ([`broaden`]) with letters in any case, as upstream
-    /// frameworks read paths in ways the proxy cannot know (Express and
-    /// ASP.NET ignore case, WSGI decodes `%2F`, Tomcat cuts `;jsessionid`).
-    /// Protecting a path the upstream takes for another costs a key; missing
-    /// one it takes for a protected path costs a second execution. The
-    /// method matches in any case too (`post`: hyper takes it as an
-    /// extension method, and some frameworks upper-case it).
-    pub fn position(&self, method: &Method, path: &str) -> Option<usize> {
+    /// A request is protected by the first route that matches any spelling
+    /// of its path the upstream might route by ([`Spellings`]) under any
+    /// method it might run it as ([`Methods`]): first the exact spellings
+    /// against the routes as written, then, when none matches, the broad
+    /// ones with letters in any case too (Express and ASP.NET ignore case,
+    /// WSGI decodes `%2F`, Tomcat cuts `;jsessionid`). Protecting a path the
+    /// upstream takes for another costs a key; missing one it takes for a
+    /// protected path costs a second execution. A path with a control
+    /// character, on a method an enforcing route names, is refused.
+    pub fn judge(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Judgement {
         if self.routes.is_empty() {
-            return None;
+            return Judgement::Unprotected;
         }
-        let normal = normalise(path);
-        let found = self.first(method, &normal, false);
-        if found.is_some() {
-            return found;
+        let path = uri.path();
+        let methods = Methods::of(method, uri.query(), headers);
+        if has_control(path, uri.query())
+            && self
+                .routes
+                .iter()
+                .any(|r| r.policy.mode == Mode::Enforce && methods.among(&r.methods))
+        {
+            return Judgement::Refused;
         }
-        match broaden(path) {
-            Some(broad) => self.first(method, &broad, true),
-            None if normal.bytes().any(|b| b.is_ascii_uppercase()) => {
-                self.first(method, &normal, true)
-            }
-            None if method.as_str().bytes().any(|b| b.is_ascii_lowercase()) => {
-                self.first(method, &normal, false)
-            }
-            None => None,
-        }
+        let spellings = Spellings::of(path);
+        self.first(&methods, &spellings, false)
+            .or_else(|| self.first(&methods, &spellings, true))
+            .map_or(Judgement::Unprotected, Judgement::Protected)
     }
 
-    fn first(&self, method: &Method, path: &str, broad: bool) -> Option<usize> {
-        let same = |m: &Method| m == method || m.as_str().eq_ignore_ascii_case(method.as_str());
-        self.routes
-            .iter()
-            .position(|r| r.methods.iter().any(same) && r.path.matches_normal(path, broad))
+    fn first(
+        &self,
+        methods: &Methods<'_>,
+        spellings: &Spellings<'_>,
+        broad: bool,
+    ) -> Option<usize> {
+        self.routes.iter().position(|r| {
+            methods.among(&r.methods)
+                && spellings.each(broad).any(|s| {
+                    r.path.matches_normal(s, broad)
+                        || (r.policy.format_suffix
+                            && without_format_suffix(s)
+                                .is_some_and(|s| r.path.matches_normal(s, broad)))
+                })
+        })
     }
 
     /// The first route that can never match: each of its methods is taken,
@@ -398,7 +639,7 @@ impl RouteTable {
         None
     }
 
-    /// The route at `position` (from [`RouteTable::position`] on this table).
+    /// The route at `position` (from [`RouteTable::judge`] on this table).
     pub fn at(&self, position: usize) -> &Route {
         &self.routes[position]
     }
@@ -429,6 +670,7 @@ impl RouteTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderName;
     use proptest::prelude::*;
 
     fn segments() -> impl Strategy<Value = Vec<String>> {
@@ -594,6 +836,20 @@ mod tests {
         )
     }
 
+    /// Where `judge` puts a request with no headers.
+    impl RouteTable {
+        fn position(&self, method: &Method, target: &str) -> Option<usize> {
+            self.at_target(method, target, &HeaderMap::new())
+        }
+
+        fn at_target(&self, method: &Method, target: &str, headers: &HeaderMap) -> Option<usize> {
+            match self.judge(method, &target.parse().unwrap(), headers) {
+                Judgement::Protected(i) => Some(i),
+                _ => None,
+            }
+        }
+    }
+
     #[test]
     fn the_exact_match_comes_before_the_broad_one_and_methods_match_in_any_case() {
         let t = table(&[("/v1/Payments", &["POST"]), ("/v1/payments", &["POST"])]);
@@ -612,6 +868,173 @@ mod tests {
         assert_eq!(t.position(&Method::GET, "/v1/payments"), None);
         assert_eq!(t.position(&post, "/v1/other"), None);
         assert_eq!(t.position(&post, "/v1/other;%2e"), None);
+    }
+
+    fn orders() -> RouteTable {
+        table(&[
+            ("/v1/payments", &["POST"]),
+            ("/v1/orders/{id}/pay", &["POST"]),
+            ("/v1/orders/{id}", &["PATCH"]),
+        ])
+    }
+
+    #[test]
+    fn dot_segments_taken_as_a_param_value_are_protected() {
+        // Flask, FastAPI, aiohttp and Express 4 run the pay handler with id "." or "..".
+        let t = orders();
+        for target in [
+            "/v1/orders/./pay",
+            "/v1/orders/../pay",
+            "/v1/orders/%2e/pay",
+            "/v1/orders/%2E%2e/pay",
+            "/v1/orders/.%2e/pay",
+            "//v1//orders/./pay/",
+            "/v1/ORDERS/%2e/pay",
+        ] {
+            assert_eq!(t.position(&Method::POST, target), Some(1), "{target}");
+        }
+        // Resolved, they are still the paths they lead to.
+        assert_eq!(t.position(&Method::POST, "/v1/x/../payments"), Some(0));
+        assert_eq!(t.position(&Method::POST, "/v1/orders/1/pay/.."), None);
+    }
+
+    #[test]
+    fn a_format_suffix_is_the_same_path_unless_the_route_opts_out() {
+        let t = orders();
+        for target in [
+            "/v1/payments.json",
+            "/v1/payments.xml",
+            "/v1/payments.anything-at-all",
+            "/v1/payments.",
+            "/v1/payments.json/",
+            "/v1/payments%2Ejson",
+            "/v1/PAYMENTS.JSON",
+            "/v1/payments/.json",
+        ] {
+            assert_eq!(t.position(&Method::POST, target), Some(0), "{target}");
+        }
+        assert_eq!(t.position(&Method::POST, "/v1/orders/7/pay.json"), Some(1));
+        // One suffix, as Rails' `(.:format)` takes one.
+        assert_eq!(t.position(&Method::POST, "/v1/payments.tar.gz"), None);
+        assert_eq!(t.position(&Method::POST, "/v1/paymentsjson"), None);
+        let strict = Policy {
+            format_suffix: false,
+            ..Policy::default()
+        };
+        let t = RouteTable::new(vec![Route {
+            name: RouteName::new("csv"),
+            methods: vec![Method::POST],
+            path: p("/v1/report"),
+            policy: Arc::new(strict),
+            series: Default::default(),
+            typical: Default::default(),
+        }]);
+        assert_eq!(t.position(&Method::POST, "/v1/report"), Some(0));
+        assert_eq!(t.position(&Method::POST, "/v1/report.csv"), None);
+    }
+
+    #[test]
+    fn without_format_suffix_cuts_the_last_segments_last_dot() {
+        assert_eq!(
+            without_format_suffix("/v1/payments.json"),
+            Some("/v1/payments")
+        );
+        assert_eq!(without_format_suffix("/a.b/c.d.e"), Some("/a.b/c.d"));
+        assert_eq!(without_format_suffix("/a/.json"), Some("/a"));
+        assert_eq!(without_format_suffix("/.json"), Some("/"));
+        assert_eq!(without_format_suffix("/a.b/c"), None);
+        assert_eq!(without_format_suffix("/a/.."), None);
+        assert_eq!(without_format_suffix("/a/."), None);
+    }
+
+    #[test]
+    fn control_characters_are_refused_on_methods_a_route_names() {
+        let t = orders();
+        let judge =
+            |m: Method, target: &str| t.judge(&m, &target.parse().unwrap(), &HeaderMap::new());
+        for target in [
+            "/v1/payments%0a",
+            "/v1/payments%0A",
+            "/v1/payments%0d%0a",
+            "/v1/payments%09",
+            "/v1/payments%00",
+            "/v1/payments%7f",
+            "/elsewhere%1f/x",
+            "/v1/payments?x=%00",
+        ] {
+            assert_eq!(judge(Method::POST, target), Judgement::Refused, "{target}");
+            assert_eq!(judge(Method::PATCH, target), Judgement::Refused, "{target}");
+            assert_eq!(
+                judge(Method::GET, target),
+                Judgement::Unprotected,
+                "{target}"
+            );
+        }
+        for fine in [
+            "/v1/payments%20",
+            "/v1/payments?x=%0a",
+            "/v1/payments%250a",
+            "/v1/%C3%BC",
+        ] {
+            assert_ne!(judge(Method::POST, fine), Judgement::Refused, "{fine}");
+        }
+        // A method override names a method a route takes: refused too.
+        let mut headers = HeaderMap::new();
+        headers.insert("x-http-method-override", "PATCH".parse().unwrap());
+        let target = "/v1/orders/1%0a".parse().unwrap();
+        assert_eq!(t.judge(&Method::GET, &target, &headers), Judgement::Refused);
+    }
+
+    #[test]
+    fn a_method_override_is_judged_as_the_method_it_names() {
+        let t = orders();
+        let with = |name: &str, value: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                value.parse().unwrap(),
+            );
+            h
+        };
+        for name in [
+            "X-HTTP-Method-Override",
+            "X-HTTP-Method",
+            "X-Method-Override",
+        ] {
+            for value in ["PATCH", "patch", " PATCH ", "PATCH, GET", "GET,PATCH"] {
+                let h = with(name, value);
+                assert_eq!(
+                    t.at_target(&Method::POST, "/v1/orders/9", &h),
+                    Some(2),
+                    "{name}: {value}"
+                );
+            }
+        }
+        let none = HeaderMap::new();
+        assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &none), None);
+        assert_eq!(
+            t.at_target(&Method::POST, "/v1/orders/9?_method=PATCH", &none),
+            Some(2)
+        );
+        assert_eq!(
+            t.at_target(&Method::POST, "/v1/orders/9?a=1&_method=%50ATCH", &none),
+            Some(2)
+        );
+        assert_eq!(
+            t.at_target(&Method::POST, "/v1/orders/9?x_method=PATCH", &none),
+            None
+        );
+        // A form body may carry `_method` (Rails): every method.
+        let form = with("content-type", "application/x-www-form-urlencoded");
+        assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &form), Some(2));
+        let multipart = with("content-type", "Multipart/Form-Data; boundary=x");
+        assert_eq!(
+            t.at_target(&Method::POST, "/v1/orders/9", &multipart),
+            Some(2)
+        );
+        assert_eq!(t.at_target(&Method::PUT, "/v1/orders/9", &form), None);
+        let json = with("content-type", "application/json");
+        assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &json), None);
     }
 
     #[test]

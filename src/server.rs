@@ -505,7 +505,7 @@ impl Drop for Tracked {
 fn over_capacity(app: &App, req: &Request<Incoming>) -> Response<Body> {
     let problem = Problem::ProxyBusy;
     let routes = app.routes();
-    let route = routes.find(req.method(), req.uri().path());
+    let route = routes.find(req.method(), req.uri(), req.headers());
     let name = route.map_or(&*proxy::UNPROTECTED, |r| &r.name);
     app.metrics.request(name, Outcome::Busy);
     problem.response_to(&uuid::Uuid::new_v4(), grpc::is_grpc(req.headers()))

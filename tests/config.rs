@@ -59,9 +59,20 @@ fn reference_config_resolves_defaults_and_overrides() {
     assert_eq!(routes[2].methods.len(), 3);
     assert!(c
         .routes
-        .find(&http::Method::PATCH, "/v1/orders/42")
+        .find(
+            &http::Method::PATCH,
+            &"/v1/orders/42".parse().unwrap(),
+            &Default::default()
+        )
         .is_some_and(|r| r.name == "orders"));
-    assert!(c.routes.find(&http::Method::GET, "/v1/payments").is_none());
+    assert!(c
+        .routes
+        .find(
+            &http::Method::GET,
+            &"/v1/payments".parse().unwrap(),
+            &Default::default()
+        )
+        .is_none());
 }
 
 #[test]
@@ -263,7 +274,14 @@ fn methods_and_paths_are_checked() {
         "{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\nmethods = [\"put\"]\n"
     ))
     .unwrap();
-    assert!(c.routes.find(&http::Method::PUT, "/a").is_some());
+    assert!(c
+        .routes
+        .find(
+            &http::Method::PUT,
+            &"/a".parse().unwrap(),
+            &Default::default()
+        )
+        .is_some());
 }
 
 #[test]

@@ -330,6 +330,7 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
             .upstream_protocol
             .or(raw.upstream_protocol)
             .unwrap_or(UpstreamProtocol::Http1),
+        forward_normalised_path: raw.forward_normalised_path.unwrap_or(false),
         tls: tls_files(raw.tls_cert_file, raw.tls_key_file, src)?,
     })
 }
@@ -837,6 +838,9 @@ fn identity(p: &mut Policy, raw: &RawPolicy) {
     }
     if let Some(v) = &raw.replayed_header {
         p.replayed_header = v.0.clone();
+    }
+    if let Some(v) = raw.format_suffix {
+        p.format_suffix = v;
     }
 }
 

@@ -199,6 +199,9 @@ pub struct ServerConfig {
     pub upstream_idle_timeout: Duration,
     /// What the proxy speaks to the upstream.
     pub upstream_protocol: UpstreamProtocol,
+    /// Send the upstream the normalised path the routes matched rather than
+    /// the request-target as the client wrote it (docs/routes-and-keys.md#forward-normalised-path).
+    pub forward_normalised_path: bool,
     /// TLS on the client-facing listener; `None` for plain HTTP (and h2c).
     pub tls: Option<TlsFiles>,
 }

@@ -53,6 +53,7 @@ pub(super) struct RawServer {
     pub idle_timeout: Option<HumanDuration>,
     pub upstream_idle_timeout: Option<HumanDuration>,
     pub upstream_protocol: Option<UpstreamProtocol>,
+    pub forward_normalised_path: Option<bool>,
     pub tls_cert_file: Option<Spanned<PathBuf>>,
     pub tls_key_file: Option<Spanned<PathBuf>>,
 }
@@ -118,6 +119,7 @@ pub(super) struct RawPolicy {
     pub mode: Option<Mode>,
     pub on_store_error: Option<OnStoreError>,
     pub replayed_header: Option<ConfHeader>,
+    pub format_suffix: Option<bool>,
 }
 
 /// The key of the entry an error at `offset` belongs to, as messages spell it

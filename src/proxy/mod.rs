@@ -40,7 +40,7 @@ use crate::permit::Permit;
 use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
 use crate::record::{now_ms, DecodeError, Finished, Processing, Record, Token, TraceRef};
-use crate::routes::{Route, RouteName, RouteTable};
+use crate::routes::{self, Judgement, Route, RouteName, RouteTable};
 use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
 use crate::telemetry;
 use crate::upstream::{Inbound, UpstreamError};
@@ -138,15 +138,68 @@ pub type Handling = Pin<Box<dyn Future<Output = (Response<Body>, Permit)> + Send
 /// where it is made: paths taken rarely (a tunnel, a large record's read,
 /// reconnecting to the store) are boxed where they start. `permit` is the
 /// request's place among the requests in progress.
-pub fn handle(app: Arc<App>, req: Request<Incoming>, caller: Caller, permit: Permit) -> Handling {
+pub fn handle(
+    app: Arc<App>,
+    mut req: Request<Incoming>,
+    caller: Caller,
+    permit: Permit,
+) -> Handling {
+    if app.forward_normalised_path {
+        normalise_target(req.uri_mut());
+    }
     // Looked up once, in one table (a reload between two lookups could disagree).
     let routes = app.routes();
-    let position = routes.position(req.method(), req.uri().path());
-    if position.is_none() && !tunnel::is_upgrade(&req) {
-        Box::pin(pass_through(app, req, caller, permit))
-    } else {
-        Box::pin(any_path(app, req, caller, (routes, position), permit))
+    let position = match routes.judge(req.method(), req.uri(), req.headers()) {
+        Judgement::Protected(i) => Some(i),
+        Judgement::Refused => return Box::pin(refused(app, req, caller, permit)),
+        Judgement::Unprotected if !tunnel::is_upgrade(&req) => {
+            return Box::pin(pass_through(app, req, caller, permit))
+        }
+        Judgement::Unprotected => None,
+    };
+    Box::pin(any_path(app, req, caller, (routes, position), permit))
+}
+
+/// `forward_normalised_path`: the request-target's path replaced by its
+/// normalised form (docs/routes-and-keys.md#forward-normalised-path), the
+/// query kept; a target that would not parse again is left as it came.
+fn normalise_target(uri: &mut http::Uri) {
+    let path = uri.path();
+    let normal = routes::normalise(path);
+    if normal == path {
+        return;
     }
+    let target = match uri.query() {
+        Some(query) => format!("{normal}?{query}"),
+        None => normal.into_owned(),
+    };
+    let mut parts = std::mem::take(uri).into_parts();
+    let kept = parts.path_and_query.clone();
+    parts.path_and_query = Some(target.parse().unwrap_or_else(|_| {
+        kept.clone()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"))
+    }));
+    *uri = http::Uri::from_parts(parts).unwrap_or_default();
+}
+
+/// A request whose path no route can be trusted to judge (a control
+/// character in it, on a method a route names): 400 `path-not-accepted`,
+/// before anything is reserved or forwarded.
+async fn refused(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    caller: Caller,
+    permit: Permit,
+) -> (Response<Body>, Permit) {
+    let begun = Begun::new(&app, &req, permit);
+    let ctx = begun.ctx(&app, caller, &req, None);
+    let mut handled = ctx.problem(&Problem::PathNotAccepted);
+    // The body is not read: the connection cannot carry another request.
+    if req.version() < http::Version::HTTP_2 {
+        let closing = HeaderValue::from_static("close");
+        handled.response.headers_mut().insert(CONNECTION, closing);
+    }
+    begun.finish(&app, &ctx, None, handled)
 }
 
 /// A request no route protects (and not an upgrade): streamed both ways. Its
@@ -813,7 +866,9 @@ impl Judged {
     }
 }
 
-/// A record too large for the reserve's answer, read by itself.
+/// A record too large for the reserve's answer, read by itself (taken
+/// apart at once: not boxed, as `Verdict`).
+#[allow(clippy::large_enum_variant)]
 enum Fetched {
     Record(Record, Duration, Room),
     /// The key went away in between.
@@ -980,6 +1035,7 @@ mod tests {
             trace: None,
             completed_ms: 2,
             status: 200,
+            reason: None,
             body_stored: true,
             headers: vec![],
             body: Bytes::from_static(b"done"),
