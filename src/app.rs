@@ -151,6 +151,7 @@ impl App {
     pub fn is_ready(&self) -> bool {
         self.accepting.load(Ordering::Acquire)
             && self.store_answered.load(Ordering::Acquire)
+            && self.store.usable()
             && !self.draining.load(Ordering::Acquire)
     }
 }

@@ -941,3 +941,65 @@ async fn the_late_table_check_is_not_cut_short_by_op_timeout() {
         .await
         .is_replay());
 }
+
+/// A table altered to UNLOGGED while the proxy runs (a crash would empty it,
+/// and every retry would run again) is noticed within one sweep interval:
+/// from then on new keys get 503 and `/readyz` is 503, nothing is written,
+/// until the table is durable again; then it serves without a restart. The
+/// same for a table that lost its primary key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_that_turns_unlogged_while_the_proxy_runs_stops_new_keys_until_it_is_logged() {
+    let pg = PgServer::start().await;
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .postgres(&pg)
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::spawn(&config, &[]).await;
+    proxy.wait_ready().await;
+    let url = proxy.url("/v1/payments");
+    assert_eq!(Call::post(&url).key("k-before").body("x").await.status, 201);
+    let ready = |proxy: &Proxy| {
+        let url = proxy.admin_url("/readyz");
+        async move { get(&url).await.expect("/readyz").status }
+    };
+    for (i, (broken, fixed)) in [
+        (
+            "ALTER TABLE idemproxy_records SET UNLOGGED",
+            "ALTER TABLE idemproxy_records SET LOGGED",
+        ),
+        (
+            "ALTER TABLE idemproxy_records DROP CONSTRAINT idemproxy_records_pkey",
+            "ALTER TABLE idemproxy_records ADD PRIMARY KEY (key)",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let hits = upstream.hits();
+        pg.client().await.batch_execute(broken).await.unwrap();
+        // Noticed at the next sweep (every 10 s).
+        eventually("the proxy to turn not ready", Duration::from_secs(25), || {
+            let proxy = &proxy;
+            async move { (ready(proxy).await == 503).then_some(()) }
+        })
+        .await;
+        proxy
+            .wait_log("the PostgreSQL table changed while the proxy runs")
+            .await;
+        let r = Call::post(&url).key(&format!("k-broken-{i}")).body("x").await;
+        assert_eq!(r.status, 503, "{broken}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(upstream.hits(), hits, "{broken}: nothing forwarded");
+
+        pg.client().await.batch_execute(fixed).await.unwrap();
+        eventually("the proxy to be ready again", DEADLINE, || {
+            let proxy = &proxy;
+            async move { (ready(proxy).await == 200).then_some(()) }
+        })
+        .await;
+        let r = Call::post(&url).key(&format!("k-fixed-{i}")).body("x").await;
+        assert_eq!(r.status, 201, "{fixed}");
+    }
+    // What was stored before still replays.
+    assert!(Call::post(&url).key("k-before").body("x").await.is_replay());
+}

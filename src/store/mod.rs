@@ -291,6 +291,16 @@ impl Store {
         matches!(self.inner, Inner::Memory(_))
     }
 
+    /// Can requests use the store? False only for a PostgreSQL table found
+    /// not as the proxy needs it (UNLOGGED, its key gone) since the start:
+    /// the proxy is then not ready, until the table is right again.
+    pub fn usable(&self) -> bool {
+        match &self.inner {
+            Inner::Postgres(p) => p.table_ok(),
+            _ => true,
+        }
+    }
+
     /// PostgreSQL: is the table there, and as the proxy needs it? `Ok` for
     /// the other stores, and when PostgreSQL cannot be reached (the proxy
     /// starts, not ready, as with an unreachable Redis, and checks the
@@ -328,6 +338,9 @@ impl Store {
         };
         loop {
             tokio::time::sleep(postgres::SWEEP_EVERY).await;
+            // The table is checked again first: one turned UNLOGGED (or
+            // without its key) while the proxy runs is noticed here.
+            p.recheck().await;
             match p.sweep().await {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(rows = n, "expired records deleted"),

@@ -809,7 +809,7 @@ impl PostgresStore {
                 Some(r) => col(r, 0).map_err(SchemaProblem::Unreachable)?,
                 None => String::new(),
             };
-            if !durable_commit(&sync) {
+            if !durable_commit(&sync) && !self.checked.load(Ordering::Acquire) {
                 tracing::warn!(
                     synchronous_commit = %sync,
                     "PostgreSQL's synchronous_commit is not on (nor remote_apply) for the proxy's \
@@ -824,6 +824,38 @@ impl PostgresStore {
         tokio::time::timeout(bound, check)
             .await
             .unwrap_or(Err(SchemaProblem::Unreachable(StoreError::Timeout(bound))))
+    }
+
+    /// Has the table's check passed (and not failed since)?
+    pub fn table_ok(&self) -> bool {
+        self.checked.load(Ordering::Acquire)
+    }
+
+    /// The table's check again, while the proxy runs (before each sweep): a
+    /// table altered to UNLOGGED, or that lost its unique key, is emptied by
+    /// a crash or takes a key twice, so from then on no request's statement
+    /// is sent (new keys 503, the proxy not ready) until the ping's check
+    /// finds it right again. A PostgreSQL that does not answer is an outage,
+    /// not a table problem: nothing changes for it.
+    pub async fn recheck(&self) {
+        if !self.checked.load(Ordering::Acquire) {
+            return;
+        }
+        match self.check_schema().await {
+            Ok(()) | Err(SchemaProblem::Unreachable(_) | SchemaProblem::Failed(_)) => {}
+            Err(problem) => {
+                self.checked.store(false, Ordering::Release);
+                *self
+                    .problem_logged
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(tokio::time::Instant::now());
+                tracing::error!(
+                    problem = %problem,
+                    "the PostgreSQL table changed while the proxy runs and is no longer as it \
+                     needs it: protected routes answer 503 and the proxy is not ready until it is"
+                );
+            }
+        }
     }
 
     /// The table's check, when it has not passed yet (PostgreSQL could not
