@@ -195,7 +195,7 @@ pub fn with_dot_segments(path: &str) -> Option<String> {
 
 /// Does a segment of `path` read `.` or `..`, once unreserved escapes are decoded?
 fn has_dot_segment(path: &str) -> bool {
-    (path.contains('.') || path.contains("%2"))
+    path.bytes().any(|b| b == b'.' || b == b'%')
         && path.split('/').any(|s| {
             let s = decode_unreserved(s);
             s == "." || s == ".."
@@ -329,6 +329,7 @@ const OVERRIDE_HEADERS: [&str; 3] = [
 ];
 
 impl<'a> Methods<'a> {
+    /// The request's own method and overrides (`any` is the caller's to set).
     fn of(own: &'a Method, query: Option<&str>, headers: &HeaderMap) -> Self {
         let mut overrides = Vec::new();
         // One walk over the names (a lookup by a name given as text parses
@@ -341,18 +342,17 @@ impl<'a> Methods<'a> {
                 }
             }
         }
-        if let Some(query) = query.filter(|q| q.contains("_method")) {
+        if let Some(query) = query.filter(|q| q.contains('_') && q.contains("_method")) {
             for pair in query.split('&') {
                 if let Some(value) = pair.strip_prefix("_method=") {
                     overrides.extend(method_named(&decode_all(value)));
                 }
             }
         }
-        let any = own == Method::POST && is_form(headers);
         Methods {
             own,
             overrides,
-            any,
+            any: false,
         }
     }
 
@@ -586,19 +586,28 @@ impl RouteTable {
             return Judgement::Unprotected;
         }
         let path = uri.path();
-        let methods = Methods::of(method, uri.query(), headers);
-        if has_control(path, uri.query())
-            && self
-                .routes
-                .iter()
-                .any(|r| r.policy.mode == Mode::Enforce && methods.among(&r.methods))
-        {
-            return Judgement::Refused;
+        let mut methods = Methods::of(method, uri.query(), headers);
+        if has_control(path, uri.query()) {
+            methods.any = methods.own == Method::POST && is_form(headers);
+            let named = |r: &Route| r.policy.mode == Mode::Enforce && methods.among(&r.methods);
+            if self.routes.iter().any(named) {
+                return Judgement::Refused;
+            }
         }
         let spellings = Spellings::of(path);
-        self.first(&methods, &spellings, false)
-            .or_else(|| self.first(&methods, &spellings, true))
-            .map_or(Judgement::Unprotected, Judgement::Protected)
+        let found = |methods: &Methods<'_>| {
+            self.first(methods, &spellings, false)
+                .or_else(|| self.first(methods, &spellings, true))
+        };
+        let mut position = found(&methods);
+        // A form POST that its own method and overrides leave unprotected:
+        // its `_method` field may name any method (asked only then, as
+        // protected requests are nearly all of those that match at once).
+        if position.is_none() && *method == Method::POST && is_form(headers) {
+            methods.any = true;
+            position = found(&methods);
+        }
+        position.map_or(Judgement::Unprotected, Judgement::Protected)
     }
 
     fn first(
@@ -607,13 +616,17 @@ impl RouteTable {
         spellings: &Spellings<'_>,
         broad: bool,
     ) -> Option<usize> {
+        // Each spelling with its suffix cut, once for every route.
+        let mut each: [Option<(&str, Option<&str>)>; 4] = [None; 4];
+        for (slot, s) in each.iter_mut().zip(spellings.each(broad)) {
+            *slot = Some((s, without_format_suffix(s)));
+        }
         self.routes.iter().position(|r| {
             methods.among(&r.methods)
-                && spellings.each(broad).any(|s| {
+                && each.iter().flatten().any(|(s, cut)| {
                     r.path.matches_normal(s, broad)
                         || (r.policy.format_suffix
-                            && without_format_suffix(s)
-                                .is_some_and(|s| r.path.matches_normal(s, broad)))
+                            && cut.is_some_and(|s| r.path.matches_normal(s, broad)))
                 })
         })
     }

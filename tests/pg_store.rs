@@ -979,16 +979,28 @@ async fn a_table_that_turns_unlogged_while_the_proxy_runs_stops_new_keys_until_i
         let hits = upstream.hits();
         pg.client().await.batch_execute(broken).await.unwrap();
         // Noticed at the next sweep (every 10 s).
-        eventually("the proxy to turn not ready", Duration::from_secs(25), || {
-            let proxy = &proxy;
-            async move { (ready(proxy).await == 503).then_some(()) }
-        })
+        eventually(
+            "the proxy to turn not ready",
+            Duration::from_secs(25),
+            || {
+                let proxy = &proxy;
+                async move { (ready(proxy).await == 503).then_some(()) }
+            },
+        )
         .await;
         proxy
             .wait_log("the PostgreSQL table changed while the proxy runs")
             .await;
-        let r = Call::post(&url).key(&format!("k-broken-{i}")).body("x").await;
-        assert_eq!(r.status, 503, "{broken}: {}", String::from_utf8_lossy(&r.body));
+        let r = Call::post(&url)
+            .key(&format!("k-broken-{i}"))
+            .body("x")
+            .await;
+        assert_eq!(
+            r.status,
+            503,
+            "{broken}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
         assert_eq!(upstream.hits(), hits, "{broken}: nothing forwarded");
 
         pg.client().await.batch_execute(fixed).await.unwrap();
@@ -997,7 +1009,10 @@ async fn a_table_that_turns_unlogged_while_the_proxy_runs_stops_new_keys_until_i
             async move { (ready(proxy).await == 200).then_some(()) }
         })
         .await;
-        let r = Call::post(&url).key(&format!("k-fixed-{i}")).body("x").await;
+        let r = Call::post(&url)
+            .key(&format!("k-fixed-{i}"))
+            .body("x")
+            .await;
         assert_eq!(r.status, 201, "{fixed}");
     }
     // What was stored before still replays.
