@@ -177,3 +177,35 @@ async fn release_routes_run_a_killed_owners_request_again() {
     assert_eq!(metric(&b, series).await, 1.0);
     upstream.release(1);
 }
+
+/// A duplicate that waits (`concurrent = "wait"`) for a request whose proxy
+/// is then killed learns that the owner vanished when its lease ends, not
+/// when its own wait does: it reads the key's time again when the lease is
+/// due to end, and gets the 502 `outcome-unknown` then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_learns_of_a_killed_owner_when_the_lease_ends() {
+    let store = Shared::start(Backend::Redis).await;
+    let upstream = TestUpstream::start().await;
+    let wait = "lease = \"3s\"\nconcurrent = \"wait\"\nwait_timeout = \"20s\"";
+    let text = store.config(&upstream, wait);
+    let mut a = Proxy::start(&text).await;
+    let b = Proxy::start(&text).await;
+    held_then_killed(&mut a, &upstream, "k-waited").await;
+    // Sent within the lease (renewed every second until the kill): it waits.
+    let sent = std::time::Instant::now();
+    let r = Call::post(&b.url("/v1/payments"))
+        .key("k-waited")
+        .body("pay")
+        .await;
+    let waited = sent.elapsed();
+    assert_eq!(r.status, 502, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["type"], "outcome-unknown");
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "answered when the 3 s lease ended, not after the 20 s wait: {waited:?}"
+    );
+    assert_eq!(upstream.hits(), 1);
+    let series = "idemproxy_lease_expired_total{route=\"payments\",handling=\"unknown_outcome\"}";
+    assert_eq!(metric(&b, series).await, 1.0);
+    upstream.release(1);
+}

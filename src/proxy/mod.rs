@@ -564,9 +564,11 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     // then has the key free for the next reserve; one that says so for ever
     // is not believed.
     let mut gone = 0;
-    // How often the key was found in flight: a vanished owner is looked for
-    // on the first sighting (and whenever the store says the time left for free).
-    let mut sightings = 0;
+    // When a waiting duplicate next reads what is left of a reservation's
+    // time, to see whether its owner vanished: when its lease is due to end
+    // by the last reading (store time, counted here on the monotonic clock);
+    // `None`: at the next sighting.
+    let mut next_look: Option<Instant> = None;
     loop {
         let sent_at = Instant::now();
         patience.start(sent_at);
@@ -605,13 +607,16 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             ..
         } = verdict
         {
-            // Looked for when the time left is known, on the first
-            // sighting, and before a 409; never in shadow mode, which
-            // changes nothing in the store.
-            let look = ttl.is_some() || sightings == 0 || !patience.may_wait();
+            // Looked for when the time left is known for free, on the first
+            // sighting, when the lease is due to end while a duplicate
+            // waits, and before a 409; never in shadow mode, which changes
+            // nothing in the store.
+            let due = next_look.is_none_or(|at| Instant::now() >= at);
+            let look = ttl.is_some() || due || !patience.may_wait();
             if look && policy.mode == Mode::Enforce {
                 let left = lease_left(ctx, id, ttl).await?;
                 ttl = Some(left);
+                next_look = Some(Instant::now() + left.saturating_sub(afterlife.after));
                 if afterlife.lease_ended(left) {
                     let mine = (token, created_ms, &processing);
                     let vanished = (owner, afterlife);
@@ -628,11 +633,10 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                             });
                         }
                         // Renewed meanwhile: in flight after all, its time left to be read again.
-                        TakeOver::Refused => ttl = None,
+                        TakeOver::Refused => (ttl, next_look) = (None, None),
                     }
                 }
             }
-            sightings += 1;
         }
         if matches!(verdict, Verdict::InFlight { .. }) {
             if patience.waits && waiting.is_none() && span.is_some() {
