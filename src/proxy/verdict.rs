@@ -209,6 +209,7 @@ mod tests {
 
     fn head(token: Token, fingerprint: [u8; 32], finished: Option<bool>) -> Head {
         Head {
+            afterlife: None,
             token,
             fingerprint,
             created_ms: 7,

@@ -218,6 +218,8 @@ pub struct Head {
     pub route: String,
     /// The executing request's trace context, when the record keeps it.
     pub trace: Option<TraceRef>,
+    /// A reservation's afterlife, when it has one.
+    pub afterlife: Option<Afterlife>,
     /// `None` while processing.
     pub finished: Option<Answered>,
     /// The id of the key that sealed the answer; `None` for a clear record.
@@ -306,12 +308,15 @@ fn read_head(b: &mut Bytes) -> Result<(u8, Head), DecodeError> {
         }
         _ => return Err(DecodeError::Malformed("unknown state")),
     };
+    // Read, not consumed: a reservation's trailer is not part of its head.
+    let afterlife = finished.is_none().then(|| read_afterlife(b)).flatten();
     let head = Head {
         token: Token(token),
         fingerprint,
         created_ms,
         route,
         trace,
+        afterlife,
         finished,
         sealed_with: None,
     };
@@ -487,7 +492,7 @@ impl Record {
                 created_ms: head.created_ms,
                 route: head.route,
                 trace: head.trace,
-                afterlife: read_afterlife(&rest),
+                afterlife: head.afterlife,
             }));
         };
         let answer = if is_sealed(&[version]) {

@@ -471,6 +471,11 @@ fn a_reservation_keeps_its_afterlife_and_what_becomes_of_a_dead_owner() {
             assert_eq!(encoded.len(), old.len() + AFTERLIFE_LEN);
             let head = Head::decode(encoded).unwrap();
             assert_eq!((head.token, head.finished), (without.token, None));
+            assert_eq!(
+                head.afterlife,
+                Some(afterlife),
+                "the head says it too (admin API)"
+            );
         }
     }
 }
