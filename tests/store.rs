@@ -1102,3 +1102,55 @@ async fn a_failed_connect_is_not_tried_again_by_every_operation() {
     )
     .await;
 }
+
+/// With `wait_replicas`, a take-over waits for the replicas as a reserve
+/// does: too few, and the request is refused (a reservation of the taker's
+/// withdrawn), so that a failover cannot bring the vanished owner's
+/// reservation back for a second taker to run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_over_waits_for_the_replicas_as_a_reserve_does() {
+    use idemproxy::record::Token;
+    use idemproxy::store::{Reservation, StoreError};
+    use std::time::Duration;
+
+    let redis = RedisServer::start().await;
+    let plain = store_on(&redis, "");
+    // No replica answers this one's WAIT.
+    let waiting = store_on(&redis, "wait_replicas = 1\nwait_timeout = \"50ms\"");
+    let (lease, after) = (Duration::from_millis(300), Duration::from_secs(60));
+    for (name, then_finished) in [("unknown", true), ("again", false)] {
+        let key = plain.key_for(name);
+        let owner = Token::new();
+        let r = plain
+            .reserve(&key, reservation_with(owner, after), lease + after)
+            .await
+            .unwrap();
+        assert!(matches!(r, Reservation::Reserved), "{r:?}");
+        lease_runs_out(&plain, &key, after).await;
+        let taker = Token::new();
+        let value = match then_finished {
+            true => finished_by(taker, 502).encode(),
+            false => reservation_with(taker, after),
+        };
+        let r = waiting
+            .take_over(&key, owner, after, value, lease + after)
+            .await;
+        assert!(
+            matches!(
+                r,
+                Err(StoreError::NotReplicated {
+                    wanted: 1,
+                    acked: 0
+                })
+            ),
+            "{name}: {r:?}"
+        );
+        let left = plain.get(&key).await.unwrap();
+        match then_finished {
+            // On the master, for the replay once the replicas have it.
+            true => assert_eq!(left.unwrap().record.token(), taker, "{name}"),
+            // Withdrawn, as an unconfirmed reservation is.
+            false => assert!(left.is_none(), "{name}: {left:?}"),
+        }
+    }
+}

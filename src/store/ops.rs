@@ -375,6 +375,15 @@ impl Operations for RedisStore {
         let n: i64 = run_script(&mut conn, &TAKE_OVER, key, &args)
             .await
             .map_err(|e| self.backend(e))?;
+        if n == 1 && self.wait_replicas > 0 {
+            // As after a reserve: what took the key over is on enough
+            // replicas, or (a reservation of the taker's) withdrawn and the
+            // request refused; a failover must not bring back the vanished
+            // owner's reservation for a second taker to run again.
+            let taker = Token::of_record(&value)
+                .ok_or_else(|| StoreError::Backend("a record without an owner token".into()))?;
+            Box::pin(self.wait_for_replicas(&mut conn, key, taker)).await?;
+        }
         Ok(n == 1)
     }
 
