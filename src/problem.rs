@@ -429,6 +429,25 @@ mod tests {
     }
 
     #[test]
+    fn a_vanished_owners_outcome_is_a_502_that_says_it_will_not_run_again() {
+        let id = uuid::Uuid::new_v4();
+        let p = Problem::OutcomeUnknown;
+        let (status, headers, body) = p.render(&id);
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        assert_eq!(headers[CONTENT_TYPE], "application/problem+json");
+        assert!(!headers.contains_key(RETRY_AFTER));
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["type"], "outcome-unknown");
+        assert_eq!(v["retryable"], false);
+        let detail = v["detail"].as_str().unwrap();
+        for says in ["may or may not", "will not be executed again", "new key"] {
+            assert!(detail.contains(says), "{detail}");
+        }
+        assert_eq!(p.outcome(), Outcome::UpstreamError);
+        assert_eq!(p.grpc_code(), grpc::code::UNKNOWN);
+    }
+
+    #[test]
     fn retry_after_is_whole_seconds_rounded_up_at_least_one() {
         assert_eq!(retry_secs(Duration::from_millis(0)), 1);
         assert_eq!(retry_secs(Duration::from_millis(1)), 1);
