@@ -614,12 +614,21 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             let due = next_look.is_none_or(|at| Instant::now() >= at);
             let look = ttl.is_some() || due || !patience.may_wait();
             if look && policy.mode == Mode::Enforce {
-                let left = lease_left(ctx, id, ttl).await?;
+                let left = match time_left(ctx, id, ttl).await {
+                    Ok(left) => left,
+                    Err(stop) => {
+                        claim.disarm();
+                        return Err(stop);
+                    }
+                };
                 ttl = Some(left);
                 next_look = Some(Instant::now() + left.saturating_sub(afterlife.after));
                 if afterlife.lease_ended(left) {
                     let mine = (token, created_ms, &processing);
                     let vanished = (owner, afterlife);
+                    // A take-over that failed may have written the key for
+                    // this request: the claim, still armed, withdraws a
+                    // reservation of its own.
                     match Box::pin(take_over(ctx, route, id, vanished, mine)).await? {
                         TakeOver::Answer(stop) => {
                             claim.disarm();
@@ -744,7 +753,7 @@ async fn conflict(
     ttl: Option<Duration>,
     (created_ms, afterlife): (u64, Option<Afterlife>),
 ) -> Result<Stop, Stop> {
-    let left = lease_left(ctx, id, ttl).await?;
+    let left = time_left(ctx, id, ttl).await?;
     // The store keeps a reservation its afterlife past its lease. At most
     // the lease: the first may have finished between the two round trips,
     // and then PTTL is its record's TTL, not a lease.
@@ -757,7 +766,7 @@ async fn conflict(
 
 /// What is left of a reservation's time in the store: `ttl` when the
 /// reserve said it, else a `PTTL` (Redis), which a 409 pays anyway.
-async fn lease_left(ctx: &Ctx<'_>, id: &Identity, ttl: Option<Duration>) -> Result<Duration, Stop> {
+async fn time_left(ctx: &Ctx<'_>, id: &Identity, ttl: Option<Duration>) -> Result<Duration, Stop> {
     match ttl {
         Some(ttl) => Ok(ttl),
         None => ctx
