@@ -209,3 +209,92 @@ async fn a_waiting_duplicate_learns_of_a_killed_owner_when_the_lease_ends() {
     assert_eq!(metric(&b, series).await, 1.0);
     upstream.release(1);
 }
+
+// In-process: an owner that is alive but taken for dead, its reservation's
+// time in the store cut to its afterlife (as if its lease had run out while
+// it stalled). What a vanished owner's key gets, and what the stalled owner
+// then finds.
+
+const IN_PROCESS_ROUTES: &str = r#"
+[defaults]
+lease = "10s"
+
+[[routes]]
+name = "payments"
+path = "/v1/payments"
+
+[[routes]]
+name = "shadow"
+path = "/v1/shadow"
+mode = "shadow"
+"#;
+
+/// Cuts the only reservation's time in the store to less than its afterlife
+/// (the routes' 24 h TTL): its lease has run out.
+async fn lease_runs_out_under(redis: &RedisServer) {
+    let keys = redis.keys().await;
+    assert_eq!(keys.len(), 1);
+    let cut: i64 = redis.cmd(&["PEXPIRE", &keys[0], "86399000"]).await;
+    assert_eq!(cut, 1);
+}
+
+/// The owner was only stalled: the retry took its key for a vanished
+/// owner's and stored the unknown outcome; the owner's answer still goes to
+/// its client, but its completion is refused (lease lost), and the key keeps
+/// the 502: never a second execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_owner_taken_for_dead_has_its_completion_refused() {
+    let env = Env::with_routes(Backend::Redis, IN_PROCESS_ROUTES).await;
+    let redis = env.redis.as_ref().unwrap();
+    let url = env.url("/v1/payments");
+    let first = Call::post(&url)
+        .key("k-stalled")
+        .header("x-test-hold", "1")
+        .spawn("pay");
+    env.upstream.wait_hits(1).await;
+    lease_runs_out_under(redis).await;
+    let retry = Call::post(&url).key("k-stalled").body("pay").await;
+    assert_eq!(retry.status, 502);
+    assert_eq!(retry.json()["type"], "outcome-unknown");
+    env.upstream.release(1);
+    let first = first.await.unwrap();
+    assert_eq!(
+        first.status, 201,
+        "the stalled owner's client gets its answer"
+    );
+    env.metric_reaching("idemproxy_lease_lost_total{route=\"payments\"}", 1.0)
+        .await;
+    let again = Call::post(&url).key("k-stalled").body("pay").await;
+    assert_eq!((again.status, again.is_replay()), (502, true));
+    assert_eq!(env.upstream.hits(), 1);
+}
+
+/// Shadow mode takes a vanished owner's key over as enforcement would, and
+/// counts what enforcement would answer: the unknown outcome
+/// (`upstream_error`), then its replay; every request is forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_counts_a_vanished_owner_as_enforcement_would_answer() {
+    let env = Env::with_routes(Backend::Redis, IN_PROCESS_ROUTES).await;
+    let redis = env.redis.as_ref().unwrap();
+    let url = env.url("/v1/shadow");
+    let first = Call::post(&url)
+        .key("k-shadow")
+        .header("x-test-hold", "1")
+        .spawn("pay");
+    env.upstream.wait_hits(1).await;
+    lease_runs_out_under(redis).await;
+    let retry = Call::post(&url).key("k-shadow").body("pay").await;
+    assert_eq!(retry.status, 201, "forwarded, as if the proxy were absent");
+    let series = |outcome: &str| {
+        format!("idemproxy_shadow_outcomes_total{{route=\"shadow\",outcome=\"{outcome}\"}}")
+    };
+    assert_eq!(env.metric(&series("upstream_error")).await, 1.0);
+    let expired = "idemproxy_lease_expired_total{route=\"shadow\",handling=\"unknown_outcome\"}";
+    assert_eq!(env.metric(expired).await, 1.0);
+    let again = Call::post(&url).key("k-shadow").body("pay").await;
+    assert_eq!(again.status, 201);
+    assert_eq!(env.metric(&series("replayed")).await, 1.0);
+    env.upstream.release(1);
+    first.await.unwrap();
+    assert_eq!(env.upstream.hits(), 3, "shadow mode forwards everything");
+}

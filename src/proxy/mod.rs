@@ -278,6 +278,7 @@ impl Stop {
                 | Problem::Conflict { .. }
                 | Problem::Mismatch
                 | Problem::NotStored
+                | Problem::OutcomeUnknown
                 | Problem::RecordUnreadable => Some(p.outcome()),
                 _ => None,
             },
@@ -609,11 +610,10 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         {
             // Looked for when the time left is known for free, on the first
             // sighting, when the lease is due to end while a duplicate
-            // waits, and before a 409; never in shadow mode, which changes
-            // nothing in the store.
+            // waits, and before a 409. Shadow mode too: it writes records
+            // as enforcement does, and counts what enforcement would answer.
             let due = next_look.is_none_or(|at| Instant::now() >= at);
-            let look = ttl.is_some() || due || !patience.may_wait();
-            if look && policy.mode == Mode::Enforce {
+            if ttl.is_some() || due || !patience.may_wait() {
                 let left = match time_left(ctx, id, ttl).await {
                     Ok(left) => left,
                     Err(stop) => {
@@ -1292,6 +1292,7 @@ mod tests {
             ),
             (Problem::Mismatch, Outcome::Mismatch),
             (Problem::NotStored, Outcome::NotStored),
+            (Problem::OutcomeUnknown, Outcome::UpstreamError),
             (Problem::RecordUnreadable, Outcome::Unreadable),
         ];
         for (p, want) in counted {
