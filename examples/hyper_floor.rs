@@ -210,6 +210,7 @@ async fn replay(wire: &Wire, req: Request<Incoming>) -> Result<Response<Body>, S
         created_ms: now_ms(),
         route: "payments".into(),
         trace: None,
+        afterlife: None,
     })
     .encode();
     let k = store_key.as_bytes();

@@ -172,7 +172,16 @@ fn view(id: &str, head: &Head, ttl: std::time::Duration) -> serde_json::Value {
         "expires_in_seconds": ttl.as_millis().div_ceil(1000) as u64,
     });
     match &head.finished {
-        None => v["state"] = "processing".into(),
+        None => {
+            v["state"] = "processing".into();
+            // Kept its afterlife past its lease: 0 once the lease has run out
+            // (its owner vanished, or renews late).
+            if let Some(a) = head.afterlife {
+                let lease_left = ttl.saturating_sub(a.after);
+                v["lease_expires_in_seconds"] =
+                    (lease_left.as_millis().div_ceil(1000) as u64).into();
+            }
+        }
         Some(f) => {
             v["state"] = "finished".into();
             v["status"] = f.status.into();

@@ -107,6 +107,12 @@ struct RouteLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HandlingLabel {
+    route: RouteName,
+    handling: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DegradedLabel {
     route: RouteName,
     result: &'static str,
@@ -180,6 +186,7 @@ pub struct Metrics {
     /// Whose a route's `RouteSeries` are.
     id: u64,
     lease_lost: Family<RouteLabel, Counter>,
+    lease_expired: Family<HandlingLabel, Counter>,
     degraded: Family<DegradedLabel, Counter>,
     worker_connections: Family<WorkerLabel, Gauge>,
     pub inflight: Gauge,
@@ -239,6 +246,7 @@ struct StoreMetrics {
     store_duration: Family<OpLabel, Histogram>,
     store_errors: Family<OpLabel, Counter>,
     lease_lost: Family<RouteLabel, Counter>,
+    lease_expired: Family<HandlingLabel, Counter>,
     degraded: Family<DegradedLabel, Counter>,
 }
 
@@ -265,6 +273,12 @@ impl StoreMetrics {
             "Completions refused because another owner held the key",
             Family::<RouteLabel, Counter>::default(),
         );
+        let lease_expired = registered(
+            registry,
+            "lease_expired",
+            "Keys whose owner vanished mid-request (its lease ran out), taken over by the next request with the key, by route and handling (unknown_outcome, re_execute)",
+            Family::<HandlingLabel, Counter>::default(),
+        );
         let degraded = registered(
             registry,
             "completions_degraded",
@@ -275,6 +289,7 @@ impl StoreMetrics {
             store_duration,
             store_errors,
             lease_lost,
+            lease_expired,
             degraded,
         }
     }
@@ -368,6 +383,7 @@ impl Metrics {
             store_duration,
             store_errors,
             lease_lost,
+            lease_expired,
             degraded,
         } = StoreMetrics::register(&mut registry);
         let Gauges {
@@ -397,6 +413,7 @@ impl Metrics {
             unprotected: Default::default(),
             id: METRICS_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             lease_lost,
+            lease_expired,
             degraded,
             worker_connections,
             inflight,
@@ -498,6 +515,16 @@ impl Metrics {
         self.lease_lost
             .get_or_create(&RouteLabel {
                 route: route.clone(),
+            })
+            .inc();
+    }
+
+    /// A vanished owner's key taken over; `handling`: `unknown_outcome` or `re_execute`.
+    pub fn lease_expired(&self, route: &RouteName, handling: &'static str) {
+        self.lease_expired
+            .get_or_create(&HandlingLabel {
+                route: route.clone(),
+                handling,
             })
             .inc();
     }

@@ -35,6 +35,9 @@ pub struct Policy {
     /// like a release status.
     pub release_grpc_statuses: Vec<u32>,
     pub unknown_outcome: UnknownOutcome,
+    /// What a request finds when its key's owner vanished mid-request (its
+    /// proxy was killed) and the lease ran out (docs/reference/behaviour.md#dead-owner).
+    pub lease_expiry: LeaseExpiry,
     pub fingerprint_body: FingerprintBody,
     pub mode: Mode,
     pub on_store_error: OnStoreError,
@@ -63,6 +66,7 @@ impl Default for Policy {
             // RESOURCE_EXHAUSTED, UNAVAILABLE: "try again later".
             release_grpc_statuses: vec![8, 14],
             unknown_outcome: UnknownOutcome::Store,
+            lease_expiry: LeaseExpiry::UnknownOutcome,
             fingerprint_body: FingerprintBody::Raw,
             mode: Mode::Enforce,
             on_store_error: OnStoreError::Reject,
@@ -169,6 +173,66 @@ pub enum Concurrent {
 pub enum UnknownOutcome {
     Store,
     Release,
+}
+
+/// How a request is handled that finds its key's owner gone: a reservation
+/// whose lease ran out without a completion or a release (the owner's process
+/// died after the request may have reached the upstream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseExpiry {
+    /// The outcome is unknown: handled as `unknown_outcome` says (the 502
+    /// `outcome-unknown` stored and replayed, or the key freed with `release`).
+    UnknownOutcome,
+    /// The request runs again (for upstreams that deduplicate themselves).
+    ReExecute,
+}
+
+/// What becomes of a dead owner's key, as the reservation records it
+/// (see [`Policy::dead_owner`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeadOwner {
+    /// The next request with the key stores and answers the 502 `outcome-unknown`.
+    StoreUnknown,
+    /// The next request with the key takes it over and runs again.
+    ReExecute,
+}
+
+impl DeadOwner {
+    /// The `handling` label of `idemproxy_lease_expired_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadOwner::StoreUnknown => "unknown_outcome",
+            DeadOwner::ReExecute => "re_execute",
+        }
+    }
+}
+
+impl Policy {
+    /// How a dead owner's key is handled: stored as an unknown outcome when
+    /// `lease_expiry = "unknown_outcome"` and `unknown_outcome = "store"`,
+    /// run again otherwise (`re_execute`, or `release`, which frees the key of
+    /// any unknown outcome).
+    pub fn dead_owner(&self) -> DeadOwner {
+        match (self.lease_expiry, self.unknown_outcome) {
+            (LeaseExpiry::UnknownOutcome, UnknownOutcome::Store) => DeadOwner::StoreUnknown,
+            _ => DeadOwner::ReExecute,
+        }
+    }
+
+    /// How long a reservation is kept past its lease so that a dead owner
+    /// is recognised (its "afterlife"): as long as its answer would have
+    /// been kept, the route's `ttl`. The store keeps a reservation for
+    /// `lease + afterlife`; within the last `afterlife` of that, its lease
+    /// has run out.
+    pub fn afterlife(&self) -> Duration {
+        self.ttl
+    }
+
+    /// How long the store keeps a reservation (and each renewal extends it to).
+    pub fn reservation_hold(&self) -> Duration {
+        self.lease.saturating_add(self.afterlife())
+    }
 }
 
 /// How the body enters the fingerprint: its bytes, or its JSON value (keys sorted, spaces ignored).

@@ -50,6 +50,10 @@ pub enum Problem {
         after: Duration,
         released: bool,
     },
+    /// An earlier request with this key was in flight on a proxy that
+    /// vanished (its lease ran out): it may have run. Stored and replayed,
+    /// never executed again (docs/reference/behaviour.md#dead-owner).
+    OutcomeUnknown,
     /// The request body could not be read (the client went away or sent bad chunking).
     BodyUnreadable,
     /// The request body did not arrive in time.
@@ -94,7 +98,8 @@ impl Problem {
             Problem::StoreUnavailable => Outcome::StoreError,
             Problem::UpstreamUnreachable
             | Problem::UpstreamReset { .. }
-            | Problem::UpstreamTimeout { .. } => Outcome::UpstreamError,
+            | Problem::UpstreamTimeout { .. }
+            | Problem::OutcomeUnknown => Outcome::UpstreamError,
             Problem::BodyUnreadable | Problem::BodyTimeout { .. } | Problem::PathNotAccepted => {
                 Outcome::BadRequest
             }
@@ -115,7 +120,9 @@ impl Problem {
             Problem::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::NotStored => StatusCode::GONE,
             Problem::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Problem::UpstreamUnreachable | Problem::UpstreamReset { .. } => StatusCode::BAD_GATEWAY,
+            Problem::UpstreamUnreachable
+            | Problem::UpstreamReset { .. }
+            | Problem::OutcomeUnknown => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             Problem::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
             Problem::ProxyBusy => StatusCode::SERVICE_UNAVAILABLE,
@@ -137,6 +144,7 @@ impl Problem {
             Problem::BodyUnreadable => "request-body-unreadable",
             Problem::BodyTimeout { .. } => "request-body-timeout",
             Problem::UpstreamTimeout { .. } => "upstream-timeout",
+            Problem::OutcomeUnknown => "outcome-unknown",
             Problem::RecordUnreadable => "record-unreadable",
             Problem::ProxyBusy => "proxy-busy",
             Problem::PathNotAccepted => "path-not-accepted",
@@ -161,6 +169,7 @@ impl Problem {
             Problem::BodyUnreadable => "Request body could not be read",
             Problem::BodyTimeout { .. } => "Request body did not arrive in time",
             Problem::UpstreamTimeout { .. } => "Upstream did not answer in time",
+            Problem::OutcomeUnknown => "The outcome of an earlier request with this key is unknown",
             Problem::RecordUnreadable => "The record of this idempotency key cannot be read",
             Problem::ProxyBusy => "The proxy is busy",
             Problem::PathNotAccepted => "The request path is not accepted",
@@ -223,6 +232,11 @@ impl Problem {
                 after.as_millis(),
                 if *released { "The key was released." } else { "Retries with this key get this answer." }
             ),
+            Problem::OutcomeUnknown => "An earlier request with this idempotency key was being processed \
+                                        when the proxy handling it stopped, so it may or may not have been \
+                                        executed. It will not be executed again under this key: check the \
+                                        state of the resource before repeating the operation with a new key."
+                .to_string(),
             Problem::BodyUnreadable => "The request body ended early or was malformed.".to_string(),
             Problem::BodyTimeout { after } => format!(
                 "The request body did not arrive within {} ms; nothing was executed.",
@@ -301,7 +315,7 @@ impl Problem {
                 UNAVAILABLE
             }
             Problem::UpstreamReset { released: true } => UNAVAILABLE,
-            Problem::UpstreamReset { released: false } => UNKNOWN,
+            Problem::UpstreamReset { released: false } | Problem::OutcomeUnknown => UNKNOWN,
             Problem::UpstreamTimeout { .. } | Problem::BodyTimeout { .. } => DEADLINE_EXCEEDED,
             Problem::RecordUnreadable => INTERNAL,
         }
@@ -425,6 +439,25 @@ mod tests {
         );
         let (_, busy) = Problem::ProxyBusy.render_grpc(&id);
         assert_eq!(busy[&GRPC_RETRY_PUSHBACK_MS], "1000");
+    }
+
+    #[test]
+    fn a_vanished_owners_outcome_is_a_502_that_says_it_will_not_run_again() {
+        let id = uuid::Uuid::new_v4();
+        let p = Problem::OutcomeUnknown;
+        let (status, headers, body) = p.render(&id);
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        assert_eq!(headers[CONTENT_TYPE], "application/problem+json");
+        assert!(!headers.contains_key(RETRY_AFTER));
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["type"], "outcome-unknown");
+        assert_eq!(v["retryable"], false);
+        let detail = v["detail"].as_str().unwrap();
+        for says in ["may or may not", "will not be executed again", "new key"] {
+            assert!(detail.contains(says), "{detail}");
+        }
+        assert_eq!(p.outcome(), Outcome::UpstreamError);
+        assert_eq!(p.grpc_code(), grpc::code::UNKNOWN);
     }
 
     #[test]

@@ -721,3 +721,40 @@ fn a_route_that_can_never_match_is_an_error() {
         load(&two(first, second)).unwrap_or_else(|e| panic!("{first} / {second}: {e}"));
     }
 }
+
+/// `lease_expiry` (docs/configuration.md#routes.lease_expiry): from
+/// `[defaults]` or the route, checked like every policy value; with
+/// `unknown_outcome` it decides what a vanished owner's key gets.
+#[test]
+fn lease_expiry_is_read_and_decides_with_unknown_outcome() {
+    use idemproxy::policy::{DeadOwner, LeaseExpiry};
+    let text = format!(
+        "{BASE}[defaults]\nlease_expiry = \"re_execute\"\n\
+         [[routes]]\nname = \"a\"\npath = \"/a\"\n\
+         [[routes]]\nname = \"b\"\npath = \"/b\"\nlease_expiry = \"unknown_outcome\"\n\
+         [[routes]]\nname = \"c\"\npath = \"/c\"\nlease_expiry = \"unknown_outcome\"\nunknown_outcome = \"release\"\n"
+    );
+    let c = load(&text).unwrap();
+    let got: Vec<_> = c
+        .routes
+        .iter()
+        .map(|r| (r.policy.lease_expiry, r.policy.dead_owner()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (LeaseExpiry::ReExecute, DeadOwner::ReExecute),
+            (LeaseExpiry::UnknownOutcome, DeadOwner::StoreUnknown),
+            (LeaseExpiry::UnknownOutcome, DeadOwner::ReExecute),
+        ]
+    );
+    // The default: an unknown outcome, stored; kept `lease + ttl` in the store.
+    let c = load(&format!("{BASE}[[routes]]\nname = \"a\"\npath = \"/a\"\n")).unwrap();
+    let p = &c.routes.iter().next().unwrap().policy;
+    assert_eq!(p.dead_owner(), DeadOwner::StoreUnknown);
+    assert_eq!(p.reservation_hold(), p.lease + p.ttl);
+    rejects(
+        &format!("{BASE}[defaults]\nlease_expiry = \"retry\"\n"),
+        &["defaults.lease_expiry", "unknown variant `retry`"],
+    );
+}

@@ -580,50 +580,7 @@ async fn lost_lease_the_late_finisher_does_not_overwrite() {
         .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_mid_request_frees_the_key_after_the_lease() {
-    let redis = RedisServer::start().await;
-    let upstream = TestUpstream::start().await;
-    let text = ConfigBuilder::new(&upstream.url())
-        .redis(&redis)
-        .route("payments", "/v1/payments", "lease = \"1s\"")
-        .build();
-    let mut a = Proxy::start(&text).await;
-    let first = tokio::spawn({
-        let url = a.url("/v1/payments");
-        async move { send_ignoring_errors(&url).await }
-    });
-    upstream.wait_hits(1).await;
-    a.kill(); // SIGKILL: no draining, no release
-    let _ = first.await;
-    let b = Proxy::start(&text).await;
-    let url = b.url("/v1/payments");
-    let r = Call::post(&url).key("k-killed").body("x").await;
-    assert_eq!(r.status, 409, "the dead owner's lease still holds the key");
-    assert_eq!(r.header("retry-after"), Some("1"));
-    let fresh = eventually("the lease to expire", DEADLINE, || {
-        let url = url.clone();
-        async move {
-            let r = Call::post(&url).key("k-killed").body("x").await;
-            assert!(r.status == 409 || r.status == 201, "got {}", r.status);
-            (r.status == 201).then_some(r)
-        }
-    })
-    .await;
-    assert!(!fresh.is_replay(), "no permanent lock: the retry executes");
-    assert_eq!(upstream.hits(), 2);
-    upstream.release(1);
-}
-
-async fn send_ignoring_errors(url: &str) -> Option<Resp> {
-    use bytes::Bytes;
-    let req = http::Request::post(url)
-        .header("idempotency-key", "k-killed")
-        .header("x-test-hold", "1")
-        .body(http_body_util::Full::new(Bytes::from_static(b"x")))
-        .unwrap();
-    send(req).await.ok()
-}
+// A proxy killed mid-request: tests/dead_owner.rs.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_proxies_300_concurrent_same_key_requests_one_execution() {

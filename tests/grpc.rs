@@ -662,6 +662,40 @@ async fn the_proxys_grpc_errors_are_one_headers_frame_with_end_stream() {
     assert_eq!(pushback_ms(&h), 1000);
 }
 
+/// A call whose owner is taken for vanished (its reservation's time cut to
+/// its afterlife, as if its lease had run out): the retry gets the unknown
+/// outcome as a gRPC error, UNKNOWN `outcome-unknown`, Trailers-Only, stored
+/// so and replayed so (docs/reference/behaviour.md#dead-owner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_owners_call_is_an_unknown_grpc_error_stored_and_replayed() {
+    let (ledger, proxy, redis) = start("").await;
+    let mut held = client(&proxy).await;
+    let holding = tokio::spawn(async move {
+        let metadata = [("idempotency-key", "k-v"), ("x-hold", "1")];
+        call(&mut held, CHARGE, 1, &metadata).await
+    });
+    let _ = tokio::time::timeout(DEADLINE, ledger.held.acquire())
+        .await
+        .expect("the first call reached the upstream")
+        .unwrap();
+    let keys = redis.keys().await;
+    let cut: i64 = redis.cmd(&["PEXPIRE", &keys[0], "86399000"]).await;
+    assert_eq!(
+        cut, 1,
+        "less than the 24 h afterlife left: the lease is over"
+    );
+    let m = charge_message(1);
+    let unknown = h2_call(&proxy, &[("idempotency-key", "k-v")], &m).await;
+    let h = assert_trailers_only(&unknown, Code::Unknown, "outcome-unknown");
+    assert!(!h.contains_key("idempotent-replayed"));
+    let again = h2_call(&proxy, &[("idempotency-key", "k-v")], &m).await;
+    let h = assert_trailers_only(&again, Code::Unknown, "outcome-unknown");
+    assert_eq!(h["idempotent-replayed"], "true");
+    ledger.gate.add_permits(1);
+    let _ = holding.await.unwrap();
+    assert_eq!(ledger.runs("k-v"), 1, "never a second execution");
+}
+
 /// Over `max_connections` requests in progress, the answer made before any
 /// handler runs (`proxy-busy`) is Trailers-Only too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -193,6 +193,12 @@ async fn admin_api_inspects_and_deletes_records(backend: Backend) {
     let v = r.json();
     assert_eq!(v["state"], "processing");
     assert_eq!(v["route"], "payments");
+    // The lease (10 s) runs; the store keeps the reservation its afterlife
+    // (the 24 h TTL) past it, to recognise an owner that vanishes.
+    let lease = v["lease_expires_in_seconds"].as_u64().unwrap();
+    assert!(lease > 0 && lease <= 10, "{v}");
+    let kept = v["expires_in_seconds"].as_u64().unwrap();
+    assert!(kept > 86_400 && kept <= 86_410, "{v}");
     let id = v["id"].as_str().unwrap().to_string();
     assert!(v.get("status").is_none());
     env.upstream.release(1);

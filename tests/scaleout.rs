@@ -616,3 +616,87 @@ async fn startup_check_warns_about_eviction_and_missing_persistence() {
         .iter()
         .any(|l| l.contains("no persistence") || l.contains("may evict")));
 }
+
+/// The take-over of a vanished owner's key is one key's script: on a
+/// cluster it runs on the key's master, whichever master that is
+/// (docs/reference/behaviour.md#dead-owner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_owners_key_is_taken_over_on_any_master_of_a_cluster() {
+    use idemproxy::policy::DeadOwner;
+    use idemproxy::record::{Afterlife, Finished, Processing, Record, Token};
+    use idemproxy::store::{Completion, Reservation};
+    use std::time::Duration;
+
+    let cluster = Cluster::start().await;
+    let seed = format!(
+        "mode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{}\"]",
+        cluster.nodes[0].port
+    );
+    let text = ConfigBuilder::new("http://127.0.0.1:1")
+        .redis_store(&seed)
+        .build();
+    let cfg = idemproxy::config::Config::from_toml(&text, "t.toml", &Default::default()).unwrap();
+    let metrics = std::sync::Arc::new(idemproxy::metrics::Metrics::new());
+    let store = idemproxy::store::Store::new(&cfg.store, metrics, 1).unwrap();
+    let (lease, after) = (Duration::from_millis(300), Duration::from_secs(60));
+    // Keys on every master, in all likelihood (24 hashed keys, 3 masters).
+    let keys: Vec<String> = (0..24)
+        .map(|i| store.key_for(&format!("vanished-{i}")))
+        .collect();
+    let owners: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
+    for (key, owner) in keys.iter().zip(&owners) {
+        let reservation = Record::Processing(Processing {
+            token: *owner,
+            fingerprint: [1; 32],
+            created_ms: 1,
+            route: "payments".into(),
+            trace: None,
+            afterlife: Some(Afterlife {
+                after,
+                then: DeadOwner::StoreUnknown,
+            }),
+        });
+        let r = store
+            .reserve(key, reservation.encode(), lease + after)
+            .await
+            .unwrap();
+        assert!(matches!(r, Reservation::Reserved), "{r:?}");
+    }
+    for (key, owner) in keys.iter().zip(&owners) {
+        eventually("the lease to run out", DEADLINE, || async {
+            (store.pttl(key).await.unwrap() <= after).then_some(())
+        })
+        .await;
+        let taker = Token::new();
+        let unknown = Record::Finished(Finished {
+            token: taker,
+            fingerprint: [1; 32],
+            created_ms: 1,
+            route: "payments".into(),
+            trace: None,
+            completed_ms: 2,
+            status: 502,
+            reason: None,
+            body_stored: true,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"outcome-unknown"),
+            trailers: vec![],
+        });
+        let taken = store
+            .take_over(
+                key,
+                *owner,
+                after,
+                unknown.encode(),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        assert!(taken, "{key}");
+        let late = store
+            .complete(key, *owner, unknown.encode(), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(late, Completion::Refused, "{key}");
+    }
+}

@@ -206,13 +206,19 @@ async fn reservation_is_processing_with_the_lease_while_in_flight() {
         .await
         .unwrap();
     assert_eq!(value[1], b'P', "processing while the upstream works");
+    // Kept its afterlife (the route's 24 h TTL) past the 10 s lease, so that
+    // an owner that vanishes is recognised (docs/reference/behaviour.md#dead-owner).
     let pttl: i64 = redis.cmd(&["PTTL", &keys[0]]).await;
-    assert!(pttl > 0 && pttl <= 10_000, "the 10 s lease, got {pttl}");
+    let (lease, afterlife) = (10_000, 24 * 3600 * 1000);
+    assert!(
+        pttl > afterlife && pttl <= lease + afterlife,
+        "the 10 s lease and the 24 h afterlife, got {pttl}"
+    );
     env.upstream.release(1);
     assert_eq!(first.await.unwrap().status, 201);
     let pttl: i64 = redis.cmd(&["PTTL", &keys[0]]).await;
     assert!(
-        pttl > 10_000,
+        pttl > 10_000 && pttl <= 24 * 3600 * 1000,
         "after completion the 24 h TTL applies, got {pttl}"
     );
 }
@@ -372,7 +378,219 @@ async fn operations_are_safe_to_send_twice(backend: Backend) {
     assert!(!store.delete(&key2).await.unwrap());
 }
 
-on_every_backend!(operations_are_safe_to_send_twice);
+on_every_backend!(
+    operations_are_safe_to_send_twice,
+    a_vanished_owner_is_taken_over_once_and_its_late_completion_refused,
+    an_owner_that_renewed_is_not_taken_over
+);
+
+/// The store of a scenario on `backend`, with the servers it runs on.
+async fn scenario_store(
+    backend: Backend,
+) -> (
+    Option<RedisServer>,
+    Option<PgServer>,
+    idemproxy::store::Store,
+) {
+    let redis = match backend {
+        Backend::Redis => Some(RedisServer::start().await),
+        Backend::Memory | Backend::Postgres => None,
+    };
+    let postgres = match backend {
+        Backend::Postgres => Some(PgServer::start().await),
+        Backend::Memory | Backend::Redis => None,
+    };
+    let store = store_for(backend, redis.as_ref(), postgres.as_ref()).await;
+    (redis, postgres, store)
+}
+
+/// A reservation with an afterlife of `after` (what the proxy writes).
+fn reservation_with(token: idemproxy::record::Token, after: std::time::Duration) -> bytes::Bytes {
+    use idemproxy::record::{Afterlife, Processing, Record};
+    Record::Processing(Processing {
+        token,
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+        trace: None,
+        afterlife: Some(Afterlife {
+            after,
+            then: idemproxy::policy::DeadOwner::StoreUnknown,
+        }),
+    })
+    .encode()
+}
+
+/// A finished record of `token`'s (the unknown outcome a taker stores).
+fn finished_by(token: idemproxy::record::Token, status: u16) -> idemproxy::record::Record {
+    idemproxy::record::Record::Finished(idemproxy::record::Finished {
+        token,
+        fingerprint: [1; 32],
+        created_ms: 1,
+        route: "r".into(),
+        trace: None,
+        completed_ms: 2,
+        status,
+        reason: None,
+        body_stored: true,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"outcome-unknown"),
+        trailers: vec![],
+    })
+}
+
+/// Waits until no more than `after` is left of `key`'s time: its lease has run out.
+async fn lease_runs_out(store: &idemproxy::store::Store, key: &str, after: std::time::Duration) {
+    eventually("the lease to run out", DEADLINE, || async move {
+        let left = store.pttl(key).await.unwrap();
+        assert!(!left.is_zero(), "the reservation outlives its lease");
+        (left <= after).then_some(())
+    })
+    .await;
+}
+
+/// A reservation whose owner never came back is taken over once its lease
+/// has run out, by the dead owner's token, in one operation that is safe to
+/// send twice; the owner's completion after that is refused (lease lost), and
+/// its renewal and release too.
+async fn a_vanished_owner_is_taken_over_once_and_its_late_completion_refused(backend: Backend) {
+    use idemproxy::record::Token;
+    use idemproxy::store::{Completion, Reservation};
+    use std::time::Duration;
+
+    let (_redis, _pg, store) = scenario_store(backend).await;
+    let key = store.key_for("dead");
+    let (lease, after) = (Duration::from_millis(400), Duration::from_secs(60));
+    let (owner, taker, other) = (Token::new(), Token::new(), Token::new());
+    let r = store
+        .reserve(&key, reservation_with(owner, after), lease + after)
+        .await
+        .unwrap();
+    assert!(matches!(r, Reservation::Reserved), "{r:?}");
+    let unknown = finished_by(taker, 502);
+    // While the lease runs, nobody takes it over.
+    assert!(!store
+        .take_over(
+            &key,
+            owner,
+            after,
+            unknown.encode(),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap());
+    lease_runs_out(&store, &key, after).await;
+    // Not by a wrong token (another reservation holds the key).
+    assert!(!store
+        .take_over(
+            &key,
+            other,
+            after,
+            unknown.encode(),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap());
+    // Taken over, and the same call sent again is answered the same.
+    for _ in 0..2 {
+        assert!(store
+            .take_over(
+                &key,
+                owner,
+                after,
+                unknown.encode(),
+                Duration::from_secs(60)
+            )
+            .await
+            .unwrap());
+    }
+    let got = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(got.record, unknown);
+    assert!(
+        got.ttl > Duration::from_secs(50),
+        "the record's TTL: {:?}",
+        got.ttl
+    );
+    // A second taker finds a finished record, not the dead owner's.
+    let late_taker = finished_by(other, 502);
+    assert!(!store
+        .take_over(
+            &key,
+            owner,
+            after,
+            late_taker.encode(),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap());
+    // The owner was only paused: its renewal, release and completion are refused.
+    assert!(!store.renew(&key, owner, lease + after).await.unwrap());
+    assert!(!store.release(&key, owner).await.unwrap());
+    let late = finished_by(owner, 201);
+    let c = store
+        .complete(&key, owner, late.encode(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(c, Completion::Refused, "a late owner's completion");
+    assert_eq!(store.get(&key).await.unwrap().unwrap().record, unknown);
+}
+
+/// An owner that renews within the afterlife has its lease again: a take-over
+/// judged on the time left before the renewal is refused, and so is one of
+/// a finished record.
+async fn an_owner_that_renewed_is_not_taken_over(backend: Backend) {
+    use idemproxy::record::Token;
+    use idemproxy::store::{Completion, Reservation};
+    use std::time::Duration;
+
+    let (_redis, _pg, store) = scenario_store(backend).await;
+    let key = store.key_for("renewed");
+    let (lease, after) = (Duration::from_millis(400), Duration::from_secs(60));
+    let (owner, taker) = (Token::new(), Token::new());
+    let r = store
+        .reserve(&key, reservation_with(owner, after), lease + after)
+        .await
+        .unwrap();
+    assert!(matches!(r, Reservation::Reserved), "{r:?}");
+    lease_runs_out(&store, &key, after).await;
+    // The owner was slow, not dead: it renews before anyone takes over.
+    assert!(store
+        .renew(&key, owner, Duration::from_secs(30) + after)
+        .await
+        .unwrap());
+    let unknown = finished_by(taker, 502);
+    assert!(
+        !store
+            .take_over(
+                &key,
+                owner,
+                after,
+                unknown.encode(),
+                Duration::from_secs(60)
+            )
+            .await
+            .unwrap(),
+        "a live lease is never taken over"
+    );
+    let done = finished_by(owner, 201);
+    let c = store
+        .complete(&key, owner, done.encode(), Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(c, Completion::Stored);
+    // A finished record with little time left is not a vanished owner's.
+    assert!(!store
+        .take_over(
+            &key,
+            owner,
+            after,
+            unknown.encode(),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap());
+    assert_eq!(store.get(&key).await.unwrap().unwrap().record, done);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_record_is_fetched_only_with_room_for_it() {
@@ -677,6 +895,7 @@ fn processing(token: idemproxy::record::Token) -> bytes::Bytes {
         created_ms: 1,
         route: "r".into(),
         trace: None,
+        afterlife: None,
     })
     .encode()
 }
@@ -884,4 +1103,56 @@ async fn a_failed_connect_is_not_tried_again_by_every_operation() {
         || async { store.get(&store.key_for("k")).await.ok() },
     )
     .await;
+}
+
+/// With `wait_replicas`, a take-over waits for the replicas as a reserve
+/// does: too few, and the request is refused (a reservation of the taker's
+/// withdrawn), so that a failover cannot bring the vanished owner's
+/// reservation back for a second taker to run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_over_waits_for_the_replicas_as_a_reserve_does() {
+    use idemproxy::record::Token;
+    use idemproxy::store::{Reservation, StoreError};
+    use std::time::Duration;
+
+    let redis = RedisServer::start().await;
+    let plain = store_on(&redis, "");
+    // No replica answers this one's WAIT.
+    let waiting = store_on(&redis, "wait_replicas = 1\nwait_timeout = \"50ms\"");
+    let (lease, after) = (Duration::from_millis(300), Duration::from_secs(60));
+    for (name, then_finished) in [("unknown", true), ("again", false)] {
+        let key = plain.key_for(name);
+        let owner = Token::new();
+        let r = plain
+            .reserve(&key, reservation_with(owner, after), lease + after)
+            .await
+            .unwrap();
+        assert!(matches!(r, Reservation::Reserved), "{r:?}");
+        lease_runs_out(&plain, &key, after).await;
+        let taker = Token::new();
+        let value = match then_finished {
+            true => finished_by(taker, 502).encode(),
+            false => reservation_with(taker, after),
+        };
+        let r = waiting
+            .take_over(&key, owner, after, value, lease + after)
+            .await;
+        assert!(
+            matches!(
+                r,
+                Err(StoreError::NotReplicated {
+                    wanted: 1,
+                    acked: 0
+                })
+            ),
+            "{name}: {r:?}"
+        );
+        let left = plain.get(&key).await.unwrap();
+        match then_finished {
+            // On the master, for the replay once the replicas have it.
+            true => assert_eq!(left.unwrap().record.token(), taker, "{name}"),
+            // Withdrawn, as an unconfirmed reservation is.
+            false => assert!(left.is_none(), "{name}: {left:?}"),
+        }
+    }
 }

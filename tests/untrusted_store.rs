@@ -228,7 +228,7 @@ async fn lie_to(stream: TcpStream, lie: Lie, strlen_calls: Arc<AtomicUsize>) {
                     "STRLEN" => b":4611686018427387904\r\n".to_vec(),
                     "PTTL" if lie == Lie::GoneWhenRead => b":-2\r\n".to_vec(),
                     "PTTL" => b":10000\r\n".to_vec(),
-                    "SCRIPT" => b"*4\r\n:1\r\n:1\r\n:1\r\n:1\r\n".to_vec(),
+                    "SCRIPT" => b"*5\r\n:1\r\n:1\r\n:1\r\n:1\r\n:1\r\n".to_vec(),
                     "CONFIG" => b"*0\r\n".to_vec(),
                     _ => b":0\r\n".to_vec(),
                 }

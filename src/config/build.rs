@@ -869,6 +869,9 @@ fn treatment(p: &mut Policy, raw: &RawPolicy) {
     if let Some(v) = raw.unknown_outcome {
         p.unknown_outcome = v;
     }
+    if let Some(v) = raw.lease_expiry {
+        p.lease_expiry = v;
+    }
     if let Some(v) = raw.mode {
         p.mode = v;
     }

@@ -15,7 +15,9 @@ use super::grammar::{
     ByteSize, ConfGrpcStatus, ConfHeader, ConfKeyFrom, ConfMethod, ConfStatus, HumanDuration,
 };
 use super::{Backend, RedisMode, Runtime, UpstreamProtocol};
-use crate::policy::{Concurrent, FingerprintBody, KeyMode, Mode, OnStoreError, UnknownOutcome};
+use crate::policy::{
+    Concurrent, FingerprintBody, KeyMode, LeaseExpiry, Mode, OnStoreError, UnknownOutcome,
+};
 use crate::routes::PathPattern;
 
 #[derive(Debug, Default, Deserialize)]
@@ -115,6 +117,7 @@ pub(super) struct RawPolicy {
     pub release_statuses: Option<Vec<ConfStatus>>,
     pub release_grpc_statuses: Option<Vec<ConfGrpcStatus>>,
     pub unknown_outcome: Option<UnknownOutcome>,
+    pub lease_expiry: Option<LeaseExpiry>,
     pub fingerprint_body: Option<FingerprintBody>,
     pub mode: Option<Mode>,
     pub on_store_error: Option<OnStoreError>,

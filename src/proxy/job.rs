@@ -384,9 +384,11 @@ impl Job {
     async fn renew(&self) -> bool {
         let (app, lease) = (&self.claim.app, self.policy.lease);
         let asked = tokio::time::Instant::now();
+        // The store keeps the reservation its afterlife past the lease.
+        let hold = self.policy.reservation_hold();
         match app
             .store
-            .renew(self.claim.store_key.as_str(), self.claim.token, lease)
+            .renew(self.claim.store_key.as_str(), self.claim.token, hold)
             .await
         {
             Ok(true) => {

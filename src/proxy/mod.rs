@@ -37,9 +37,11 @@ use crate::conn::Caller;
 use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::permit::Permit;
-use crate::policy::{Concurrent, KeyMode, Mode, OnStoreError, Policy};
+use crate::policy::{Concurrent, DeadOwner, KeyMode, Mode, OnStoreError, Policy};
 use crate::problem::Problem;
-use crate::record::{now_ms, DecodeError, Finished, Processing, Record, Token, TraceRef};
+use crate::record::{
+    now_ms, Afterlife, DecodeError, Finished, Processing, Record, Token, TraceRef,
+};
 use crate::routes::{self, Judgement, Route, RouteName, RouteTable};
 use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
 use crate::telemetry;
@@ -329,6 +331,7 @@ impl Stop {
                 | Problem::Conflict { .. }
                 | Problem::Mismatch
                 | Problem::NotStored
+                | Problem::OutcomeUnknown
                 | Problem::RecordUnreadable => Some(p.outcome()),
                 _ => None,
             },
@@ -615,17 +618,23 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     // then has the key free for the next reserve; one that says so for ever
     // is not believed.
     let mut gone = 0;
+    // When a waiting duplicate next reads what is left of a reservation's
+    // time, to see whether its owner vanished: when its lease is due to end
+    // by the last reading (store time, counted here on the monotonic clock);
+    // `None`: at the next sighting.
+    let mut next_look: Option<Instant> = None;
     loop {
         let sent_at = Instant::now();
         patience.start(sent_at);
-        let found =
-            app.store
-                .reserve_at(sent_at, id.key.as_str(), processing.clone(), policy.lease);
+        let hold = policy.reservation_hold();
+        let found = app
+            .store
+            .reserve_at(sent_at, id.key.as_str(), processing.clone(), hold);
         let judged = match found.await.map_err(|e| reserve_failed(ctx, id, e))? {
             Reservation::Reserved => Ok(Judged::OURS),
             found => judge(ctx, id, token, found).await,
         };
-        let (verdict, ttl, fetched, original) = match judged {
+        let (verdict, mut ttl, fetched, original) = match judged {
             Ok(Judged::Verdict {
                 verdict,
                 ttl,
@@ -646,6 +655,51 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
                 return Err(stop);
             }
         };
+        if let Verdict::InFlight {
+            owner,
+            afterlife: Some(afterlife),
+            ..
+        } = verdict
+        {
+            // Looked for when the time left is known for free, on the first
+            // sighting, when the lease is due to end while a duplicate
+            // waits, and before a 409. Shadow mode too: it writes records
+            // as enforcement does, and counts what enforcement would answer.
+            let due = next_look.is_none_or(|at| Instant::now() >= at);
+            if ttl.is_some() || due || !patience.may_wait() {
+                let left = match time_left(ctx, id, ttl).await {
+                    Ok(left) => left,
+                    Err(stop) => {
+                        claim.disarm();
+                        return Err(stop);
+                    }
+                };
+                ttl = Some(left);
+                next_look = Some(Instant::now() + left.saturating_sub(afterlife.after));
+                if afterlife.lease_ended(left) {
+                    let mine = (token, created_ms, &processing);
+                    let vanished = (owner, afterlife);
+                    // A take-over that failed may have written the key for
+                    // this request: the claim, still armed, withdraws a
+                    // reservation of its own.
+                    match Box::pin(take_over(ctx, route, id, vanished, mine)).await? {
+                        TakeOver::Answer(stop) => {
+                            claim.disarm();
+                            return Err(stop);
+                        }
+                        TakeOver::Ours(sent_at) => {
+                            return Ok(Reserved {
+                                claim,
+                                created_ms,
+                                sent_at,
+                            });
+                        }
+                        // Renewed meanwhile: in flight after all, its time left to be read again.
+                        TakeOver::Refused => (ttl, next_look) = (None, None),
+                    }
+                }
+            }
+        }
         if matches!(verdict, Verdict::InFlight { .. }) {
             if patience.waits && waiting.is_none() && span.is_some() {
                 // A sibling of the reserve's span under the SERVER span, as
@@ -673,9 +727,11 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             Verdict::NotStored => Err(Stop::Refuse(Problem::NotStored)),
             Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
             Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
-            Verdict::InFlight { created_ms } => {
-                Err(conflict(ctx, route, id, ttl, created_ms).await?)
-            }
+            Verdict::InFlight {
+                created_ms,
+                afterlife,
+                ..
+            } => Err(conflict(ctx, route, id, ttl, (created_ms, afterlife)).await?),
         };
     }
 }
@@ -705,6 +761,11 @@ impl Patience {
     /// A reserve is sent at `sent_at`: the first starts the clock.
     fn start(&mut self, sent_at: Instant) {
         self.until.get_or_insert(sent_at + self.wait_timeout);
+    }
+
+    /// Would [`Patience::wait`] wait now?
+    fn may_wait(&self) -> bool {
+        self.waits && self.until.is_some_and(|u| Instant::now() < u)
     }
 
     /// Backs off before the next reserve, if the request waits and its time
@@ -743,26 +804,142 @@ async fn conflict(
     route: &Route,
     id: &Identity,
     ttl: Option<Duration>,
-    created_ms: u64,
+    (created_ms, afterlife): (u64, Option<Afterlife>),
 ) -> Result<Stop, Stop> {
-    let left = match ttl {
-        Some(ttl) => ttl,
-        None => ctx
-            .app
-            .store
-            .pttl(id.key.as_str())
-            .await
-            .map_err(|e| store_down(ctx, id, e, Taken::Yes))?,
-    };
-    // At most the lease: the first may have finished between the two round
-    // trips, and then PTTL is its record's TTL, not a lease.
-    let lease_left = left.min(route.policy.lease);
+    let left = time_left(ctx, id, ttl).await?;
+    // The store keeps a reservation its afterlife past its lease. At most
+    // the lease: the first may have finished between the two round trips,
+    // and then PTTL is its record's TTL, not a lease.
+    let after = afterlife.map_or(Duration::ZERO, |a| a.after);
+    let lease_left = left.saturating_sub(after).min(route.policy.lease);
     let ran = Duration::from_millis(now_ms().saturating_sub(created_ms));
     let retry_after = route.typical.retry_after(ran, lease_left);
     Ok(Stop::Refuse(Problem::Conflict { retry_after }))
 }
 
-/// The `processing` record a reserve writes.
+/// What is left of a reservation's time in the store: `ttl` when the
+/// reserve said it, else a `PTTL` (Redis), which a 409 pays anyway.
+async fn time_left(ctx: &Ctx<'_>, id: &Identity, ttl: Option<Duration>) -> Result<Duration, Stop> {
+    match ttl {
+        Some(ttl) => Ok(ttl),
+        None => ctx
+            .app
+            .store
+            .pttl(id.key.as_str())
+            .await
+            .map_err(|e| store_down(ctx, id, e, Taken::Yes)),
+    }
+}
+
+/// What became of a key whose owner vanished.
+enum TakeOver {
+    /// The unknown outcome is stored under the key: the request answers it.
+    Answer(Stop),
+    /// The key is ours (`re_execute`): the request runs again, its lease
+    /// counted from the instant given.
+    Ours(Instant),
+    /// The key changed meanwhile (its owner renewed it): in flight after all.
+    Refused,
+}
+
+/// A reservation whose lease ran out without its owner (its proxy died
+/// after the request may have reached the upstream): taken over in one
+/// owner-checked operation, as the reservation says — the 502
+/// `outcome-unknown` stored under a fresh token (a late owner's completion is
+/// refused by token), or the key reserved again for this request
+/// (`re_execute`). Counted and logged; docs/reference/behaviour.md#dead-owner.
+async fn take_over(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    id: &Identity,
+    (vanished, afterlife): (Token, Afterlife),
+    (token, created_ms, processing): (Token, u64, &Bytes),
+) -> Result<TakeOver, Stop> {
+    let (app, policy) = (ctx.app, &route.policy);
+    let sent_at = Instant::now();
+    let (value, hold) = match afterlife.then {
+        DeadOwner::ReExecute => (processing.clone(), policy.reservation_hold()),
+        DeadOwner::StoreUnknown => {
+            let record = unknown_outcome(ctx, route, id, token, created_ms);
+            match app.store.encode(id.key.as_str(), &record) {
+                Ok(value) => (value, policy.ttl),
+                Err(e) => {
+                    let e = StoreError::Backend(format!("the record cannot be sealed: {e}"));
+                    return Err(store_down(ctx, id, e, Taken::Yes));
+                }
+            }
+        }
+    };
+    let key = id.key.as_str();
+    let taken = app
+        .store
+        .take_over(key, vanished, afterlife.after, value, hold)
+        .await
+        .map_err(|e| store_down(ctx, id, e, Taken::Yes))?;
+    if !taken {
+        return Ok(TakeOver::Refused);
+    }
+    let handling = afterlife.then.as_str();
+    app.metrics.lease_expired(&route.name, handling);
+    let (trace_id, span_id) = ctx.log_ids();
+    warn!(
+        request_id = %ctx.request_id,
+        route = %route.name,
+        record_id = id.key.id(),
+        handling,
+        trace_id,
+        span_id,
+        "the key's owner vanished mid-request (its lease ran out): the request may have run; {}",
+        match afterlife.then {
+            DeadOwner::StoreUnknown => "its outcome is unknown, stored as a 502 outcome-unknown",
+            DeadOwner::ReExecute => "running it again (lease_expiry = \"re_execute\")",
+        }
+    );
+    Ok(match afterlife.then {
+        DeadOwner::ReExecute => TakeOver::Ours(sent_at),
+        DeadOwner::StoreUnknown => TakeOver::Answer(Stop::Refuse(Problem::OutcomeUnknown)),
+    })
+}
+
+/// The finished record of a vanished owner's unknown outcome: the 502
+/// `outcome-unknown` this request answers (as a gRPC error on a gRPC
+/// request), under this request's token, replayed to every later retry.
+fn unknown_outcome(
+    ctx: &Ctx<'_>,
+    route: &Route,
+    id: &Identity,
+    token: Token,
+    created_ms: u64,
+) -> Record {
+    let problem = Problem::OutcomeUnknown;
+    let (status, headers, body) = if ctx.grpc {
+        let (status, headers) = problem.render_grpc(&ctx.request_id);
+        (status, headers, Bytes::new())
+    } else {
+        problem.render(&ctx.request_id)
+    };
+    Record::Finished(Finished {
+        token,
+        fingerprint: id.fingerprint,
+        created_ms,
+        route: route.name.to_string(),
+        trace: ctx.trace_ref(),
+        completed_ms: now_ms(),
+        status: status.as_u16(),
+        reason: None,
+        body_stored: true,
+        headers: headers
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect(),
+        body,
+        trailers: Vec::new(),
+    })
+}
+
+/// The `processing` record a reserve writes, with its afterlife: how long
+/// the store keeps it past its lease, and what the route does with the key
+/// of an owner that never comes back.
 fn processing(
     route: &Route,
     id: &Identity,
@@ -770,12 +947,17 @@ fn processing(
     created_ms: u64,
     trace: Option<TraceRef>,
 ) -> Bytes {
+    let policy = &route.policy;
     Record::Processing(Processing {
         token,
         fingerprint: id.fingerprint,
         created_ms,
         route: route.name.to_string(),
         trace,
+        afterlife: Some(Afterlife {
+            after: policy.afterlife(),
+            then: policy.dead_owner(),
+        }),
     })
     .encode()
 }
@@ -1167,6 +1349,7 @@ mod tests {
             ),
             (Problem::Mismatch, Outcome::Mismatch),
             (Problem::NotStored, Outcome::NotStored),
+            (Problem::OutcomeUnknown, Outcome::UpstreamError),
             (Problem::RecordUnreadable, Outcome::Unreadable),
         ];
         for (p, want) in counted {

@@ -5,7 +5,7 @@ use http::header::{HeaderValue, CONTENT_LENGTH, DATE, SET_COOKIE};
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 
 use crate::body::Body;
-use crate::record::{Finished, Head, Record, Token};
+use crate::record::{Afterlife, Finished, Head, Record, Token};
 
 /// The meaning of the record that holds a key. (A replay's record is moved
 /// into the answer, not boxed: a boxed one would cost every replay an
@@ -19,8 +19,14 @@ pub enum Verdict {
     Replay(Finished),
     /// The same request, finished, but its answer was too large to keep.
     NotStored,
-    /// The same request, still in flight since `created_ms` (its reservation, Unix ms).
-    InFlight { created_ms: u64 },
+    /// The same request, still in flight since `created_ms` (its reservation,
+    /// Unix ms), or left behind by an `owner` that vanished: its reservation's
+    /// `afterlife` says how to tell (docs/reference/behaviour.md#dead-owner).
+    InFlight {
+        created_ms: u64,
+        owner: Token,
+        afterlife: Option<Afterlife>,
+    },
     /// Another request under the same key.
     Mismatch,
     /// A record this build cannot read: not ours, not to be replaced or bypassed.
@@ -41,6 +47,8 @@ impl Verdict {
             Record::Finished(_) => Verdict::NotStored,
             Record::Processing(p) => Verdict::InFlight {
                 created_ms: p.created_ms,
+                owner: p.token,
+                afterlife: p.afterlife,
             },
         }
     }
@@ -50,12 +58,16 @@ impl Verdict {
     /// Judges a record by its clear head alone, as [`Verdict::of`] would
     /// judge it whole; `None` when the verdict is a replay, the one verdict
     /// that needs the answer itself (a large record is then fetched whole).
+    /// A large reservation is a record being written piece by piece: its
+    /// owner is at work, never judged gone (no afterlife).
     pub fn of_head(head: &Head, token: Token, fingerprint: &[u8; 32]) -> Option<Verdict> {
         match head.finished {
             None if head.token == token => Some(Verdict::Ours),
             _ if head.fingerprint != *fingerprint => Some(Verdict::Mismatch),
             None => Some(Verdict::InFlight {
                 created_ms: head.created_ms,
+                owner: head.token,
+                afterlife: None,
             }),
             Some(answered) if !answered.body_stored => Some(Verdict::NotStored),
             Some(_) => None,
@@ -115,6 +127,7 @@ mod tests {
             created_ms: 1,
             route: "r".into(),
             trace: None,
+            afterlife: None,
         })
     }
 
@@ -156,7 +169,7 @@ mod tests {
     #[test]
     fn another_owner_with_the_same_request_is_in_flight() {
         let v = Verdict::of(processing(Token::new(), [1; 32]), Token::new(), &[1; 32]);
-        assert!(matches!(v, Verdict::InFlight { created_ms: 1 }));
+        assert!(matches!(v, Verdict::InFlight { created_ms: 1, .. }));
     }
 
     #[test]
@@ -207,6 +220,7 @@ mod tests {
 
     fn head(token: Token, fingerprint: [u8; 32], finished: Option<bool>) -> Head {
         Head {
+            afterlife: None,
             token,
             fingerprint,
             created_ms: 7,
@@ -231,7 +245,7 @@ mod tests {
     #[test]
     fn a_head_of_another_owner_in_flight_is_in_flight_since_its_creation() {
         let v = Verdict::of_head(&head(Token::new(), [1; 32], None), Token::new(), &[1; 32]);
-        assert!(matches!(v, Some(Verdict::InFlight { created_ms: 7 })));
+        assert!(matches!(v, Some(Verdict::InFlight { created_ms: 7, .. })));
     }
 
     #[test]

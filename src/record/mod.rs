@@ -13,6 +13,8 @@
 //! version 4 and 5 only: 16-byte trace id, 8-byte span id (the execution's)
 //! 'F' only: u64 completed unix ms, u16 status, u8 flags (bit 0: body stored)
 //!   — the head ends here; then the answer section:
+//! 'P' only, optional: the afterlife trailer, a tag byte ('U' or 'R') and a
+//!   u64 afterlife in ms (see below)
 //! version 1: u16 header count, per header: u16 + name, u32 + value; u32 + body
 //! version 2: as version 1, then u16 trailer count, per trailer as per header
 //! version 3 (sealed, docs/reference/store.md#record-format): u8 + key id, 12-byte nonce, then
@@ -54,9 +56,23 @@
 //! An older build reads a version-3 record as an unknown format version (500
 //! `record-unreadable`), never as something else.
 
+//!
+//! A reservation may end with an afterlife trailer: how long the store keeps
+//! it past its lease, and what becomes of the key if its owner never comes
+//! back (tag 'U': the 502 `outcome-unknown` is stored; 'R': the request runs
+//! again). Every build before it ignores a reservation's bytes after its head
+//! (a record written piece by piece reads as a reservation), so a rolling
+//! upgrade reads it. A record being written piece by piece has its `completed`
+//! stamp (a u64 of Unix ms, whose first byte is 0 until the year 2.2 million)
+//! right after its head: never one of the tags, so it never reads as a
+//! reservation with an afterlife.
+
+use std::time::Duration;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue};
 
+use crate::policy::DeadOwner;
 use crate::seal::{self, Keyring, OpenError, SealError, NONCE_BYTES, TAG_LEN};
 
 /// A clear record without trailers: every reservation, and most answers.
@@ -90,6 +106,13 @@ pub struct TraceRef {
 }
 pub const STATE_PROCESSING: u8 = b'P';
 pub const STATE_FINISHED: u8 = b'F';
+/// The afterlife trailer's tags: a dead owner's key gets the unknown outcome
+/// stored, or is run again. Neither is 0, the first byte of a `completed`
+/// stamp (what follows the head of a record written piece by piece).
+const AFTERLIFE_UNKNOWN: u8 = b'U';
+const AFTERLIFE_RE_EXECUTE: u8 = b'R';
+/// The trailer's length: its tag and a u64 of ms.
+const AFTERLIFE_LEN: usize = 1 + 8;
 /// Where the owner token sits; the Lua scripts read `string.sub(v, 3, 18)`.
 pub const TOKEN_RANGE: std::ops::Range<usize> = 2..18;
 /// The bytes of the head before the route name.
@@ -137,6 +160,28 @@ pub struct Processing {
     pub route: String,
     /// The executing request's trace context (tracing on), else `None`.
     pub trace: Option<TraceRef>,
+    /// How long the store keeps the reservation past its lease, and what
+    /// becomes of the key if the owner never completes it; `None` in a
+    /// reservation written without it (an older build).
+    pub afterlife: Option<Afterlife>,
+}
+
+/// A reservation's afterlife: the store keeps it for `lease + after`; once
+/// no more than `after` is left, the lease has run out without its owner
+/// (docs/reference/behaviour.md#dead-owner).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Afterlife {
+    pub after: Duration,
+    /// What the next request with the key does.
+    pub then: DeadOwner,
+}
+
+impl Afterlife {
+    /// Has the lease of a reservation with `left` of its store time run out?
+    /// (Clock-free: the store counts `left`; `after` is in the record.)
+    pub fn lease_ended(&self, left: Duration) -> bool {
+        !self.after.is_zero() && left <= self.after
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -176,6 +221,8 @@ pub struct Head {
     pub route: String,
     /// The executing request's trace context, when the record keeps it.
     pub trace: Option<TraceRef>,
+    /// A reservation's afterlife, when it has one.
+    pub afterlife: Option<Afterlife>,
     /// `None` while processing.
     pub finished: Option<Answered>,
     /// The id of the key that sealed the answer; `None` for a clear record.
@@ -264,16 +311,45 @@ fn read_head(b: &mut Bytes) -> Result<(u8, Head), DecodeError> {
         }
         _ => return Err(DecodeError::Malformed("unknown state")),
     };
+    // Read, not consumed: a reservation's trailer is not part of its head.
+    let afterlife = finished.is_none().then(|| read_afterlife(b)).flatten();
     let head = Head {
         token: Token(token),
         fingerprint,
         created_ms,
         route,
         trace,
+        afterlife,
         finished,
         sealed_with: None,
     };
     Ok((version, head))
+}
+
+/// The afterlife trailer of a reservation, from what follows its head: `None`
+/// when there is none (an older build's reservation) or when what follows
+/// is something else (a record being written piece by piece). Bytes after
+/// the trailer are left for later trailers.
+fn read_afterlife(rest: &[u8]) -> Option<Afterlife> {
+    let (&tag, ms) = rest.split_first()?;
+    let then = match tag {
+        AFTERLIFE_UNKNOWN => DeadOwner::StoreUnknown,
+        AFTERLIFE_RE_EXECUTE => DeadOwner::ReExecute,
+        _ => return None,
+    };
+    let ms: [u8; 8] = ms.get(..8)?.try_into().ok()?;
+    Some(Afterlife {
+        after: Duration::from_millis(u64::from_be_bytes(ms)),
+        then,
+    })
+}
+
+fn put_afterlife(b: &mut BytesMut, a: Afterlife) {
+    b.put_u8(match a.then {
+        DeadOwner::StoreUnknown => AFTERLIFE_UNKNOWN,
+        DeadOwner::ReExecute => AFTERLIFE_RE_EXECUTE,
+    });
+    b.put_u64(u64::try_from(a.after.as_millis()).unwrap_or(u64::MAX));
 }
 
 fn read_key_id(b: &mut Bytes) -> Result<String, DecodeError> {
@@ -337,7 +413,8 @@ impl Record {
     pub fn encode(&self) -> Bytes {
         match self {
             Record::Processing(p) => {
-                let mut b = BytesMut::with_capacity(FIXED_HEAD + 2 + p.route.len() + TRACE_BLOCK);
+                let len = FIXED_HEAD + 2 + p.route.len() + TRACE_BLOCK + AFTERLIFE_LEN;
+                let mut b = BytesMut::with_capacity(len);
                 let common = Common {
                     token: p.token,
                     fingerprint: &p.fingerprint,
@@ -351,6 +428,9 @@ impl Record {
                     VERSION_1
                 };
                 put_head(&mut b, version, common, None);
+                if let Some(a) = p.afterlife {
+                    put_afterlife(&mut b, a);
+                }
                 b.freeze()
             }
             Record::Finished(f) => {
@@ -415,6 +495,7 @@ impl Record {
                 created_ms: head.created_ms,
                 route: head.route,
                 trace: head.trace,
+                afterlife: head.afterlife,
             }));
         };
         let answer = if is_sealed(&[version]) {

@@ -10,6 +10,7 @@ fn roundtrip_both_states() {
         created_ms: 123,
         route: "payments".into(),
         trace: None,
+        afterlife: None,
     });
     assert_eq!(Record::decode(p.encode()).unwrap(), p);
     let f = Record::Finished(Finished {
@@ -91,6 +92,7 @@ fn garbage_is_an_error_not_a_panic() {
         created_ms: 123,
         route: "payments".into(),
         trace: None,
+        afterlife: None,
     })
     .encode();
     for cut in 0..p.len() {
@@ -217,6 +219,7 @@ fn a_sealed_record_being_written_in_pieces_reads_as_a_reservation() {
         created_ms: 1,
         route: "r".into(),
         trace: None,
+        afterlife: None,
     });
     assert_eq!(p.seal(&keys(OLD), ID).unwrap(), p.encode());
 }
@@ -279,6 +282,7 @@ fn a_trace_context_makes_a_version_4_record_that_roundtrips() {
         created_ms: 123,
         route: "payments".into(),
         trace: Some(TRACE),
+        afterlife: None,
     };
     let enc = Record::Processing(p.clone()).encode();
     assert_eq!((enc[0], enc[1]), (4, STATE_PROCESSING));
@@ -412,6 +416,7 @@ fn v4_v5_heads_truncated_in_the_trace_block_are_errors() {
         created_ms: 1,
         route: "r".into(),
         trace: Some(TRACE),
+        afterlife: None,
     })
     .encode();
     for cut in 0..p.len() {
@@ -467,4 +472,131 @@ fn a_reason_phrase_roundtrips_clear_sealed_and_traced_and_older_readers_stop_bef
     // A reason cut short is a malformed record, not a shorter reason.
     let cut = clear.slice(..clear.len() - 1);
     assert!(Record::decode(cut).is_err());
+}
+
+// The afterlife trailer of a reservation (docs/reference/behaviour.md#dead-owner).
+
+fn reservation(trace: Option<TraceRef>, afterlife: Option<Afterlife>) -> Processing {
+    Processing {
+        token: Token::new(),
+        fingerprint: [3; 32],
+        created_ms: 1_764_900_000_000,
+        route: "payments".into(),
+        trace,
+        afterlife,
+    }
+}
+
+#[test]
+fn a_reservation_keeps_its_afterlife_and_what_becomes_of_a_dead_owner() {
+    for then in [DeadOwner::StoreUnknown, DeadOwner::ReExecute] {
+        for trace in [None, Some(TRACE)] {
+            let afterlife = Afterlife {
+                after: Duration::from_secs(86_400),
+                then,
+            };
+            let with = reservation(trace, Some(afterlife));
+            let encoded = Record::Processing(with.clone()).encode();
+            assert_eq!(
+                Record::decode(encoded.clone()).unwrap(),
+                Record::Processing(with.clone())
+            );
+            // What an older build reads: the same head, then bytes it ignores
+            // (it reads every reservation's head alone).
+            let without = Processing {
+                afterlife: None,
+                ..with
+            };
+            let old = Record::Processing(without.clone()).encode();
+            assert_eq!(
+                &encoded[..old.len()],
+                &old[..],
+                "the trailer follows the head"
+            );
+            assert_eq!(encoded.len(), old.len() + AFTERLIFE_LEN);
+            let head = Head::decode(encoded).unwrap();
+            assert_eq!((head.token, head.finished), (without.token, None));
+            assert_eq!(
+                head.afterlife,
+                Some(afterlife),
+                "the head says it too (admin API)"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_reservation_without_a_trailer_has_no_afterlife() {
+    // Written by a build before the trailer, or with none to write.
+    let p = reservation(None, None);
+    let read = Record::decode(Record::Processing(p).encode()).unwrap();
+    assert!(matches!(read, Record::Processing(p) if p.afterlife.is_none()));
+    // A trailer cut short, or of an unknown tag, is no afterlife: such a
+    // reservation is never taken for a dead owner's.
+    let a = Afterlife {
+        after: Duration::from_secs(60),
+        then: DeadOwner::StoreUnknown,
+    };
+    let whole = Record::Processing(reservation(None, Some(a))).encode();
+    for cut in whole.len() - AFTERLIFE_LEN..whole.len() {
+        let read = Record::decode(whole.slice(..cut)).unwrap();
+        assert!(
+            matches!(read, Record::Processing(p) if p.afterlife.is_none()),
+            "{cut}"
+        );
+    }
+    let mut other = whole.to_vec();
+    let at = whole.len() - AFTERLIFE_LEN;
+    other[at] = b'X';
+    let read = Record::decode(Bytes::from(other)).unwrap();
+    assert!(matches!(read, Record::Processing(p) if p.afterlife.is_none()));
+}
+
+#[test]
+fn a_record_being_written_in_pieces_is_never_read_as_an_afterlife() {
+    // What follows the head of a piece in progress is its `completed` stamp:
+    // a u64 of Unix ms, whose first byte is 0 (never a tag).
+    for f in [
+        answer(),
+        Finished {
+            trace: Some(TRACE),
+            ..answer()
+        },
+        Finished {
+            completed_ms: now_ms(),
+            trailers: vec![],
+            ..answer()
+        },
+    ] {
+        let mut first_piece = Record::Finished(f.clone()).encode().to_vec();
+        first_piece[1] = STATE_PROCESSING;
+        for len in [first_piece.len(), 100] {
+            let piece = Bytes::from(first_piece[..len.min(first_piece.len())].to_vec());
+            let read = Record::decode(piece).unwrap();
+            assert!(
+                matches!(&read, Record::Processing(p) if p.token == f.token && p.afterlife.is_none()),
+                "{read:?}"
+            );
+        }
+    }
+    assert_eq!(now_ms().to_be_bytes()[0], 0);
+}
+
+#[test]
+fn a_lease_has_ended_once_no_more_than_the_afterlife_is_left() {
+    let a = Afterlife {
+        after: Duration::from_secs(10),
+        then: DeadOwner::StoreUnknown,
+    };
+    assert!(!a.lease_ended(Duration::from_millis(10_001)));
+    assert!(a.lease_ended(Duration::from_secs(10)));
+    assert!(a.lease_ended(Duration::ZERO));
+    let none = Afterlife {
+        after: Duration::ZERO,
+        ..a
+    };
+    assert!(
+        !none.lease_ended(Duration::ZERO),
+        "no afterlife, never judged"
+    );
 }

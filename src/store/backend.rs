@@ -50,6 +50,19 @@ pub(crate) trait Operations {
     ) -> Result<Completion, StoreError>;
     /// Extends the lease if `token` still owns the key.
     async fn renew(&self, key: &str, token: Token, lease: Duration) -> Result<bool, StoreError>;
+    /// Writes `value` (a finished record, or the taker's own reservation)
+    /// for `hold` in place of `dead`'s reservation, if the key still holds
+    /// it and no more than `afterlife` of its time is left: its lease ran out
+    /// and its owner never came back. True when written, or when the key
+    /// holds `value`'s token already (the same call, sent twice).
+    async fn take_over(
+        &self,
+        key: &str,
+        dead: Token,
+        afterlife: Duration,
+        value: Bytes,
+        hold: Duration,
+    ) -> Result<bool, StoreError>;
     /// Deletes the reservation if `token` still owns it.
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError>;
     /// The value and its remaining time; each round trip (each piece of a

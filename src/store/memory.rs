@@ -204,6 +204,26 @@ impl Operations for MemoryStore {
         Ok(owned)
     }
 
+    async fn take_over(
+        &self,
+        key: &str,
+        dead: Token,
+        afterlife: Duration,
+        value: Bytes,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut map = self.lock();
+        match map.live(key, now) {
+            // Taken already by this same call, sent twice.
+            Some(e) if e.value.get(TOKEN_RANGE) == value.get(TOKEN_RANGE) => return Ok(true),
+            Some(e) if owned_processing(&e.value, dead) && e.expires - now <= afterlife => {}
+            _ => return Ok(false),
+        }
+        map.put(key, value, now + hold, now);
+        Ok(true)
+    }
+
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();

@@ -574,6 +574,25 @@ impl Store {
         .await
     }
 
+    /// Takes over the reservation of `dead`, an owner whose lease ran out
+    /// (no more than `afterlife` left of its time): `value` is written in
+    /// its place for `hold`. False when the key holds something else now,
+    /// or its owner renewed it (docs/reference/behaviour.md#dead-owner).
+    pub async fn take_over(
+        &self,
+        key: &str,
+        dead: Token,
+        afterlife: Duration,
+        value: Bytes,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        self.timed(
+            "take_over",
+            backend!(&self.inner, b => b.take_over(key, dead, afterlife, value, hold)),
+        )
+        .await
+    }
+
     /// Frees our reservation so that a retry re-executes; false when it was not ours.
     pub async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
         self.timed("release", backend!(&self.inner, b => b.release(key, token)))

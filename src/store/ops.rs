@@ -1,7 +1,7 @@
 //! The Redis store's operations: a reserve is two plain commands in one
 //! write (`SET NX PX`, `GETRANGE`); the owner-checked writes are small Lua
-//! scripts beside this file (complete, renew, release, a large record's
-//! pieces); the rest are plain reads. Every operation touches one key.
+//! scripts beside this file (complete, renew, release, the take-over of a
+//! vanished owner's key, a large record's pieces); the rest are plain reads. Every operation touches one key.
 
 use std::sync::atomic::Ordering;
 use std::sync::LazyLock;
@@ -23,6 +23,7 @@ use crate::record::Token;
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("complete.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("renew.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+static TAKE_OVER: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("take_over.lua")));
 
 /// A reply, for an error message: its kind and size, never its bytes (a
 /// store that lies can send megabytes, and the message is logged).
@@ -358,6 +359,34 @@ impl Operations for RedisStore {
         Ok(n == 1)
     }
 
+    async fn take_over(
+        &self,
+        key: &str,
+        dead: Token,
+        afterlife: Duration,
+        value: Bytes,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.conns.conn().await?;
+        let (mut after_digits, mut hold_digits) = ([0; 20], [0; 20]);
+        let after = digits(ms(afterlife), &mut after_digits);
+        let hold = digits(ms(hold), &mut hold_digits);
+        let args: [&[u8]; 4] = [&dead.0, after, &value, hold];
+        let n: i64 = run_script(&mut conn, &TAKE_OVER, key, &args)
+            .await
+            .map_err(|e| self.backend(e))?;
+        if n == 1 && self.wait_replicas > 0 {
+            // As after a reserve: what took the key over is on enough
+            // replicas, or (a reservation of the taker's) withdrawn and the
+            // request refused; a failover must not bring back the vanished
+            // owner's reservation for a second taker to run again.
+            let taker = Token::of_record(&value)
+                .ok_or_else(|| StoreError::Backend("a record without an owner token".into()))?;
+            Box::pin(self.wait_for_replicas(&mut conn, key, taker)).await?;
+        }
+        Ok(n == 1)
+    }
+
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
         let mut conn = self.conns.conn().await?;
         let n: i64 = run_script(&mut conn, &RELEASE, key, &[&token.0])
@@ -402,7 +431,13 @@ impl Operations for RedisStore {
             .query_async(&mut conn)
             .await
             .map_err(|e| self.backend(e))?;
-        let scripts = [&*COMPLETE, &*RENEW, &*RELEASE, &*pieces::SCRIPT];
+        let scripts = [
+            &*COMPLETE,
+            &*RENEW,
+            &*RELEASE,
+            &*TAKE_OVER,
+            &*pieces::SCRIPT,
+        ];
         let hashes = scripts.map(|s| s.get_hash().to_string());
         let loaded: Vec<bool> = redis::cmd("SCRIPT")
             .arg("EXISTS")

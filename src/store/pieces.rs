@@ -33,8 +33,11 @@ use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 pub use super::PIECE;
 
 /// How long a record being written piece by piece is kept at least (its
-/// reservation's lease is extended to it): if the proxy dies mid-way, the
-/// half-written reservation goes when it ends.
+/// reservation's time is extended to it): if the proxy dies mid-way, the
+/// half-written reservation goes when that time ends — the reservation's
+/// lease and afterlife, as the first piece keeps them (it carries no
+/// afterlife trailer of its own, so it is never taken for a vanished
+/// owner's: docs/reference/behaviour.md#dead-owner).
 const WRITE_LEASE: Duration = Duration::from_secs(60);
 
 pub static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));

@@ -79,6 +79,7 @@ struct Statements {
     complete: String,
     renew: String,
     release: String,
+    take_over: String,
     pttl: String,
     first: String,
     piece: String,
@@ -139,6 +140,21 @@ impl Statements {
             release: format!(
                 "DELETE FROM {t} \
                  WHERE key = $1::text AND token = $2::bytea AND NOT finished AND expires_at > now()"
+            ),
+            // A vanished owner's reservation whose lease ran out: no more
+            // than its afterlife ($7) left, on the server's clock. A row
+            // that holds the taker's token already was taken by this same
+            // statement, sent twice (the outer read sees the row as it was
+            // before the update).
+            take_over: format!(
+                "WITH up AS (UPDATE {t} SET value = $2::bytea, token = $3::bytea, \
+                   finished = $4::boolean, expires_at = now() + $5::bigint * interval '1 millisecond' \
+                   WHERE key = $1::text AND token = $6::bytea AND NOT finished AND expires_at > now() \
+                     AND expires_at <= now() + $7::bigint * interval '1 millisecond' \
+                   RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM up) \
+                   OR EXISTS (SELECT 1 FROM {t} WHERE key = $1::text AND token = $3::bytea \
+                     AND expires_at > now())"
             ),
             pttl: format!("SELECT {MS_LEFT} FROM {t} WHERE key = $1::text AND expires_at > now()"),
             first: format!(
@@ -1187,6 +1203,34 @@ impl Operations for PostgresStore {
             )
             .await?;
         Ok(n == 1)
+    }
+
+    async fn take_over(
+        &self,
+        key: &str,
+        dead: Token,
+        afterlife: Duration,
+        value: Bytes,
+        hold: Duration,
+    ) -> Result<bool, StoreError> {
+        let taker = Token::of_record(&value)
+            .ok_or_else(|| StoreError::Backend("a record without an owner token".into()))?;
+        let finished = value.get(1) == Some(&crate::record::STATE_FINISHED);
+        let mut conn = self.conn().await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+            &key,
+            &&value[..],
+            &&taker.0[..],
+            &finished,
+            &ms(hold),
+            &&dead.0[..],
+            &ms(afterlife),
+        ];
+        let rows = self.query(&mut conn, &self.sql.take_over, &params).await?;
+        match rows.first() {
+            Some(row) => col::<bool>(row, 0),
+            None => Err(StoreError::Backend("a take-over without an answer".into())),
+        }
     }
 
     async fn release(&self, key: &str, token: Token) -> Result<bool, StoreError> {
