@@ -77,8 +77,12 @@ struct Outcome {
 }
 
 impl Outcome {
+    /// The proxy refused it (a 4xx problem of its own), as against answering for an
+    /// upstream that did not answer (a 5xx problem such as `upstream-timeout`).
     fn refused_by_proxy(&self) -> bool {
-        self.answers.iter().any(|a| a.problem.is_some())
+        self.answers
+            .iter()
+            .any(|a| a.problem.is_some() && (400..500).contains(&a.status))
     }
 }
 
@@ -259,7 +263,7 @@ fn report(
     let _ = writeln!(
         r,
         "\n{:<12} {:>8} {:>10} {:>10} {:>10}   not run: the answers (first / second)",
-        "framework", "reached", "ran-twice", "refused", "passed"
+        "framework", "reached", "ran-twice", "refused", "not-run"
     );
     for f in Framework::ALL {
         let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.framework == f).collect();
@@ -269,7 +273,7 @@ fn report(
             .iter()
             .filter(|o| o.runs == 0 && o.refused_by_proxy())
             .count();
-        let passed = mine
+        let not_run = mine
             .iter()
             .filter(|o| o.runs == 0 && !o.refused_by_proxy())
             .count();
@@ -289,15 +293,16 @@ fn report(
         let answers: Vec<String> = answers.iter().map(|(a, n)| format!("{a}×{n}")).collect();
         let _ = writeln!(
             r,
-            "{:<12} {reached:>8} {twice:>10} {refused:>10} {passed:>10}   {}",
+            "{:<12} {reached:>8} {twice:>10} {refused:>10} {not_run:>10}   {}",
             f.name(),
             answers.join(", ")
         );
     }
     let _ = writeln!(
         r,
-        "(reached: a handler ran; refused: the proxy answered a problem and nothing ran; \
-         passed: nothing ran, the answers were the upstream's or the connection's)"
+        "(reached: a handler ran; refused: nothing ran, the proxy answered a 4xx problem; \
+         not-run: nothing ran, the answers were the upstream's, or the proxy's for an \
+         upstream that did not answer)"
     );
 
     // Which single mutations the violations contain, per framework.
@@ -384,6 +389,7 @@ fn status_word(a: &Answer) -> String {
     match (&a.problem, a.status) {
         (Some(p), s) => format!("{s} {p}"),
         (None, 0) => "none".to_string(),
+        (None, s) if a.empty => format!("{s} (no body)"),
         (None, s) => s.to_string(),
     }
 }

@@ -19,6 +19,9 @@ pub struct Answer {
     /// The problem type's last path segment, when the answer is an RFC 9457 problem.
     pub problem: Option<String>,
     pub replayed: bool,
+    /// No body at all (HTTP/1.1: nothing after the head): the proxy's own parse
+    /// errors look like this, most frameworks' answers do not.
+    pub empty: bool,
     /// Why there was no answer.
     pub error: Option<String>,
 }
@@ -29,6 +32,7 @@ impl Answer {
             status: 0,
             problem: None,
             replayed: false,
+            empty: true,
             error: Some(error),
         }
     }
@@ -88,9 +92,11 @@ pub async fn send_h1(proxy: SocketAddr, request: &[u8]) -> Answer {
         Err(_) => return Answer::none("timed out".to_string()),
     };
     let text = String::from_utf8_lossy(&buf);
+    // HTTP/1.0 too: the proxy relays the version of an upstream that answers 1.0 (aiohttp
+    // to a request it cannot parse).
     let Some(status) = text
-        .strip_prefix("HTTP/1.1 ")
-        .and_then(|rest| rest.get(..3))
+        .strip_prefix("HTTP/1.")
+        .and_then(|rest| rest.get(2..5))
         .and_then(|s| s.parse().ok())
     else {
         return Answer::none("closed".to_string());
@@ -104,6 +110,7 @@ pub async fn send_h1(proxy: SocketAddr, request: &[u8]) -> Answer {
             .then(|| problem_type(body))
             .flatten(),
         replayed: head.contains("idempotent-replayed: true"),
+        empty: body.is_empty() || body == "0\r\n\r\n",
         error: None,
     }
 }
@@ -182,6 +189,7 @@ async fn send_h2(
                 .then(|| problem_type(&String::from_utf8_lossy(&bytes)))
                 .flatten(),
             replayed,
+            empty: bytes.is_empty(),
             error: None,
         })
     };
