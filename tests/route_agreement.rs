@@ -40,9 +40,10 @@ use wire::Answer;
 const DEFAULT_SEED: u64 = 0x1de9_2026;
 /// Spellings per framework when `IDEMPROXY_AGREEMENT_CASES` is not set: within the
 /// 3-minute budget on 2 cores with room to spare.
-const DEFAULT_CASES: usize = 400;
-/// Spellings in flight at once per framework (the frameworks run side by side too).
-const WORKERS_PER_FRAMEWORK: usize = 3;
+const DEFAULT_CASES: usize = 800;
+/// Spellings in flight at once per framework (the frameworks run side by side too): more
+/// than the cores, because a spelling puma leaves unanswered waits out the upstream timeout.
+const WORKERS_PER_FRAMEWORK: usize = 6;
 
 /// The protected routes: the same as every app's handlers.
 const ROUTES: &str = r#"
@@ -163,7 +164,7 @@ async fn run_framework(upstream: Arc<Upstream>, cases: Arc<Vec<Case>>) -> Vec<Ou
     // Puma leaves some requests unanswered (lower-case methods): a short upstream timeout
     // keeps those from holding a worker for long (the 504 is stored, and counts as an answer).
     let text = ConfigBuilder::new(&upstream.url())
-        .server("upstream_timeout = \"3s\"")
+        .server("upstream_timeout = \"2s\"")
         .routes(ROUTES)
         .build();
     let proxy = Proxy::in_process(&text, &[]).await;
