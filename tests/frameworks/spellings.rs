@@ -111,6 +111,8 @@ pub enum Mutation {
     MethodCase,
     /// `X-HTTP-Method-Override` and its cousins.
     MethodOverride,
+    /// A form body with `_method=PATCH` (Rack::MethodOverride reads it).
+    FormMethod,
     /// A query string.
     Query,
     /// Sent over HTTP/2 (h2c, prior knowledge) instead of HTTP/1.1.
@@ -119,7 +121,7 @@ pub enum Mutation {
 
 impl Mutation {
     /// What a case is composed of ([`Mutation::Http2`] is chosen apart: a quarter of the cases).
-    const COMPOSABLE: [Mutation; 16] = [
+    const COMPOSABLE: [Mutation; 17] = [
         Mutation::DotSegment,
         Mutation::DotDot,
         Mutation::DotParam,
@@ -135,6 +137,7 @@ impl Mutation {
         Mutation::SegmentCase,
         Mutation::MethodCase,
         Mutation::MethodOverride,
+        Mutation::FormMethod,
         Mutation::Query,
     ];
 
@@ -155,6 +158,7 @@ impl Mutation {
             Mutation::SegmentCase => "segment-case",
             Mutation::MethodCase => "method-case",
             Mutation::MethodOverride => "method-override",
+            Mutation::FormMethod => "form-method",
             Mutation::Query => "query",
             Mutation::Http2 => "http2",
         }
@@ -173,6 +177,8 @@ pub struct Case {
     absolute: Option<&'static str>,
     /// Request headers beyond the fixed ones (the method overrides).
     pub headers: Vec<(String, String)>,
+    /// `Some(method)`: a form body `_method=<method>` instead of `{}`.
+    form_method: Option<&'static str>,
     pub http2: bool,
     /// What was applied, sorted, each once.
     pub mutations: Vec<Mutation>,
@@ -188,6 +194,15 @@ impl Case {
         t.extend_from_slice(&self.path);
         t.extend_from_slice(&self.query);
         t
+    }
+
+    /// The content type and the body.
+    pub fn body(&self) -> (&'static str, &'static str) {
+        match self.form_method {
+            Some("PATCH") => ("application/x-www-form-urlencoded", "_method=PATCH"),
+            Some(_) => ("application/x-www-form-urlencoded", "_method=patch"),
+            None => ("application/json", "{}"),
+        }
     }
 
     /// The path and query as an HTTP/2 `:path`.
@@ -223,6 +238,9 @@ impl fmt::Display for Case {
         )?;
         for (name, value) in &self.headers {
             write!(f, " + {name}: {value}")?;
+        }
+        if self.form_method.is_some() {
+            write!(f, " + body {}", self.body().1)?;
         }
         Ok(())
     }
@@ -289,6 +307,7 @@ struct Builder {
     query: Vec<u8>,
     absolute: Option<&'static str>,
     headers: Vec<(String, String)>,
+    form_method: Option<&'static str>,
     http2: bool,
     mutations: Vec<Mutation>,
 }
@@ -308,6 +327,7 @@ impl Builder {
             query: Vec::new(),
             absolute: None,
             headers: Vec::new(),
+            form_method: None,
             http2: false,
             mutations: Vec::new(),
         }
@@ -397,7 +417,8 @@ impl Builder {
             Mutation::Suffix => {
                 let at = if rng.percent(80) { n - 1 } else { rng.below(n) };
                 let mut suffix = b".".to_vec();
-                match rng.below(5) {
+                match rng.below(6) {
+                    5 => {} // a bare dot
                     0 => suffix.extend_from_slice(b"json"),
                     1 => suffix.extend_from_slice(b"xml"),
                     2 => suffix.extend_from_slice(b"html"),
@@ -501,6 +522,11 @@ impl Builder {
                 };
                 self.headers.push((name.to_string(), value));
             }
+            Mutation::FormMethod => {
+                // A POST that asks to be run as the protected PATCH (or as PATCH at all).
+                self.method = "POST".to_string();
+                self.form_method = Some(*rng.pick(&["PATCH", "patch"]));
+            }
             Mutation::Query => {
                 let q = rng.pick(&[
                     "?",
@@ -509,6 +535,8 @@ impl Builder {
                     "?a=/../b",
                     "?_method=PATCH",
                     "?%2e%2e",
+                    "#f",
+                    "?x=1#f",
                 ]);
                 self.query = q.as_bytes().to_vec();
             }
@@ -545,6 +573,7 @@ impl Builder {
             query: self.query,
             absolute: self.absolute,
             headers: self.headers,
+            form_method: self.form_method,
             http2: self.http2,
             mutations: self.mutations,
         }

@@ -64,14 +64,17 @@ pub fn h1_request(case: &Case, proxy: SocketAddr, key: &str) -> Vec<u8> {
     req.push(b' ');
     req.extend_from_slice(&case.target(&proxy.to_string()));
     req.extend_from_slice(b" HTTP/1.1\r\n");
+    let (content_type, body) = case.body();
     let mut head = format!(
-        "Host: {proxy}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\n\
-         Content-Length: 2\r\nConnection: close\r\n"
+        "Host: {proxy}\r\nIdempotency-Key: {key}\r\nContent-Type: {content_type}\r\n\
+         Content-Length: {}\r\nConnection: close\r\n",
+        body.len()
     );
     for (name, value) in &case.headers {
         head.push_str(&format!("{name}: {value}\r\n"));
     }
-    head.push_str("\r\n{}");
+    head.push_str("\r\n");
+    head.push_str(body);
     req.extend_from_slice(head.as_bytes());
     req
 }
@@ -148,11 +151,12 @@ async fn send_h2(
     key: &str,
 ) -> Answer {
     let pq = String::from_utf8(case.path_and_query()).expect("an HTTP/2 :path is ASCII");
+    let (content_type, body) = case.body();
     let mut req = http::Request::builder()
         .method(case.method.as_str())
         .uri(format!("http://{proxy}{pq}"))
         .header("idempotency-key", key)
-        .header("content-type", "application/json");
+        .header("content-type", content_type);
     for (name, value) in &case.headers {
         req = req.header(name.to_ascii_lowercase(), value);
     }
@@ -164,7 +168,7 @@ async fn send_h2(
         let mut client = client.ready().await.map_err(|e| e.to_string())?;
         let (resp, mut stream) = client.send_request(req, false).map_err(|e| e.to_string())?;
         stream
-            .send_data(Bytes::from_static(b"{}"), true)
+            .send_data(Bytes::from_static(body.as_bytes()), true)
             .map_err(|e| e.to_string())?;
         let resp = resp.await.map_err(|e| e.to_string())?;
         let status = resp.status().as_u16();
