@@ -42,8 +42,14 @@ const DEFAULT_SEED: u64 = 0x1de9_2026;
 /// 3-minute budget on 2 cores with room to spare.
 const DEFAULT_CASES: usize = 800;
 /// Spellings in flight at once per framework (the frameworks run side by side too): more
-/// than the cores, because a spelling puma leaves unanswered waits out the upstream timeout.
-const WORKERS_PER_FRAMEWORK: usize = 6;
+/// than the cores, because a spelling an upstream leaves unanswered waits out the upstream
+/// timeout; twice as many for Rails, whose puma leaves about one spelling in ten so.
+fn workers_for(framework: Framework) -> usize {
+    match framework {
+        Framework::Rails => 12,
+        _ => 6,
+    }
+}
 
 /// The protected routes: the same as every app's handlers.
 const ROUTES: &str = r#"
@@ -171,7 +177,7 @@ async fn run_framework(upstream: Arc<Upstream>, cases: Arc<Vec<Case>>) -> Vec<Ou
     let next = Arc::new(AtomicUsize::new(0));
     let outcomes = Arc::new(Mutex::new(Vec::new()));
     let mut workers = Vec::new();
-    for _ in 0..WORKERS_PER_FRAMEWORK {
+    for _ in 0..workers_for(upstream.framework) {
         let (upstream, cases, next, outcomes) = (
             upstream.clone(),
             cases.clone(),
