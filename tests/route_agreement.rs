@@ -312,6 +312,32 @@ fn report(
          upstream that did not answer)"
     );
 
+    // CONTRACT §14 refuses a control character in the path outright: how the
+    // spellings with one fared (informational; the property is the one above).
+    let _ = writeln!(
+        r,
+        "\ncontrol characters in the path (raw or %00-%1F, %7F): refused with a problem / \
+         reached a handler / neither"
+    );
+    for f in Framework::ALL {
+        let with: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| o.framework == f && cases[o.case].has_control())
+            .collect();
+        let refused = with.iter().filter(|o| o.refused_by_proxy()).count();
+        let reached = with.iter().filter(|o| o.runs >= 1).count();
+        let neither = with
+            .iter()
+            .filter(|o| o.runs == 0 && !o.refused_by_proxy())
+            .count();
+        let _ = writeln!(
+            r,
+            "  {:<12} {} spellings: {refused} / {reached} / {neither}",
+            f.name(),
+            with.len()
+        );
+    }
+
     // Which single mutations the violations contain, per framework.
     let violations: Vec<&Outcome> = outcomes.iter().filter(|o| o.runs > 1).collect();
     let _ = writeln!(

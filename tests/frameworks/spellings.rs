@@ -224,6 +224,17 @@ impl Case {
     pub fn is_canonical(&self) -> bool {
         self.mutations.is_empty()
     }
+
+    /// Whether the path holds a control character, raw or percent-encoded (`%00`–`%1F`,
+    /// `%7F`): what CONTRACT §14 has the proxy refuse outright on a protected method.
+    pub fn has_control(&self) -> bool {
+        let p = &self.path;
+        p.iter().any(|&b| b < 0x20 || b == 0x7f)
+            || p.windows(3).any(|w| {
+                w[0] == b'%'
+                    && matches!((w[1], w[2].to_ascii_uppercase()), (b'0' | b'1', b'0'..=b'9' | b'A'..=b'F') | (b'7', b'F'))
+            })
+    }
 }
 
 impl fmt::Display for Case {
