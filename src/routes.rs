@@ -254,12 +254,18 @@ pub fn without_format_suffix(path: &str) -> Option<&str> {
 /// each segment (Servlet containers, Spring). None when the path has none of
 /// `%`, `;` or `\` (then only letter case can differ, which the broad match
 /// ignores). Never forwarded: the upstream gets the request-target as sent.
-fn broad_text(path: &str) -> Option<String> {
+fn broad_text(path: &str, backslash: Backslash) -> Option<String> {
     if !path.bytes().any(|b| matches!(b, b'%' | b';' | b'\\')) {
         return None;
     }
     let decoded = decode_all(path);
-    let text = String::from_utf8_lossy(&decoded).replace('\\', "/");
+    let text = String::from_utf8_lossy(&decoded);
+    let text = match backslash {
+        Backslash::Separator => text.replace('\\', "/"),
+        // Only where there is one (raw or `%5C`): else it is the other spelling.
+        Backslash::Kept if text.contains('\\') => text.into_owned(),
+        Backslash::Kept => return None,
+    };
     let mut cut = String::with_capacity(text.len());
     for (i, seg) in text.split('/').enumerate() {
         if i > 0 {
@@ -270,24 +276,38 @@ fn broad_text(path: &str) -> Option<String> {
     Some(cut)
 }
 
+/// What a `\\` is in a broad spelling: a separator (IIS), or a character of
+/// its segment (Go's `net/http`, which decodes `%2F` but not `\\`).
+#[derive(Clone, Copy)]
+enum Backslash {
+    Separator,
+    Kept,
+}
+
 /// The spellings of one request path that upstream frameworks route by
 /// (docs/routes-and-keys.md#what-is-protected): the normalised path, the
-/// path with its dot segments kept, and the broad forms of both. Each is
-/// also tried without its format suffix, on routes that take one.
+/// path with its dot segments kept, and the broad forms of both (`\\` a
+/// separator, and kept). Each is also tried without its format suffix, on
+/// routes that take one.
 struct Spellings<'a> {
     /// Compared with the routes' literals as written.
     exact: [Option<Cow<'a, str>>; 2],
     /// Compared with the decoded literals, letters in any case.
-    broad: [Option<String>; 2],
+    broad: [Option<String>; 4],
 }
 
 impl<'a> Spellings<'a> {
     fn of(path: &'a str) -> Self {
-        let text = broad_text(path);
-        let broad = match &text {
-            Some(text) => [Some(normalise(text).into_owned()), with_dot_segments(text)],
-            None => [None, None],
-        };
+        let mut broad = [None, None, None, None];
+        for (i, backslash) in [Backslash::Separator, Backslash::Kept]
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(text) = broad_text(path, backslash) {
+                broad[2 * i] = Some(normalise(&text).into_owned());
+                broad[2 * i + 1] = with_dot_segments(&text);
+            }
+        }
         Spellings {
             exact: [
                 Some(normalise(path)),
@@ -617,7 +637,7 @@ impl RouteTable {
         broad: bool,
     ) -> Option<usize> {
         // Each spelling with its suffix cut, once for every route.
-        let mut each: [Option<(&str, Option<&str>)>; 4] = [None; 4];
+        let mut each: [Option<(&str, Option<&str>)>; 6] = [None; 6];
         for (slot, s) in each.iter_mut().zip(spellings.each(broad)) {
             *slot = Some((s, without_format_suffix(s)));
         }
@@ -906,6 +926,9 @@ mod tests {
         ] {
             assert_eq!(t.position(&Method::POST, target), Some(1), "{target}");
         }
+        // Go decodes `%2F` and keeps `\\`: its `{id}` is `a\\b` here.
+        assert_eq!(t.position(&Method::POST, "/v1/orders%2Fa%5Cb/pay"), Some(1));
+        assert_eq!(t.position(&Method::POST, "/v1/orders%2F..%5C/pay"), Some(1));
         // Resolved, they are still the paths they lead to.
         assert_eq!(t.position(&Method::POST, "/v1/x/../payments"), Some(0));
         assert_eq!(t.position(&Method::POST, "/v1/orders/1/pay/.."), None);
