@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""idemproxy under hostile load (CONTRACT §8, issue 10 "Show").
+"""idemproxy under hostile load (the hostile-conditions requirements, issue 10 "Show").
 
 Starts, on loopback ports of its own: a redis-server, an upstream of its own
 (a "legacy payments API" that counts executions per Idempotency-Key and can

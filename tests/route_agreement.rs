@@ -1,4 +1,4 @@
-//! Route agreement (CONTRACT §14): the proxy and real upstream frameworks agree on which
+//! Route agreement (docs/routes-and-keys.md#what-is-protected): the proxy and real upstream frameworks agree on which
 //! request is protected: every spelling, sent twice with one key, runs a handler at most once.
 //!
 //! Eight real upstreams (tests/frameworks: Flask, FastAPI on uvicorn, aiohttp, Django REST
@@ -312,7 +312,7 @@ fn report(
          upstream that did not answer)"
     );
 
-    // CONTRACT §14 refuses a control character in the path outright: how the
+    // The proxy refuses a control character in the path outright: how the
     // spellings with one fared (informational; the property is the one above).
     let _ = writeln!(
         r,

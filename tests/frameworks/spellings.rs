@@ -226,7 +226,7 @@ impl Case {
     }
 
     /// Whether the path holds a control character, raw or percent-encoded (`%00`–`%1F`,
-    /// `%7F`): what CONTRACT §14 has the proxy refuse outright on a protected method.
+    /// `%7F`): what the proxy refuses outright on a protected method (docs/routes-and-keys.md#what-is-refused).
     pub fn has_control(&self) -> bool {
         let p = &self.path;
         p.iter().any(|&b| b < 0x20 || b == 0x7f)
