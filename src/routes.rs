@@ -112,8 +112,12 @@ impl PathPattern {
     /// spellings, exactly or broadly (see [`RouteTable::judge`]), suffixes aside?
     pub fn matches(&self, path: &str) -> bool {
         let spellings = Spellings::of(path);
-        spellings.each(false).any(|s| self.matches_normal(s, false))
-            || spellings.each(true).any(|s| self.matches_normal(s, true))
+        spellings
+            .each(false, true)
+            .any(|s| self.matches_normal(s, false))
+            || spellings
+                .each(true, true)
+                .any(|s| self.matches_normal(s, true))
     }
 
     /// Does a path [`normalise`] made match? `broad`: a broad spelling ([`Spellings`])
@@ -232,18 +236,35 @@ fn squash(path: &str, resolve: bool) -> Cow<'_, str> {
 /// `(.:format)` and Django REST framework's format suffixes take it
 /// (`/v1/payments.json` is `/v1/payments`). `None` when the last segment has
 /// no `.`, or is itself a dot segment.
-pub fn without_format_suffix(path: &str) -> Option<&str> {
-    let last = path.rfind('/')?;
+#[cfg(test)]
+fn without_format_suffix(path: &str) -> Option<&str> {
+    format_cuts(path)[0]
+}
+
+/// The path cut at the last `.` of its last segment, and (when it has
+/// another) at its first: Rails matches the path before decoding it, so in
+/// `/v1/payments.xml%2ejson` its format is all of `xml%2ejson`, while the
+/// decoded spelling's last `.` is the encoded one.
+fn format_cuts(path: &str) -> [Option<&str>; 2] {
+    let Some(last) = path.rfind('/') else {
+        return [None, None];
+    };
     let segment = &path[last + 1..];
     if segment == "." || segment == ".." {
-        return None;
+        return [None, None];
     }
-    let dot = last + 1 + segment.rfind('.')?;
-    match &path[..dot] {
+    let cut = |dot: usize| match &path[..last + 1 + dot] {
         // A segment that was all suffix (`/v1/payments/.json`): its parent.
-        p if p.len() == last + 1 && last > 0 => Some(&path[..last]),
-        "/" => Some("/"),
-        p => Some(p),
+        p if p.len() == last + 1 && last > 0 => &path[..last],
+        "" | "/" => "/",
+        p => p,
+    };
+    match (segment.find('.'), segment.rfind('.')) {
+        (Some(first), Some(last_dot)) if first != last_dot => {
+            [Some(cut(last_dot)), Some(cut(first))]
+        }
+        (_, Some(last_dot)) => [Some(cut(last_dot)), None],
+        _ => [None, None],
     }
 }
 
@@ -319,9 +340,11 @@ impl<'a> Spellings<'a> {
 
     /// The spellings for one pass: the exact ones; or (`broad`) the broad
     /// ones, and those exact ones that a broad comparison could match where
-    /// the exact one did not (with a capital letter or an escape in them).
-    fn each(&self, broad: bool) -> impl Iterator<Item = &str> {
-        let differs = |s: &&str| s.bytes().any(|b| b.is_ascii_uppercase() || b == b'%');
+    /// the exact one did not (with a capital letter or an escape in them;
+    /// every one when `cased`: a route's literal has them).
+    fn each(&self, broad: bool, cased: bool) -> impl Iterator<Item = &str> {
+        let differs =
+            move |s: &&str| cased || s.bytes().any(|b| b.is_ascii_uppercase() || b == b'%');
         let exact = self.exact.iter().flatten().map(|s| &**s);
         let more = self.broad.iter().flatten().map(String::as_str);
         exact
@@ -341,12 +364,24 @@ struct Methods<'a> {
     any: bool,
 }
 
-/// The headers frameworks take a method override from.
+/// The headers frameworks take a method override from, as hyper names them
+/// (lower case), `_` read as `-`: puma gives `X_HTTP_METHOD_OVERRIDE` and
+/// `X-HTTP-Method-Override` the same CGI name.
 const OVERRIDE_HEADERS: [&str; 3] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
 ];
+
+/// Is `name` one of [`OVERRIDE_HEADERS`], `_` taken as `-`?
+fn is_override_header(name: &str) -> bool {
+    OVERRIDE_HEADERS.iter().any(|o| {
+        o.len() == name.len()
+            && o.bytes()
+                .zip(name.bytes())
+                .all(|(a, b)| a == b || (a == b'-' && b == b'_'))
+    })
+}
 
 impl<'a> Methods<'a> {
     /// The request's own method and overrides (`any` is the caller's to set).
@@ -355,17 +390,18 @@ impl<'a> Methods<'a> {
         // One walk over the names (a lookup by a name given as text parses
         // and hashes it: three of them cost more than the walk).
         for name in headers.keys() {
-            if OVERRIDE_HEADERS.contains(&name.as_str()) {
+            if is_override_header(name.as_str()) {
                 for value in headers.get_all(name) {
                     let text = value.as_bytes();
                     overrides.extend(text.split(|b| *b == b',').filter_map(method_named));
                 }
             }
         }
-        if let Some(query) = query.filter(|q| q.contains('_') && q.contains("_method")) {
+        if let Some(query) = query {
             for pair in query.split('&') {
-                if let Some(value) = pair.strip_prefix("_method=") {
-                    overrides.extend(method_named(&decode_all(value)));
+                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                if is_method_key(key) {
+                    overrides.extend(method_named(&form_decoded(value)));
                 }
             }
         }
@@ -386,16 +422,40 @@ impl<'a> Methods<'a> {
     }
 }
 
-/// A method named in an override, trimmed; `None` when it is no method.
-fn method_named(text: &[u8]) -> Option<Method> {
-    let text = text.trim_ascii();
-    (!text.is_empty()).then(|| Method::from_bytes(text).ok())?
+/// Is a query key `_method` once decoded as frameworks decode it (escapes
+/// and `+`; PHP also takes `.` and a space for `_`)? Letters in any case.
+fn is_method_key(key: &str) -> bool {
+    if key.len() < 7 {
+        return false;
+    }
+    let key = form_decoded(key);
+    key.len() == 7
+        && matches!(key[0], b'_' | b'.' | b' ')
+        && key[1..].eq_ignore_ascii_case(b"method")
 }
 
-/// A form body (urlencoded or multipart), where a `_method` field may override the method.
+/// A query key or value decoded as a form decodes it: `+` a space, escapes.
+fn form_decoded(text: &str) -> Vec<u8> {
+    let mut out = decode_all(&text.replace('+', " "));
+    out.shrink_to_fit();
+    out
+}
+
+/// A method named in an override, without what frameworks trim around it
+/// (anything but letters: JavaScript's `trim()` also takes a latin-1
+/// no-break space); `None` when it is no method.
+fn method_named(text: &[u8]) -> Option<Method> {
+    let start = text.iter().position(u8::is_ascii_alphabetic)?;
+    let end = text.iter().rposition(u8::is_ascii_alphabetic)?;
+    Method::from_bytes(&text[start..=end]).ok()
+}
+
+/// A body where a `_method` field may override the method: a form
+/// (urlencoded, any `multipart/*`), or one whose type is not given, which
+/// Rack also parses as a form.
 fn is_form(headers: &HeaderMap) -> bool {
     let Some(value) = headers.get(http::header::CONTENT_TYPE) else {
-        return false;
+        return true;
     };
     let value = value.as_bytes().trim_ascii_start();
     let starts = |prefix: &[u8]| {
@@ -403,7 +463,7 @@ fn is_form(headers: &HeaderMap) -> bool {
             .get(..prefix.len())
             .is_some_and(|v| v.eq_ignore_ascii_case(prefix))
     };
-    starts(b"application/x-www-form-urlencoded") || starts(b"multipart/form-data")
+    value.is_empty() || starts(b"application/x-www-form-urlencoded") || starts(b"multipart/")
 }
 
 /// Does the path hold a control character, raw or percent-encoded
@@ -559,6 +619,9 @@ impl Route {
     }
 }
 
+/// A spelling of a path with its format suffixes cut ([`format_cuts`]).
+type Spelt<'s> = (&'s str, [Option<&'s str>; 2]);
+
 /// What the route table makes of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Judgement {
@@ -575,11 +638,20 @@ pub enum Judgement {
 #[derive(Debug, Default)]
 pub struct RouteTable {
     routes: Vec<Route>,
+    /// A route's literal has a capital letter or an escape: the broad pass
+    /// compares every spelling, not only those with one.
+    cased: bool,
 }
 
 impl RouteTable {
     pub fn new(routes: Vec<Route>) -> Self {
-        RouteTable { routes }
+        let cased = routes.iter().any(|r| {
+            r.path
+                .text
+                .bytes()
+                .any(|b| b.is_ascii_uppercase() || b == b'%')
+        });
+        RouteTable { routes, cased }
     }
 
     /// The route that protects a request, if any (see [`RouteTable::judge`]).
@@ -637,16 +709,19 @@ impl RouteTable {
         broad: bool,
     ) -> Option<usize> {
         // Each spelling with its suffix cut, once for every route.
-        let mut each: [Option<(&str, Option<&str>)>; 6] = [None; 6];
-        for (slot, s) in each.iter_mut().zip(spellings.each(broad)) {
-            *slot = Some((s, without_format_suffix(s)));
+        let mut each: [Option<Spelt<'_>>; 6] = [None; 6];
+        for (slot, s) in each.iter_mut().zip(spellings.each(broad, self.cased)) {
+            *slot = Some((s, format_cuts(s)));
         }
         self.routes.iter().position(|r| {
             methods.among(&r.methods)
-                && each.iter().flatten().any(|(s, cut)| {
+                && each.iter().flatten().any(|(s, cuts)| {
                     r.path.matches_normal(s, broad)
                         || (r.policy.format_suffix
-                            && cut.is_some_and(|s| r.path.matches_normal(s, broad)))
+                            && cuts
+                                .iter()
+                                .flatten()
+                                .any(|s| r.path.matches_normal(s, broad)))
                 })
         })
     }
@@ -703,7 +778,7 @@ impl RouteTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderName;
+    use http::{HeaderName, HeaderValue};
     use proptest::prelude::*;
 
     fn segments() -> impl Strategy<Value = Vec<String>> {
@@ -926,12 +1001,22 @@ mod tests {
         ] {
             assert_eq!(t.position(&Method::POST, target), Some(1), "{target}");
         }
-        // Go decodes `%2F` and keeps `\\`: its `{id}` is `a\\b` here.
+        // Go decodes `%2F` and keeps `\`: its `{id}` is `a\b` here.
         assert_eq!(t.position(&Method::POST, "/v1/orders%2Fa%5Cb/pay"), Some(1));
         assert_eq!(t.position(&Method::POST, "/v1/orders%2F..%5C/pay"), Some(1));
         // Resolved, they are still the paths they lead to.
         assert_eq!(t.position(&Method::POST, "/v1/x/../payments"), Some(0));
-        assert_eq!(t.position(&Method::POST, "/v1/orders/1/pay/.."), None);
+        // (A POST of JSON: one of no type might carry `_method`, below.)
+        let json: HeaderMap = [(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            t.at_target(&Method::POST, "/v1/orders/1/pay/..", &json),
+            None
+        );
     }
 
     #[test]
@@ -950,8 +1035,13 @@ mod tests {
             assert_eq!(t.position(&Method::POST, target), Some(0), "{target}");
         }
         assert_eq!(t.position(&Method::POST, "/v1/orders/7/pay.json"), Some(1));
-        // One suffix, as Rails' `(.:format)` takes one.
-        assert_eq!(t.position(&Method::POST, "/v1/payments.tar.gz"), None);
+        // Rails matches before decoding: `xml%2ejson` is one format.
+        assert_eq!(
+            t.position(&Method::POST, "/v1/payments.xml%2ejson"),
+            Some(0)
+        );
+        // From the first dot too: when in doubt, protect.
+        assert_eq!(t.position(&Method::POST, "/v1/payments.tar.gz"), Some(0));
         assert_eq!(t.position(&Method::POST, "/v1/paymentsjson"), None);
         let strict = Policy {
             format_suffix: false,
@@ -1046,31 +1136,76 @@ mod tests {
                 );
             }
         }
-        let none = HeaderMap::new();
+        let none = with("content-type", "application/json");
         assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &none), None);
-        assert_eq!(
-            t.at_target(&Method::POST, "/v1/orders/9?_method=PATCH", &none),
-            Some(2)
-        );
-        assert_eq!(
-            t.at_target(&Method::POST, "/v1/orders/9?a=1&_method=%50ATCH", &none),
-            Some(2)
-        );
         assert_eq!(
             t.at_target(&Method::POST, "/v1/orders/9?x_method=PATCH", &none),
             None
         );
-        // A form body may carry `_method` (Rails): every method.
-        let form = with("content-type", "application/x-www-form-urlencoded");
-        assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &form), Some(2));
-        let multipart = with("content-type", "Multipart/Form-Data; boundary=x");
+        // A `_method` query key, decoded as frameworks decode it (Node
+        // decodes keys and `+`, PHP takes `.` for `_`).
+        for query in [
+            "_method=PATCH",
+            "a=1&_method=%50ATCH",
+            "%5Fmethod=PATCH",
+            "_metho%64=patch",
+            ".method=PATCH",
+            "_method=+PATCH+",
+            "_METHOD=PATCH",
+        ] {
+            let target = format!("/v1/orders/9?{query}");
+            assert_eq!(
+                t.at_target(&Method::POST, &target, &none),
+                Some(2),
+                "{query}"
+            );
+        }
+        // Override headers as frameworks read them: puma takes `_` for `-`;
+        // Express's `trim()` takes a latin-1 no-break space.
+        for (name, value) in [
+            ("x_http_method_override", &b"PATCH"[..]),
+            ("x-http-method_override", b"patch"),
+            ("x-http-method-override", b"PATCH\xa0"),
+            ("x-http-method", b"\xa0patch\xa0"),
+        ] {
+            let mut h = none.clone();
+            let name = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            h.insert(name.clone(), HeaderValue::from_bytes(value).unwrap());
+            assert_eq!(
+                t.at_target(&Method::POST, "/v1/orders/9", &h),
+                Some(2),
+                "{name}"
+            );
+        }
+        // A form body may carry `_method` (Rails): every method. Rack parses
+        // any multipart body, and one of no type, as a form.
+        for form in [
+            "application/x-www-form-urlencoded",
+            "Multipart/Form-Data; boundary=x",
+            "multipart/mixed; boundary=x",
+            "",
+        ] {
+            let form = with("content-type", form);
+            assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &form), Some(2));
+            assert_eq!(t.at_target(&Method::PUT, "/v1/orders/9", &form), None);
+        }
         assert_eq!(
-            t.at_target(&Method::POST, "/v1/orders/9", &multipart),
+            t.at_target(&Method::POST, "/v1/orders/9", &HeaderMap::new()),
             Some(2)
         );
-        assert_eq!(t.at_target(&Method::PUT, "/v1/orders/9", &form), None);
-        let json = with("content-type", "application/json");
-        assert_eq!(t.at_target(&Method::POST, "/v1/orders/9", &json), None);
+    }
+
+    #[test]
+    fn a_route_with_capitals_protects_every_letter_case() {
+        // Express ignores case: `/v1/paymentintents` runs `/v1/paymentIntents`.
+        let t = table(&[("/v1/paymentIntents", &["POST"])]);
+        for target in [
+            "/v1/paymentIntents",
+            "/v1/paymentintents",
+            "/V1/PAYMENTINTENTS",
+        ] {
+            assert_eq!(t.position(&Method::POST, target), Some(0), "{target}");
+        }
     }
 
     #[test]

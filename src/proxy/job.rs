@@ -166,9 +166,13 @@ struct Retry {
 /// usual one (hyper keeps only such), for replays to repeat; at most 255
 /// bytes, as a record keeps it.
 fn reason_phrase(parts: &Parts) -> Option<Bytes> {
-    let reason = parts.extensions.get::<hyper::ext::ReasonPhrase>()?;
-    (reason.as_bytes().len() <= usize::from(u8::MAX))
-        .then(|| Bytes::copy_from_slice(reason.as_bytes()))
+    let reason = parts
+        .extensions
+        .get::<hyper::ext::ReasonPhrase>()?
+        .as_bytes();
+    // (An empty one is hyper's for a phrase that was not UTF-8: not kept.)
+    (!reason.is_empty() && reason.len() <= usize::from(u8::MAX))
+        .then(|| Bytes::copy_from_slice(reason))
 }
 
 /// Header or trailer fields as a record keeps them.
@@ -400,7 +404,7 @@ impl Job {
                 warn!(
                     request_id = %self.request_id,
                     route = %self.route_name,
-                    "lease lost while the upstream was working; a retry may execute again"
+                    "lease lost while the upstream was working; this answer is not stored (the key's next request found the lease over: it got 502 outcome-unknown, or ran again under lease_expiry = re_execute or unknown_outcome = release)"
                 );
                 false
             }
@@ -521,7 +525,7 @@ impl Job {
                     request_id = %self.request_id,
                     route = %self.route_name,
                     error = %e,
-                    "the record could not be sealed and is not stored; a retry with this key will execute again once the lease runs out"
+                    "the record could not be sealed and is not stored; once the lease runs out a retry with this key gets 502 outcome-unknown (or runs again under lease_expiry = re_execute or unknown_outcome = release)"
                 );
                 None
             }
@@ -645,7 +649,7 @@ impl Job {
         error!(
             request_id = %self.request_id,
             route = %self.route_name,
-            "record could not be stored before the lease ran out; a retry with this key will execute again"
+            "record could not be stored before the lease ran out; a retry with this key gets 502 outcome-unknown (or runs again under lease_expiry = re_execute or unknown_outcome = release)"
         );
     }
 

@@ -168,12 +168,16 @@ pub fn handle(
 fn normalise_target(uri: &mut http::Uri) {
     let path = uri.path();
     let normal = routes::normalise(path);
-    if normal == path {
+    // A trailing slash is kept, as Envoy's `normalize_path` keeps it
+    // (Django's APPEND_SLASH and Go's subtree roots tell `/a/` from `/a`).
+    let slash = path.len() > 1 && path.ends_with('/') && normal != "/";
+    if normal == path || (slash && path.strip_suffix('/') == Some(&normal)) {
         return;
     }
+    let slash = if slash { "/" } else { "" };
     let target = match uri.query() {
-        Some(query) => format!("{normal}?{query}"),
-        None => normal.into_owned(),
+        Some(query) => format!("{normal}{slash}?{query}"),
+        None => format!("{normal}{slash}"),
     };
     let mut parts = std::mem::take(uri).into_parts();
     let kept = parts.path_and_query.clone();
@@ -657,10 +661,14 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
         };
         if let Verdict::InFlight {
             owner,
-            afterlife: Some(afterlife),
+            afterlife: Some(mut afterlife),
             ..
         } = verdict
         {
+            // The store's word, held to this route's own `ttl`: a record
+            // claiming a longer afterlife (a hostile or corrupt value) would
+            // have a live owner's lease judged over.
+            afterlife.after = afterlife.after.min(route.policy.ttl);
             // Looked for when the time left is known for free, on the first
             // sighting, when the lease is due to end while a duplicate
             // waits, and before a 409. Shadow mode too: it writes records

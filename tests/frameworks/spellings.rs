@@ -200,6 +200,8 @@ impl Case {
     pub fn body(&self) -> (&'static str, &'static str) {
         match self.form_method {
             Some("PATCH") => ("application/x-www-form-urlencoded", "_method=PATCH"),
+            // No type at all: Rack parses such a POST body as a form too.
+            Some("none") => ("", "_method=PATCH"),
             Some(_) => ("application/x-www-form-urlencoded", "_method=patch"),
             None => ("application/json", "{}"),
         }
@@ -518,6 +520,9 @@ impl Builder {
                     "X-HTTP-Method-Override",
                     "X-HTTP-Method",
                     "X-Method-Override",
+                    // puma maps `_` and `-` to one CGI name.
+                    "X_HTTP_METHOD_OVERRIDE",
+                    "X-HTTP-Method_Override",
                 ]);
                 let value = if self.route == Route::Order || rng.percent(30) {
                     // The protected method, asked for by a POST.
@@ -536,7 +541,7 @@ impl Builder {
             Mutation::FormMethod => {
                 // A POST that asks to be run as the protected PATCH (or as PATCH at all).
                 self.method = "POST".to_string();
-                self.form_method = Some(*rng.pick(&["PATCH", "patch"]));
+                self.form_method = Some(*rng.pick(&["PATCH", "patch", "none"]));
             }
             Mutation::Query => {
                 let q = rng.pick(&[
@@ -545,6 +550,8 @@ impl Builder {
                     "?format=json",
                     "?a=/../b",
                     "?_method=PATCH",
+                    "?%5Fmethod=PATCH",
+                    "?_metho%64=patch",
                     "?%2e%2e",
                     "#f",
                     "?x=1#f",

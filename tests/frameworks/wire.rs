@@ -65,8 +65,13 @@ pub fn h1_request(case: &Case, proxy: SocketAddr, key: &str) -> Vec<u8> {
     req.extend_from_slice(&case.target(&proxy.to_string()));
     req.extend_from_slice(b" HTTP/1.1\r\n");
     let (content_type, body) = case.body();
+    // An empty content type: no Content-Type header at all.
+    let content_type = match content_type {
+        "" => String::new(),
+        t => format!("Content-Type: {t}\r\n"),
+    };
     let mut head = format!(
-        "Host: {proxy}\r\nIdempotency-Key: {key}\r\nContent-Type: {content_type}\r\n\
+        "Host: {proxy}\r\nIdempotency-Key: {key}\r\n{content_type}\
          Content-Length: {}\r\nConnection: close\r\n",
         body.len()
     );
@@ -155,8 +160,10 @@ async fn send_h2(
     let mut req = http::Request::builder()
         .method(case.method.as_str())
         .uri(format!("http://{proxy}{pq}"))
-        .header("idempotency-key", key)
-        .header("content-type", content_type);
+        .header("idempotency-key", key);
+    if !content_type.is_empty() {
+        req = req.header("content-type", content_type);
+    }
     for (name, value) in &case.headers {
         req = req.header(name.to_ascii_lowercase(), value);
     }
