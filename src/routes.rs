@@ -686,6 +686,11 @@ impl RouteTable {
                 return Judgement::Refused;
             }
         }
+        // A method no route names (a GET, mostly) needs no spelling.
+        let form = || *method == Method::POST && is_form(headers);
+        if !self.routes.iter().any(|r| methods.among(&r.methods)) && !form() {
+            return Judgement::Unprotected;
+        }
         let spellings = Spellings::of(path);
         let found = |methods: &Methods<'_>| {
             self.first(methods, &spellings, false)
@@ -695,7 +700,7 @@ impl RouteTable {
         // A form POST that its own method and overrides leave unprotected:
         // its `_method` field may name any method (asked only then, as
         // protected requests are nearly all of those that match at once).
-        if position.is_none() && *method == Method::POST && is_form(headers) {
+        if position.is_none() && form() {
             methods.any = true;
             position = found(&methods);
         }
