@@ -450,6 +450,11 @@ fn method_named(text: &[u8]) -> Option<Method> {
     Method::from_bytes(&text[start..=end]).ok()
 }
 
+/// POST in any letter case (hyper takes `post` for a method of its own).
+fn is_post(method: &Method) -> bool {
+    method.as_str().eq_ignore_ascii_case("POST")
+}
+
 /// A body where a `_method` field may override the method: a form
 /// (urlencoded, any `multipart/*`), or one whose type is not given, which
 /// Rack also parses as a form.
@@ -680,14 +685,14 @@ impl RouteTable {
         let path = uri.path();
         let mut methods = Methods::of(method, uri.query(), headers);
         if has_control(path, uri.query()) {
-            methods.any = methods.own == Method::POST && is_form(headers);
+            methods.any = is_post(method) && is_form(headers);
             let named = |r: &Route| r.policy.mode == Mode::Enforce && methods.among(&r.methods);
             if self.routes.iter().any(named) {
                 return Judgement::Refused;
             }
         }
         // A method no route names (a GET, mostly) needs no spelling.
-        let form = || *method == Method::POST && is_form(headers);
+        let form = || is_post(method) && is_form(headers);
         if !self.routes.iter().any(|r| methods.among(&r.methods)) && !form() {
             return Judgement::Unprotected;
         }
@@ -1196,6 +1201,12 @@ mod tests {
         }
         assert_eq!(
             t.at_target(&Method::POST, "/v1/orders/9", &HeaderMap::new()),
+            Some(2)
+        );
+        // `post` too (hyper takes it for a method of its own).
+        let lower: Method = "post".parse().unwrap();
+        assert_eq!(
+            t.at_target(&lower, "/v1/orders/9", &HeaderMap::new()),
             Some(2)
         );
     }
