@@ -440,6 +440,22 @@ fn finished_by(token: idemproxy::record::Token, status: u16) -> idemproxy::recor
 }
 
 /// Waits until no more than `after` is left of `key`'s time: its lease has run out.
+/// Does a take-over of the reservation of `dead` (afterlife `after`),
+/// writing `record` for a minute, go through?
+async fn takes_over(
+    store: &idemproxy::store::Store,
+    key: &str,
+    dead: idemproxy::record::Token,
+    after: std::time::Duration,
+    record: &idemproxy::record::Record,
+) -> bool {
+    let minute = std::time::Duration::from_secs(60);
+    store
+        .take_over(key, dead, after, record.encode(), minute)
+        .await
+        .unwrap()
+}
+
 async fn lease_runs_out(store: &idemproxy::store::Store, key: &str, after: std::time::Duration) {
     eventually("the lease to run out", DEADLINE, || async move {
         let left = store.pttl(key).await.unwrap();
@@ -469,40 +485,13 @@ async fn a_vanished_owner_is_taken_over_once_and_its_late_completion_refused(bac
     assert!(matches!(r, Reservation::Reserved), "{r:?}");
     let unknown = finished_by(taker, 502);
     // While the lease runs, nobody takes it over.
-    assert!(!store
-        .take_over(
-            &key,
-            owner,
-            after,
-            unknown.encode(),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap());
+    assert!(!takes_over(&store, &key, owner, after, &unknown).await);
     lease_runs_out(&store, &key, after).await;
     // Not by a wrong token (another reservation holds the key).
-    assert!(!store
-        .take_over(
-            &key,
-            other,
-            after,
-            unknown.encode(),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap());
+    assert!(!takes_over(&store, &key, other, after, &unknown).await);
     // Taken over, and the same call sent again is answered the same.
     for _ in 0..2 {
-        assert!(store
-            .take_over(
-                &key,
-                owner,
-                after,
-                unknown.encode(),
-                Duration::from_secs(60)
-            )
-            .await
-            .unwrap());
+        assert!(takes_over(&store, &key, owner, after, &unknown).await);
     }
     let got = store.get(&key).await.unwrap().unwrap();
     assert_eq!(got.record, unknown);
@@ -513,16 +502,7 @@ async fn a_vanished_owner_is_taken_over_once_and_its_late_completion_refused(bac
     );
     // A second taker finds a finished record, not the dead owner's.
     let late_taker = finished_by(other, 502);
-    assert!(!store
-        .take_over(
-            &key,
-            owner,
-            after,
-            late_taker.encode(),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap());
+    assert!(!takes_over(&store, &key, owner, after, &late_taker).await);
     // The owner was only paused: its renewal, release and completion are refused.
     assert!(!store.renew(&key, owner, lease + after).await.unwrap());
     assert!(!store.release(&key, owner).await.unwrap());
@@ -560,16 +540,7 @@ async fn an_owner_that_renewed_is_not_taken_over(backend: Backend) {
         .unwrap());
     let unknown = finished_by(taker, 502);
     assert!(
-        !store
-            .take_over(
-                &key,
-                owner,
-                after,
-                unknown.encode(),
-                Duration::from_secs(60)
-            )
-            .await
-            .unwrap(),
+        !takes_over(&store, &key, owner, after, &unknown).await,
         "a live lease is never taken over"
     );
     let done = finished_by(owner, 201);
@@ -579,16 +550,7 @@ async fn an_owner_that_renewed_is_not_taken_over(backend: Backend) {
         .unwrap();
     assert_eq!(c, Completion::Stored);
     // A finished record with little time left is not a vanished owner's.
-    assert!(!store
-        .take_over(
-            &key,
-            owner,
-            after,
-            unknown.encode(),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap());
+    assert!(!takes_over(&store, &key, owner, after, &unknown).await);
     assert_eq!(store.get(&key).await.unwrap().unwrap().record, done);
 }
 
