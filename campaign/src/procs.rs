@@ -1,0 +1,116 @@
+//! The processes a campaign runs (stores, proxies, the upstream): each in a
+//! process group of its own, so that a kill or a pause reaches all of it
+//! (PostgreSQL's backends too), and restartable with the same command.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+/// How to start a process again after a kill.
+pub type Recipe = Box<dyn Fn() -> Command + Send + Sync>;
+
+pub struct Proc {
+    pub name: String,
+    recipe: Recipe,
+    log: PathBuf,
+    child: Option<Child>,
+    paused: bool,
+}
+
+impl Proc {
+    /// Starts `recipe()`'s command, its output appended to `log`.
+    pub fn start(name: &str, log: PathBuf, recipe: Recipe) -> std::io::Result<Proc> {
+        let mut p = Proc {
+            name: name.to_string(),
+            recipe,
+            log,
+            child: None,
+            paused: false,
+        };
+        p.spawn()?;
+        Ok(p)
+    }
+
+    fn spawn(&mut self) -> std::io::Result<()> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let mut cmd = (self.recipe)();
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd.stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        self.child = Some(cmd.spawn()?);
+        self.paused = false;
+        Ok(())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Alive: started and not exited (a paused process is alive).
+    pub fn alive(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        if let Some(pid) = self.pid() {
+            // The group: the process and everything it started.
+            unsafe {
+                libc::kill(-(pid as i32), sig);
+            }
+        }
+    }
+
+    /// SIGKILL (the group), and reaps it.
+    pub fn kill(&mut self) {
+        self.signal(libc::SIGKILL);
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait();
+        }
+        self.paused = false;
+    }
+
+    pub fn pause(&mut self) {
+        self.signal(libc::SIGSTOP);
+        self.paused = true;
+    }
+
+    pub fn resume(&mut self) {
+        self.signal(libc::SIGCONT);
+        self.paused = false;
+    }
+
+    /// Up and not paused: resumes a paused one, starts a dead one again.
+    pub fn heal(&mut self) -> std::io::Result<()> {
+        if self.paused {
+            self.resume();
+        }
+        if !self.alive() {
+            self.child = None;
+            self.spawn()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.paused {
+            self.signal(libc::SIGCONT);
+        }
+        self.kill();
+    }
+}
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}

@@ -1,0 +1,57 @@
+//! Writes the history as it happens (`DIR/history.jsonl`): a campaign that
+//! dies leaves what it saw.
+
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use tokio::time::Instant;
+
+use crate::history::Event;
+
+pub struct Recorder {
+    start: Instant,
+    /// The Unix time of `start`, ms (to place the upstream's journal).
+    pub start_unix_ms: u64,
+    ops: AtomicU64,
+    out: Mutex<BufWriter<std::fs::File>>,
+    tag: String,
+}
+
+impl Recorder {
+    pub fn create(path: &Path, seed: u64) -> std::io::Result<Recorder> {
+        Ok(Recorder {
+            start: Instant::now(),
+            start_unix_ms: crate::upstream::unix_ms(),
+            ops: AtomicU64::new(0),
+            out: Mutex::new(BufWriter::new(std::fs::File::create(path)?)),
+            tag: format!("s{seed:x}"),
+        })
+    }
+
+    /// Milliseconds since the run started.
+    pub fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    pub fn op_id(&self) -> u64 {
+        self.ops.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A prefix for the run's keys (a store reused by another run never
+    /// holds one of this run's keys).
+    pub fn seed_tag(&self) -> &str {
+        &self.tag
+    }
+
+    pub fn record(&self, event: Event) {
+        let mut out = self.out.lock().unwrap();
+        let _ = serde_json::to_writer(&mut *out, &event);
+        let _ = out.write_all(b"\n");
+    }
+
+    pub fn flush(&self) {
+        let _ = self.out.lock().unwrap().flush();
+    }
+}

@@ -1,0 +1,372 @@
+//! The fault-injecting TCP relay between each proxy and what it talks to
+//! (every store node, the upstream). `tc netem` is not on every machine,
+//! and a relay's faults are exact and come from the seed.
+//!
+//! A relay serves every process that connects to it (all the proxies, and
+//! for a store node also the sentinels and the replicas), and tells them
+//! apart: each accepted connection is attributed to the proxy whose
+//! process holds the other end (`/proc/net/tcp` names the socket's inode,
+//! `/proc/PID/fd` who holds it), so that a fault can hit the link between
+//! one proxy and the store while the others work.
+//!
+//! The effects keep TCP's promise (bytes arrive in order or the
+//! connection breaks): `delay` adds latency each way; `loss` holds a
+//! chunk for a retransmission timeout now and then, as a lost segment
+//! does; `hold` stops bytes one way or both (a stall, a one-way or a full
+//! partition, which also leaves new connections hanging) until the fault
+//! heals; `refuse` resets every open connection and each new one (a cut).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, Notify};
+use tokio::time::Instant;
+
+use crate::rng::Rng;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Effect {
+    /// Every chunk, each way, this many ms late.
+    Delay(u64),
+    /// Each chunk, with this chance, held this many ms (a lost segment
+    /// retransmitted).
+    Loss { chance: f64, rto_ms: u64 },
+    /// Bytes toward the target and/or toward the connecting side wait
+    /// until the fault heals; `new` also holds new connections.
+    Hold {
+        to_target: bool,
+        to_client: bool,
+        new: bool,
+    },
+    /// Reset every connection, and each new one.
+    Refuse,
+}
+
+#[derive(Clone, Debug)]
+struct Rule {
+    id: u32,
+    /// The proxy whose connections it hits; `None`: every connection.
+    source: Option<u32>,
+    effect: Effect,
+}
+
+/// Which proxy (by index) runs under which pid: the runner updates it as
+/// proxies are killed and started again.
+#[derive(Default)]
+pub struct Owners(Mutex<Vec<Option<u32>>>);
+
+impl Owners {
+    pub fn set(&self, proxy: u32, pid: Option<u32>) {
+        let mut v = self.0.lock().unwrap();
+        if v.len() <= proxy as usize {
+            v.resize(proxy as usize + 1, None);
+        }
+        v[proxy as usize] = pid;
+    }
+
+    /// The proxy whose process holds the socket connected from `peer_port` to `port`.
+    fn attribute(&self, peer_port: u16, port: u16) -> Option<u32> {
+        let pids: Vec<(u32, u32)> = self
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((i as u32, (*p)?)))
+            .collect();
+        let inode = socket_inode(peer_port, port)?;
+        let needle = format!("socket:[{inode}]");
+        for (proxy, pid) in pids {
+            let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+                continue;
+            };
+            for fd in fds.flatten() {
+                if std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == needle.as_str()) {
+                    return Some(proxy);
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The inode of the loopback socket from `local` to `remote` (ports).
+fn socket_inode(local: u16, remote: u16) -> Option<u64> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    let port = |field: &str| u16::from_str_radix(field.rsplit(':').next()?, 16).ok();
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        (f.len() > 9 && port(f[1]) == Some(local) && port(f[2]) == Some(remote))
+            .then(|| f[9].parse().ok())
+            .flatten()
+    })
+}
+
+/// An open connection: the proxy it is attributed to, and what cuts it.
+type Open = (Option<u32>, Arc<Notify>);
+
+struct Shared {
+    target: SocketAddr,
+    port: u16,
+    rules: Mutex<Vec<Rule>>,
+    changed: watch::Sender<u64>,
+    /// Open connections: their source and what cuts them.
+    conns: Mutex<HashMap<u64, Open>>,
+    next: AtomicU64,
+    owners: Arc<Owners>,
+    rng: Mutex<Rng>,
+}
+
+impl Shared {
+    fn hits(rule: &Rule, source: Option<u32>) -> bool {
+        rule.source.is_none() || rule.source == source
+    }
+
+    fn effects(&self, source: Option<u32>) -> Vec<Effect> {
+        self.rules
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| Self::hits(r, source))
+            .map(|r| r.effect.clone())
+            .collect()
+    }
+
+    fn refused(&self, source: Option<u32>) -> bool {
+        self.effects(source).contains(&Effect::Refuse)
+    }
+
+    fn held(&self, source: Option<u32>, to_target: bool, new: bool) -> bool {
+        self.effects(source).iter().any(|e| match e {
+            Effect::Hold {
+                to_target: t,
+                to_client: c,
+                new: n,
+            } => {
+                if new {
+                    *n
+                } else if to_target {
+                    *t
+                } else {
+                    *c
+                }
+            }
+            _ => false,
+        })
+    }
+
+    /// How late a chunk read now is delivered.
+    fn lateness(&self, source: Option<u32>) -> Duration {
+        let mut ms = 0;
+        for e in self.effects(source) {
+            match e {
+                Effect::Delay(d) => ms += d,
+                Effect::Loss { chance, rto_ms } if self.rng.lock().unwrap().chance(chance) => {
+                    ms += rto_ms;
+                }
+                _ => {}
+            }
+        }
+        Duration::from_millis(ms)
+    }
+
+    async fn wait_until_free(&self, source: Option<u32>, to_target: bool, new: bool) {
+        let mut changed = self.changed.subscribe();
+        while self.held(source, to_target, new) {
+            if changed.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+pub struct Relay {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    /// Listens on a free loopback port and relays to `target`.
+    pub async fn start(
+        target: SocketAddr,
+        owners: Arc<Owners>,
+        rng: Rng,
+    ) -> std::io::Result<Relay> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            target,
+            port: addr.port(),
+            rules: Mutex::new(Vec::new()),
+            changed: watch::channel(0).0,
+            conns: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(0),
+            owners,
+            rng: Mutex::new(rng),
+        });
+        let s = shared.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, peer)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let (owners, port) = (s.owners.clone(), s.port);
+                    let source =
+                        tokio::task::spawn_blocking(move || owners.attribute(peer.port(), port))
+                            .await
+                            .ok()
+                            .flatten();
+                    serve(s, client, source).await;
+                });
+            }
+        });
+        Ok(Relay { addr, shared, task })
+    }
+
+    /// Applies `effect` to the connections of `source` (a proxy's index;
+    /// `None`: all) until [`Relay::heal`] with the same id.
+    pub fn inject(&self, id: u32, source: Option<u32>, effect: Effect) {
+        let refuse = effect == Effect::Refuse;
+        self.shared
+            .rules
+            .lock()
+            .unwrap()
+            .push(Rule { id, source, effect });
+        self.shared.changed.send_modify(|n| *n += 1);
+        if refuse {
+            for (src, cut) in self.shared.conns.lock().unwrap().values() {
+                if source.is_none() || source == *src {
+                    cut.notify_one();
+                }
+            }
+        }
+    }
+
+    pub fn heal(&self, id: u32) {
+        self.shared.rules.lock().unwrap().retain(|r| r.id != id);
+        self.shared.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Resets every open connection (of `source`, or all).
+    pub fn cut(&self, source: Option<u32>) {
+        for (src, cut) in self.shared.conns.lock().unwrap().values() {
+            if source.is_none() || source == *src {
+                cut.notify_one();
+            }
+        }
+    }
+
+    pub fn heal_all(&self) {
+        self.shared.rules.lock().unwrap().clear();
+        self.shared.changed.send_modify(|n| *n += 1);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.cut(None);
+    }
+}
+
+/// SO_LINGER 0: closing the socket sends a reset.
+fn reset_on_close(s: &TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+async fn serve(s: Arc<Shared>, mut client: TcpStream, source: Option<u32>) {
+    let _ = client.set_nodelay(true);
+    if s.refused(source) {
+        reset_on_close(&client);
+        return;
+    }
+    s.wait_until_free(source, true, true).await;
+    let mut target =
+        match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(s.target)).await {
+            Ok(Ok(t)) => t,
+            _ => {
+                reset_on_close(&client);
+                return;
+            }
+        };
+    let _ = target.set_nodelay(true);
+    let id = s.next.fetch_add(1, Ordering::Relaxed);
+    let cut = Arc::new(Notify::new());
+    s.conns.lock().unwrap().insert(id, (source, cut.clone()));
+    if s.refused(source) {
+        cut.notify_one();
+    }
+    let was_cut = {
+        let (mut cr, mut cw) = client.split();
+        let (mut tr, mut tw) = target.split();
+        let up = pump(&s, source, true, &mut cr, &mut tw);
+        let down = pump(&s, source, false, &mut tr, &mut cw);
+        tokio::select! {
+            _ = async { tokio::join!(up, down) } => false,
+            _ = cut.notified() => true,
+        }
+    };
+    s.conns.lock().unwrap().remove(&id);
+    if was_cut {
+        reset_on_close(&client);
+        reset_on_close(&target);
+    }
+}
+
+/// One direction: bytes read are queued with the time they may be
+/// delivered, and written in order once that time has come and no hold
+/// stops them.
+async fn pump<R, W>(s: &Shared, source: Option<u32>, to_target: bool, rd: &mut R, wr: &mut W)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<u8>, Instant)>();
+    let read = async move {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let at = Instant::now() + s.lateness(source);
+                    if tx.send((buf[..n].to_vec(), at)).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    };
+    let write = async {
+        while let Some((bytes, at)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            s.wait_until_free(source, to_target, false).await;
+            if wr.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+        let _ = wr.shutdown().await;
+    };
+    tokio::join!(read, write);
+}
