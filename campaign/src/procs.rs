@@ -4,6 +4,23 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+/// Every process group started and not yet killed: what an interrupted
+/// campaign kills on its way out.
+static LIVE: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+/// SIGKILLs every process the campaign started (on SIGINT or SIGTERM: they
+/// run in process groups of their own, which a terminal's Ctrl-C does not reach).
+pub fn kill_all() {
+    for pid in LIVE.lock().unwrap().drain(..) {
+        // SAFETY: kill(2) on a process group we started.
+        unsafe {
+            libc::kill(-(pid as i32), libc::SIGCONT);
+            libc::kill(-(pid as i32), libc::SIGKILL);
+        }
+    }
+}
 
 /// How to start a process again after a kill.
 pub type Recipe = Box<dyn Fn() -> Command + Send + Sync>;
@@ -40,7 +57,9 @@ impl Proc {
         cmd.stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
-        self.child = Some(cmd.spawn()?);
+        let child = cmd.spawn()?;
+        LIVE.lock().unwrap().push(child.id());
+        self.child = Some(child);
         self.paused = false;
         Ok(())
     }
@@ -69,6 +88,9 @@ impl Proc {
     /// SIGKILL (the group), and reaps it.
     pub fn kill(&mut self) {
         self.signal(libc::SIGKILL);
+        if let Some(pid) = self.pid() {
+            LIVE.lock().unwrap().retain(|&p| p != pid);
+        }
         if let Some(mut c) = self.child.take() {
             let _ = c.wait();
         }

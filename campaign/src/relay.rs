@@ -5,8 +5,8 @@
 //! A relay serves every process that connects to it (all the proxies, and
 //! for a store node also the sentinels and the replicas), and tells them
 //! apart: each accepted connection is attributed to the proxy whose
-//! process holds the other end (`/proc/net/tcp` names the socket's inode,
-//! `/proc/PID/fd` who holds it), so that a fault can hit the link between
+//! process holds the other end (the kernel's `sock_diag` names the socket's
+//! inode, `/proc/PID/fd` who holds it), so that a fault can hit the link between
 //! one proxy and the store while the others work.
 //!
 //! The effects keep TCP's promise (bytes arrive in order or the
@@ -96,23 +96,108 @@ impl Owners {
     }
 }
 
-/// The inode of the loopback socket from `local` to `remote` (ports).
+/// The inode of the loopback socket from `local` to `remote` (ports),
+/// asked of the kernel by its four-tuple over netlink (`sock_diag`): one
+/// lookup, however many sockets the machine has (reading `/proc/net/tcp`
+/// takes seconds with ten thousand of them).
 fn socket_inode(local: u16, remote: u16) -> Option<u64> {
-    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-    let port = |field: &str| u16::from_str_radix(field.rsplit(':').next()?, 16).ok();
-    table.lines().skip(1).find_map(|line| {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        (f.len() > 9 && port(f[1]) == Some(local) && port(f[2]) == Some(remote))
-            .then(|| f[9].parse().ok())
-            .flatten()
-    })
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct SockId {
+        sport: u16,
+        dport: u16,
+        src: [u32; 4],
+        dst: [u32; 4],
+        interface: u32,
+        cookie: [u32; 2],
+    }
+    #[repr(C)]
+    struct Request {
+        header: libc::nlmsghdr,
+        family: u8,
+        protocol: u8,
+        ext: u8,
+        pad: u8,
+        states: u32,
+        id: SockId,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Message {
+        family: u8,
+        state: u8,
+        timer: u8,
+        retrans: u8,
+        id: SockId,
+        expires: u32,
+        rqueue: u32,
+        wqueue: u32,
+        uid: u32,
+        inode: u32,
+    }
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    let loopback = u32::from_ne_bytes([127, 0, 0, 1]);
+    let request = Request {
+        header: libc::nlmsghdr {
+            nlmsg_len: std::mem::size_of::<Request>() as u32,
+            nlmsg_type: SOCK_DIAG_BY_FAMILY,
+            nlmsg_flags: libc::NLM_F_REQUEST as u16,
+            nlmsg_seq: 1,
+            nlmsg_pid: 0,
+        },
+        family: libc::AF_INET as u8,
+        protocol: libc::IPPROTO_TCP as u8,
+        ext: 0,
+        pad: 0,
+        states: !0,
+        id: SockId {
+            sport: local.to_be(),
+            dport: remote.to_be(),
+            src: [loopback, 0, 0, 0],
+            dst: [loopback, 0, 0, 0],
+            interface: 0,
+            cookie: [!0, !0],
+        },
+    };
+    // SAFETY: a netlink socket of our own, written a plain C struct and read
+    // into a buffer whose length is checked before it is interpreted.
+    unsafe {
+        let fd = libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG);
+        if fd < 0 {
+            return None;
+        }
+        let sent = libc::send(
+            fd,
+            &request as *const Request as *const libc::c_void,
+            std::mem::size_of::<Request>(),
+            0,
+        );
+        let mut buf = [0u8; 1024];
+        let got = if sent > 0 {
+            libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0)
+        } else {
+            -1
+        };
+        libc::close(fd);
+        let header = std::mem::size_of::<libc::nlmsghdr>();
+        if got < (header + std::mem::size_of::<Message>()) as isize {
+            return None;
+        }
+        let h: libc::nlmsghdr = std::ptr::read_unaligned(buf.as_ptr() as *const libc::nlmsghdr);
+        if h.nlmsg_type != SOCK_DIAG_BY_FAMILY {
+            return None; // NLMSG_ERROR: no such socket
+        }
+        let m: Message = std::ptr::read_unaligned(buf.as_ptr().add(header) as *const Message);
+        Some(u64::from(m.inode))
+    }
 }
 
 /// An open connection: the proxy it is attributed to, and what cuts it.
 type Open = (Option<u32>, Arc<Notify>);
 
 struct Shared {
-    target: SocketAddr,
+    /// Where it relays to: set once the far side's port is chosen.
+    target: Mutex<SocketAddr>,
     port: u16,
     rules: Mutex<Vec<Rule>>,
     changed: watch::Sender<u64>,
@@ -202,7 +287,7 @@ impl Relay {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
-            target,
+            target: Mutex::new(target),
             port: addr.port(),
             rules: Mutex::new(Vec::new()),
             changed: watch::channel(0).0,
@@ -231,6 +316,12 @@ impl Relay {
             }
         });
         Ok(Relay { addr, shared, task })
+    }
+
+    /// Relays to `target` from now on (a relay is bound before the port of
+    /// what it fronts is chosen, so that the two can never collide).
+    pub fn set_target(&self, target: SocketAddr) {
+        *self.shared.target.lock().unwrap() = target;
     }
 
     /// Applies `effect` to the connections of `source` (a proxy's index;
@@ -303,8 +394,9 @@ async fn serve(s: Arc<Shared>, mut client: TcpStream, source: Option<u32>) {
         return;
     }
     s.wait_until_free(source, true, true).await;
+    let far = *s.target.lock().unwrap();
     let mut target =
-        match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(s.target)).await {
+        match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(far)).await {
             Ok(Ok(t)) => t,
             _ => {
                 reset_on_close(&client);
@@ -369,4 +461,26 @@ where
         let _ = wr.shutdown().await;
     };
     tokio::join!(read, write);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_is_attributed_to_the_process_that_holds_it() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let local = client.local_addr().unwrap().port();
+        let inode = socket_inode(local, port).expect("the kernel knows the socket");
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", client.as_raw_fd())).unwrap();
+        assert_eq!(link.to_str().unwrap(), format!("socket:[{inode}]"));
+        assert_eq!(socket_inode(local, port.wrapping_add(1)), None);
+
+        let owners = Owners::default();
+        assert_eq!(owners.attribute(local, port), None, "nobody registered");
+        owners.set(2, Some(std::process::id()));
+        assert_eq!(owners.attribute(local, port), Some(2));
+    }
 }

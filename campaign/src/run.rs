@@ -302,6 +302,17 @@ pub fn main(opts: Options) -> ExitCode {
         .enable_all()
         .build()
         .expect("a runtime");
+    rt.spawn(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        crate::procs::kill_all();
+        eprintln!("campaign: interrupted; every process it started is killed");
+        std::process::exit(130);
+    });
     match rt.block_on(campaign(opts)) {
         Ok(code) => code,
         Err(e) => {

@@ -183,17 +183,22 @@ impl Store {
             Kind::Sentinel | Kind::SentinelWait | Kind::Postgres => 2,
             Kind::Cluster => 6,
         };
+        // The relays first: their ports are bound before the nodes' are
+        // chosen, so that no node is given a port a relay holds.
+        for i in 0..count {
+            let unset = SocketAddr::from(([127, 0, 0, 1], 0));
+            let relay = Relay::start(unset, owners.clone(), rng.fork(100 + i as u64))
+                .await
+                .map_err(|e| e.to_string())?;
+            store.relays.push(relay);
+        }
         for i in 0..count {
             let port = match kind {
                 Kind::Cluster => cluster_port(&store.ports),
                 _ => free_port(),
             };
-            let target = SocketAddr::from(([127, 0, 0, 1], port));
-            let relay = Relay::start(target, owners.clone(), rng.fork(100 + i as u64))
-                .await
-                .map_err(|e| e.to_string())?;
+            store.relays[i].set_target(SocketAddr::from(([127, 0, 0, 1], port)));
             store.ports.push(port);
-            store.relays.push(relay);
         }
         match kind {
             Kind::Sentinel | Kind::SentinelWait => store.start_sentinel().await?,
@@ -207,9 +212,38 @@ impl Store {
         self.relays[i].addr.port()
     }
 
+    /// Starts Redis node `i` on its port, or on another when that one was
+    /// taken meanwhile (the port was free when chosen; another process may
+    /// have bound it since); returns once it answers PING.
+    async fn spawn_redis(&mut self, i: usize, extra: impl Fn(u16) -> String) -> Res<Proc> {
+        let name = format!("store-{i}");
+        for _ in 0..5 {
+            let port = self.ports[i];
+            let conf = redis_conf(&self.dir, &name, port, &extra(port));
+            let mut node = redis_node(&self.dir, &name, conf)?;
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until && node.alive() {
+                if redis_cmd(port, &["PING"]).await.is_ok() {
+                    return Ok(node);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            node.kill();
+            let port = match self.kind {
+                Kind::Cluster => cluster_port(&self.ports),
+                _ => free_port(),
+            };
+            self.ports[i] = port;
+            self.relays[i].set_target(SocketAddr::from(([127, 0, 0, 1], port)));
+        }
+        Err(format!(
+            "{name} did not start; its log: {}",
+            self.dir.join(format!("{name}.log")).display()
+        ))
+    }
+
     async fn start_sentinel(&mut self) -> Res<()> {
         for i in 0..2 {
-            let name = format!("store-{i}");
             let mut extra = format!(
                 "replica-announce-ip 127.0.0.1\nreplica-announce-port {}\n",
                 self.relay_port(i)
@@ -217,8 +251,8 @@ impl Store {
             if i == 1 {
                 extra.push_str(&format!("replicaof 127.0.0.1 {}\n", self.relay_port(0)));
             }
-            let conf = redis_conf(&self.dir, &name, self.ports[i], &extra);
-            self.nodes.push(redis_node(&self.dir, &name, conf)?);
+            let node = self.spawn_redis(i, |_| extra.clone()).await?;
+            self.nodes.push(node);
         }
         let replica = self.ports[1];
         eventually(
@@ -304,24 +338,18 @@ impl Store {
 
     async fn start_cluster(&mut self) -> Res<()> {
         for i in 0..6 {
-            let name = format!("store-{i}");
-            let extra = format!(
-                "cluster-enabled yes\ncluster-config-file nodes.conf\ncluster-node-timeout 2000\n\
-                 cluster-require-full-coverage no\ncluster-announce-ip 127.0.0.1\n\
-                 cluster-announce-port {}\ncluster-announce-bus-port {}\n",
-                self.relay_port(i),
-                self.ports[i] + 10_000
-            );
-            let conf = redis_conf(&self.dir, &name, self.ports[i], &extra);
-            self.nodes.push(redis_node(&self.dir, &name, conf)?);
-        }
-        for &port in &self.ports {
-            eventually(
-                "a cluster node to answer",
-                Duration::from_secs(20),
-                || async move { redis_cmd(port, &["PING"]).await.ok() },
-            )
-            .await?;
+            let relay = self.relay_port(i);
+            let node = self
+                .spawn_redis(i, |port| {
+                    format!(
+                        "cluster-enabled yes\ncluster-config-file nodes.conf\ncluster-node-timeout 2000\n\
+                         cluster-require-full-coverage no\ncluster-announce-ip 127.0.0.1\n\
+                         cluster-announce-port {relay}\ncluster-announce-bus-port {}\n",
+                        port + 10_000
+                    )
+                })
+                .await?;
+            self.nodes.push(node);
         }
         let addrs: Vec<String> = self
             .ports
