@@ -56,6 +56,13 @@ pub struct Report {
     /// store fault under `at_risk: store_failover`.
     pub keys_at_risk: u64,
     pub keys_at_risk_list: Vec<String>,
+    /// Keys answered by the upstream whose record could not be stored: a
+    /// store fault, or a fault of the proxy that ran it or of its link to
+    /// the store, while the record was being stored; their retries got 502
+    /// `outcome-unknown` (never a second execution). The documented
+    /// degradation, reported apart.
+    pub answers_not_kept: u64,
+    pub answers_not_kept_list: Vec<String>,
     /// Lines the checker could not place: an answer or error whose op has no
     /// invoke, an op invoked twice, a fault end without a start, no `Run`.
     pub malformed: u64,
@@ -246,18 +253,26 @@ pub fn check(events: &[Event]) -> Report {
     let mut open: HashMap<u32, Vec<usize>> = HashMap::new();
     // Invokes first: an answer stamped before its invoke still finds it.
     let mut ops: HashMap<u64, (&str, Phase)> = HashMap::new();
+    let mut op_proxy: HashMap<u64, u32> = HashMap::new();
     let mut keys: BTreeMap<&str, KeyData> = BTreeMap::new();
     let mut exec_ix: HashMap<&str, Vec<usize>> = HashMap::new();
     let mut operations = 0u64;
     let mut executions = 0u64;
     for (i, e) in ev.iter().enumerate() {
         match e {
-            Event::Invoke { op, key, phase, .. } => {
+            Event::Invoke {
+                op,
+                key,
+                phase,
+                proxy,
+                ..
+            } => {
                 operations += 1;
                 if ops.contains_key(op) {
                     malformed += 1;
                     continue;
                 }
+                op_proxy.insert(*op, *proxy);
                 ops.insert(*op, (key.as_str(), *phase));
                 let k = keys.entry(key).or_default();
                 k.events.push(i);
@@ -324,6 +339,25 @@ pub fn check(events: &[Event]) -> Report {
         k.events.sort_unstable();
     }
 
+    let lease = run.map_or(0, |r| r.lease_ms);
+    // The answer was given while its record was still being stored, and
+    // storing it could fail: the store, or the link from the proxy that ran
+    // it, faulted; or that proxy died or stalled before it stored the record.
+    // The docs' degradation (`completions_degraded{result="lost"}`): a retry
+    // gets 502 outcome-unknown, never a second execution.
+    let completion_fault_within = |proxy: Option<u32>, from: u64, to: u64| {
+        faults.iter().any(|f| {
+            let store =
+                f.target.starts_with("store") && STORE_LOSS_KINDS.contains(&f.kind.as_str());
+            let own = proxy.is_some_and(|p| {
+                f.target == format!("proxy-{p}->store")
+                    || (f.target == format!("proxy-{p}")
+                        && ["kill", "pause"].contains(&f.kind.as_str()))
+            });
+            (store || own) && f.overlaps(from, to)
+        })
+    };
+
     let store_loss_within = |from: u64, to: u64| {
         at_risk == AtRisk::StoreFailover
             && faults
@@ -333,6 +367,7 @@ pub fn check(events: &[Event]) -> Report {
 
     let mut found: Vec<Found> = Vec::new();
     let mut at_risk_keys: BTreeSet<&str> = BTreeSet::new();
+    let mut not_kept_keys: BTreeSet<&str> = BTreeSet::new();
     for (&key, k) in &keys {
         // 1. executed_twice
         let mut key_at_risk = false;
@@ -481,7 +516,31 @@ pub fn check(events: &[Event]) -> Report {
             let last_final = settled_final.last().map_or(0, |&i| ev[i].t());
             let lost_with_store =
                 store_loss_within(ev[first].t().saturating_sub(AT_RISK_LEAD_MS), last_final);
-            if !bad.is_empty() {
+            // Only the proxy's outcome-unknown (or 410, the answer not kept)
+            // stands in for a record that was never stored.
+            let unknown_only = settled_final.iter().all(|&i| match ev[i] {
+                Event::Answer {
+                    status, problem, ..
+                } => {
+                    answer_exec(ev[i]) == Some((x, s, b))
+                        || (*status == 502 && problem.as_deref() == Some("outcome-unknown"))
+                        || *status == 410
+                }
+                _ => true,
+            });
+            let answered_by = match ev[first] {
+                Event::Answer { op, .. } => op_proxy.get(op).copied(),
+                _ => None,
+            };
+            let not_kept = unknown_only
+                && completion_fault_within(
+                    answered_by,
+                    ev[first].t().saturating_sub(AT_RISK_LEAD_MS),
+                    ev[first].t() + lease + AT_RISK_LEAD_MS,
+                );
+            if !bad.is_empty() && not_kept && !key_at_risk && !lost_with_store {
+                not_kept_keys.insert(key);
+            } else if !bad.is_empty() {
                 if key_at_risk || lost_with_store {
                     at_risk_keys.insert(key);
                 } else {
@@ -565,6 +624,8 @@ pub fn check(events: &[Event]) -> Report {
         violations,
         keys_at_risk: at_risk_keys.len() as u64,
         keys_at_risk_list: at_risk_keys.iter().map(|k| k.to_string()).collect(),
+        answers_not_kept: not_kept_keys.len() as u64,
+        answers_not_kept_list: not_kept_keys.iter().map(|k| k.to_string()).collect(),
         malformed,
         details,
         details_omitted,
@@ -664,6 +725,11 @@ pub fn render_text(report: &Report, seed: u64) -> String {
         let _ = write!(s, " ({}{more})", shown.join(", "));
     }
     s.push('\n');
+    let _ = writeln!(
+        s,
+        "  answers not kept (a store or proxy fault while they were stored; retries got 502 outcome-unknown): {}",
+        report.answers_not_kept
+    );
     for kind in KINDS {
         let n = report.violations.get(kind).copied().unwrap_or(0);
         if n == 0 {
@@ -1159,6 +1225,38 @@ mod tests {
                 "{at_risk:?} {target}"
             );
         }
+    }
+
+    #[test]
+    fn an_answer_whose_record_could_not_be_stored_is_not_kept_not_a_violation() {
+        // "b" ran at 1005 (answered 1010 via proxy 0); a fault while its
+        // record was being stored; after healing, 502 outcome-unknown.
+        for (from, to, kind, target, kept_apart) in [
+            (1_020, 9_000, "kill", "store-0", true),
+            (1_000, 1_500, "partition", "proxy-0->store", true),
+            (1_012, 1_400, "kill", "proxy-0", true),
+            // Another proxy's link, or a fault long after the lease: a violation.
+            (1_000, 1_500, "partition", "proxy-1->store", false),
+            (8_000, 9_000, "kill", "store-0", false),
+        ] {
+            let mut h = clean(AtRisk::Never);
+            h.fault(from, to, kind, target);
+            let fin = h.invoke(20_300, "b", Phase::Final);
+            h.problem(20_310, fin, 502, "outcome-unknown");
+            let r = check(&h.done());
+            let what = format!("{kind} {target} {from}-{to}");
+            assert_eq!(r.answers_not_kept, u64::from(kept_apart), "{what}");
+            assert_eq!(count(&r, NOT_REPLAYED), u64::from(!kept_apart), "{what}");
+        }
+        // Another execution after healing is never excused so.
+        let mut h = clean(AtRisk::Never);
+        h.fault(1_020, 9_000, "kill", "store-0");
+        let fin = h.invoke(20_300, "b", Phase::Final);
+        h.exec(20_305, "b", "x-b2");
+        h.upstream(20_310, fin, "b", "x-b2", false);
+        let r = check(&h.done());
+        assert_eq!(count(&r, EXECUTED_TWICE), 1);
+        assert_eq!(r.answers_not_kept, 0);
     }
 
     #[test]

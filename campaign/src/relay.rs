@@ -162,7 +162,11 @@ fn socket_inode(local: u16, remote: u16) -> Option<u64> {
     // SAFETY: a netlink socket of our own, written a plain C struct and read
     // into a buffer whose length is checked before it is interpreted.
     unsafe {
-        let fd = libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG);
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            libc::NETLINK_SOCK_DIAG,
+        );
         if fd < 0 {
             return None;
         }

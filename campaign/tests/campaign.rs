@@ -110,7 +110,9 @@ fn re_execute_with_proxies_killed_runs_a_key_twice_and_the_campaign_says_so() {
         &["--faults", "kill", "--proxy-config-extra", extra],
     );
     assert_eq!(ran.code, 1, "{}", ran.stdout);
-    let twice = ran.summary["violations"]["executed_twice"].as_u64().unwrap();
+    let twice = ran.summary["violations"]["executed_twice"]
+        .as_u64()
+        .unwrap();
     assert!(twice >= 1, "{}", ran.summary["violations"]);
     assert!(ran.stdout.contains("--seed 1"), "{}", ran.stdout);
     assert!(ran.stdout.contains("\"ev\":\"exec\""), "{}", ran.stdout);
@@ -120,7 +122,12 @@ fn re_execute_with_proxies_killed_runs_a_key_twice_and_the_campaign_says_so() {
     let ran = campaign(
         "postgres",
         1,
-        &["--faults", "kill", "--proxy-config-extra", control.to_str().unwrap()],
+        &[
+            "--faults",
+            "kill",
+            "--proxy-config-extra",
+            control.to_str().unwrap(),
+        ],
     );
     assert_eq!(
         (ran.code, violations(&ran.summary)),
@@ -154,7 +161,9 @@ fn the_check_command_reports_a_planted_second_execution() {
     clean.extend(key_life.iter().map(String::as_str));
     let clean_path = dir.path().join("clean.jsonl");
     write_history(&clean_path, &clean);
-    let planted_exec = format!(r#"{{"ev":"exec","t":5000,"key":"k1","exec":"e2","status":201,"body_sha":"{sha}"}}"#);
+    let planted_exec = format!(
+        r#"{{"ev":"exec","t":5000,"key":"k1","exec":"e2","status":201,"body_sha":"{sha}"}}"#
+    );
     let mut planted = clean.clone();
     planted.push(&planted_exec);
     let planted_path = dir.path().join("planted.jsonl");
