@@ -574,6 +574,9 @@ async fn run_nemesis(
     let mut notes = Vec::new();
     let mut converging = Vec::new();
     for (t, start, p) in steps {
+        if !start && p.kind == Kind::Failover {
+            continue; // a failover ends when it is done (below), not on the clock
+        }
         let now = rec.now();
         if t > now {
             tokio::time::sleep(Duration::from_millis(t - now)).await;

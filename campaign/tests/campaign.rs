@@ -62,6 +62,8 @@ fn holds(topology: &str, seed: u64) {
         ran.stdout
     );
     assert!(s["operations"].as_u64().unwrap() > 100, "{s}");
+    // Every line placed: each fault's end pairs with its start, each answer with its request.
+    assert_eq!(s["malformed"], 0, "{s}");
     let faults: u64 = s["faults_by_kind"]
         .as_object()
         .unwrap()
