@@ -33,6 +33,10 @@ pub const DETAILS_PER_KIND: usize = 100;
 /// second one (the record may have been written just before the fault).
 pub const AT_RISK_LEAD_MS: u64 = 1000;
 
+/// Fault kinds on a proxy's link to the store that can keep its writes
+/// from landing (a delay or a lost segment only slows them).
+const LINK_LOSS_KINDS: [&str; 4] = ["cut", "partition", "stall", "one_way"];
+
 /// Fault kinds on a store that may lose a record (with `AtRisk::StoreFailover`).
 const STORE_LOSS_KINDS: [&str; 4] = ["kill", "pause", "failover", "partition"];
 
@@ -339,7 +343,6 @@ pub fn check(events: &[Event]) -> Report {
         k.events.sort_unstable();
     }
 
-    let lease = run.map_or(0, |r| r.lease_ms);
     // The answer was given while its record was still being stored, and
     // storing it could fail: the store, or the link from the proxy that ran
     // it, faulted; or that proxy died or stalled before it stored the record.
@@ -347,22 +350,25 @@ pub fn check(events: &[Event]) -> Report {
     // gets 502 outcome-unknown, never a second execution.
     let completion_fault_within = |proxy: Option<u32>, from: u64, to: u64| {
         faults.iter().any(|f| {
-            let store =
-                f.target.starts_with("store") && STORE_LOSS_KINDS.contains(&f.kind.as_str());
+            let kind = f.kind.as_str();
+            let store = f.target.starts_with("store") && STORE_LOSS_KINDS.contains(&kind);
             let own = proxy.is_some_and(|p| {
-                f.target == format!("proxy-{p}->store")
-                    || (f.target == format!("proxy-{p}")
-                        && ["kill", "pause"].contains(&f.kind.as_str()))
+                (f.target == format!("proxy-{p}->store") && LINK_LOSS_KINDS.contains(&kind))
+                    || (f.target == format!("proxy-{p}") && ["kill", "pause"].contains(&kind))
             });
             (store || own) && f.overlaps(from, to)
         })
     };
 
-    let store_loss_within = |from: u64, to: u64| {
+    // A record written at `t` may be lost with the store when a store fault
+    // was open then (from a second before it began to when the store had
+    // converged again): the replica may not have it, or a deposed master
+    // took it. A record written well before a fault was on the replica.
+    let store_loss_at = |t: u64| {
         at_risk == AtRisk::StoreFailover
-            && faults
-                .iter()
-                .any(|f| f.may_lose_store_records() && f.overlaps(from, to))
+            && faults.iter().any(|f| {
+                f.may_lose_store_records() && f.overlaps(t, t.saturating_add(AT_RISK_LEAD_MS))
+            })
     };
 
     let mut found: Vec<Found> = Vec::new();
@@ -374,14 +380,14 @@ pub fn check(events: &[Event]) -> Report {
         if k.execs.len() >= 2 {
             let first = ev[k.execs[0]].t();
             let last = ev[*k.execs.last().expect("two execs")].t();
-            if store_loss_within(first.saturating_sub(AT_RISK_LEAD_MS), last) {
+            if store_loss_at(first) {
                 key_at_risk = true;
                 at_risk_keys.insert(key);
             } else {
                 let ids: Vec<String> = k.execs.iter().map(|&i| exec_id(ev[i])).collect();
                 let why = match (run.is_some(), at_risk) {
                     (_, AtRisk::StoreFailover) => {
-                        "no store fault (kill, pause, failover, partition of a store) within that window"
+                        "no store fault (kill, pause, failover, partition of a store) was open when its first execution was recorded"
                     }
                     (true, AtRisk::Never) => "at_risk is never: no fault excuses it",
                     (false, _) => "no Run line: nothing excuses it",
@@ -513,9 +519,7 @@ pub fn check(events: &[Event]) -> Report {
             // A record written before a store fault and lost with it: the
             // retry gets 502 outcome-unknown (its reservation survived) or
             // runs again; at risk like a second execution.
-            let last_final = settled_final.last().map_or(0, |&i| ev[i].t());
-            let lost_with_store =
-                store_loss_within(ev[first].t().saturating_sub(AT_RISK_LEAD_MS), last_final);
+            let lost_with_store = store_loss_at(ev[first].t());
             // Only the proxy's outcome-unknown (or 410, the answer not kept)
             // stands in for a record that was never stored.
             let unknown_only = settled_final.iter().all(|&i| match ev[i] {
@@ -536,7 +540,7 @@ pub fn check(events: &[Event]) -> Report {
                 && completion_fault_within(
                     answered_by,
                     ev[first].t().saturating_sub(AT_RISK_LEAD_MS),
-                    ev[first].t() + lease + AT_RISK_LEAD_MS,
+                    ev[first].t() + AT_RISK_LEAD_MS,
                 );
             if !bad.is_empty() && not_kept && !key_at_risk && !lost_with_store {
                 not_kept_keys.insert(key);
@@ -559,7 +563,19 @@ pub fn check(events: &[Event]) -> Report {
             let explanation = match healed {
                 None => Some("the run never healed (no Healed line): no final phase".to_string()),
                 Some((_, healed_t)) => {
-                    let bound = healed_t.saturating_add(settle_bound);
+                    // From the heal, or from when the final phase first asked
+                    // this key (a run of many keys asks them one after another).
+                    let first_ask = k.events.iter().find_map(|&i| match ev[i] {
+                        Event::Invoke {
+                            t,
+                            phase: Phase::Final,
+                            ..
+                        } => Some(*t),
+                        _ => None,
+                    });
+                    let bound = healed_t
+                        .max(first_ask.unwrap_or(0))
+                        .saturating_add(settle_bound);
                     if settled_final.iter().any(|&i| ev[i].t() <= bound) {
                         None
                     } else {
@@ -1021,19 +1037,24 @@ mod tests {
     }
 
     #[test]
-    fn the_at_risk_window_starts_a_second_before_the_first_exec() {
-        // First exec at 8005: a failover ending at 7005 is within the window...
-        let mut h = twice(AtRisk::StoreFailover);
-        h.fault(6000, 7005, "failover", "store");
-        let r = check(&h.done());
-        assert!(r.ok(), "{:?}", r.violations);
-        assert_eq!(r.keys_at_risk, 1);
-        // ...one ending at 7004 is not; nor is one starting after the last exec.
-        let mut h = twice(AtRisk::StoreFailover);
-        h.fault(6000, 7004, "failover", "store");
-        h.fault(10_006, 11_000, "kill", "store-0");
-        let r = check(&h.done());
-        assert_eq!(only(&r, EXECUTED_TWICE), ["d"]);
+    fn the_at_risk_window_is_the_first_execution_and_the_second_after_it() {
+        // First exec at 8005: a store fault open then, or beginning within a
+        // second after it, may have lost its record...
+        for (from, to) in [(6000, 8005), (9005, 9100), (7000, 20_000)] {
+            let mut h = twice(AtRisk::StoreFailover);
+            h.fault(from, to, "failover", "store");
+            let r = check(&h.done());
+            assert!(r.ok(), "{from}-{to}: {:?}", r.violations);
+            assert_eq!(r.keys_at_risk, 1, "{from}-{to}");
+        }
+        // ...one over before it, or beginning later (even before the
+        // second execution: the record was on the replica by then), not.
+        for (from, to) in [(6000, 8004), (9006, 9100), (9500, 10_004)] {
+            let mut h = twice(AtRisk::StoreFailover);
+            h.fault(from, to, "kill", "store-0");
+            let r = check(&h.done());
+            assert_eq!(only(&r, EXECUTED_TWICE), ["d"], "{from}-{to}");
+        }
         // A fault that never ended covers everything after its start.
         let mut h = twice(AtRisk::StoreFailover);
         h.ev.push(Event::Fault {
@@ -1202,28 +1223,22 @@ mod tests {
 
     #[test]
     fn an_acknowledged_record_lost_with_the_store_is_at_risk_only_under_store_failover() {
-        // The load phase got 201; a failover of the store after it; the
-        // final phase gets the surviving reservation's 502 outcome-unknown.
-        for (at_risk, target, violation) in [
-            (AtRisk::StoreFailover, "store", false),
-            (AtRisk::Never, "store", true),
-            (AtRisk::StoreFailover, "proxy-0->store", true),
+        // The load phase got 201 (at 1010); a failover half a second
+        // later; the final phase gets the surviving reservation's 502
+        // outcome-unknown. (at risk, not kept, violation)
+        for (at_risk, kind, target, want) in [
+            (AtRisk::StoreFailover, "failover", "store", (1, 0, 0)),
+            // On PostgreSQL a record once stored survives: the completion did not land.
+            (AtRisk::Never, "failover", "store", (0, 1, 0)),
+            (AtRisk::StoreFailover, "delay", "proxy-0->store", (0, 0, 1)),
         ] {
             let mut h = clean(at_risk);
-            h.fault(12_000, 15_000, "failover", target);
+            h.fault(1_500, 15_000, kind, target);
             let fin = h.invoke(20_300, "b", Phase::Final);
             h.problem(20_310, fin, 502, "outcome-unknown");
             let r = check(&h.done());
-            assert_eq!(
-                count(&r, NOT_REPLAYED),
-                u64::from(violation),
-                "{at_risk:?} {target}"
-            );
-            assert_eq!(
-                r.keys_at_risk,
-                u64::from(!violation),
-                "{at_risk:?} {target}"
-            );
+            let got = (r.keys_at_risk, r.answers_not_kept, count(&r, NOT_REPLAYED));
+            assert_eq!(got, want, "{at_risk:?} {kind} {target}");
         }
     }
 
@@ -1276,8 +1291,9 @@ mod tests {
 
     #[test]
     fn a_settled_answer_after_the_bound_is_not_settled() {
-        // Healed at 20_000, bound 5000: 25_000 is in time, 25_001 is not.
-        for (t, late) in [(25_000, false), (25_001, true)] {
+        // Healed at 20_000, first asked at 20_300, bound 5000: 25_300 is
+        // in time, 25_301 is not.
+        for (t, late) in [(25_300, false), (25_301, true)] {
             let mut h = clean(AtRisk::Never);
             let op = h.invoke(7000, "e", Phase::Load);
             h.error(9000, op, "timeout");

@@ -75,6 +75,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         let n: u64 = rest[..digits]
             .parse()
             .map_err(|_| format!("invalid duration \"{text}\": expected e.g. 60s, 500ms, 30m"))?;
+        let too_long = || format!("invalid duration \"{text}\": too long");
         rest = &rest[digits..];
         let unit = rest
             .find(|c: char| c.is_ascii_digit())
@@ -90,7 +91,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
                 ))
             }
         };
-        total += n * ms;
+        total = n
+            .checked_mul(ms)
+            .and_then(|v| total.checked_add(v))
+            .filter(|&v| v <= 365 * 24 * 3_600_000)
+            .ok_or_else(too_long)?;
         rest = &rest[unit..];
     }
     Ok(Duration::from_millis(total))
@@ -123,5 +128,6 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert!(parse_duration("10 parsecs").is_err());
         assert!(parse_duration("").is_err());
+        assert!(parse_duration("6000000000000h").is_err());
     }
 }

@@ -157,7 +157,8 @@ pub fn schedule(rng: &mut Rng, cast: &Cast, duration_ms: u64) -> Vec<Planned> {
                     && t < p.at_ms + p.for_ms.max(10_000 * u64::from(p.kind == Kind::Failover))
             })
             .collect();
-        let busy_target = active.iter().any(|p| p.target == target);
+        // By name: a kill of `store-0` and a partition of store node 0 hit one target.
+        let busy_target = active.iter().any(|p| p.target.name() == target.name());
         let pg_store_busy = cast.topology == Topology::Postgres
             && target.is_store()
             && active.iter().any(|p| p.target.is_store());

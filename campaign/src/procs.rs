@@ -70,10 +70,19 @@ impl Proc {
 
     /// Alive: started and not exited (a paused process is alive).
     pub fn alive(&mut self) -> bool {
-        match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
+        let Some(c) = self.child.as_mut() else {
+            return false;
+        };
+        if matches!(c.try_wait(), Ok(None)) {
+            return true;
         }
+        // Exited and reaped: its pid may be another process's soon, so it
+        // is signalled no more.
+        let pid = c.id();
+        LIVE.lock().unwrap().retain(|&p| p != pid);
+        self.child = None;
+        self.paused = false;
+        false
     }
 
     fn signal(&self, sig: i32) {

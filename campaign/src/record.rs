@@ -15,6 +15,7 @@ pub struct Recorder {
     /// The Unix time of `start`, ms (to place the upstream's journal).
     pub start_unix_ms: u64,
     ops: AtomicU64,
+    lost: AtomicU64,
     out: Mutex<BufWriter<std::fs::File>>,
     tag: String,
 }
@@ -25,6 +26,7 @@ impl Recorder {
             start: Instant::now(),
             start_unix_ms: crate::upstream::unix_ms(),
             ops: AtomicU64::new(0),
+            lost: AtomicU64::new(0),
             out: Mutex::new(BufWriter::new(std::fs::File::create(path)?)),
             tag: format!("s{seed:x}"),
         })
@@ -47,11 +49,23 @@ impl Recorder {
 
     pub fn record(&self, event: Event) {
         let mut out = self.out.lock().unwrap();
-        let _ = serde_json::to_writer(&mut *out, &event);
-        let _ = out.write_all(b"\n");
+        let written = serde_json::to_writer(&mut *out, &event)
+            .map_err(std::io::Error::from)
+            .and_then(|()| out.write_all(b"\n"));
+        if written.is_err() {
+            self.lost.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Events that could not be written (a full disk): a history that
+    /// misses them cannot be judged.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::Relaxed)
     }
 
     pub fn flush(&self) {
-        let _ = self.out.lock().unwrap().flush();
+        if self.out.lock().unwrap().flush().is_err() {
+            self.lost.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }

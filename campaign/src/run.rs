@@ -47,7 +47,7 @@ pub struct Options {
     #[arg(long)]
     idemproxy: Option<PathBuf>,
     /// Faults off: the same load with no nemesis (a baseline).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "faults")]
     no_faults: bool,
     /// Only these kinds of fault (comma-separated: kill, pause, failover,
     /// delay, loss, stall, one_way, partition, cut, slow_upstream).
@@ -325,19 +325,41 @@ pub fn main(opts: Options) -> ExitCode {
 async fn campaign(opts: Options) -> Result<ExitCode, String> {
     let binary = idemproxy_binary(opts.idemproxy.as_deref())?;
     let route = route_settings(opts.proxy_config_extra.as_deref())?;
-    let lease = route
-        .get("lease")
-        .and_then(|v| v.as_str())
-        .map(crate::parse_duration)
-        .transpose()?
-        .unwrap_or(Duration::from_secs(2));
+    let lease = match route.get("lease") {
+        Some(toml::Value::String(text)) => crate::parse_duration(text)?,
+        Some(other) => {
+            return Err(format!(
+                "lease = {other}: a duration is written as a string, e.g. lease = \"1s\""
+            ))
+        }
+        None => Duration::from_secs(2),
+    };
+    if opts.duration < Duration::from_secs(5) {
+        return Err(
+            "--duration must be at least 5s (the clients and the nemesis need time to run)".into(),
+        );
+    }
     let lease_expiry = route
         .get("lease_expiry")
         .and_then(|v| v.as_str())
         .unwrap_or("unknown_outcome")
         .to_string();
     let out = opts.out.clone();
+    // Only into a directory of its own: it replaces what an earlier run left there.
+    let marker = out.join(".campaign-out");
+    let used = std::fs::read_dir(&out).is_ok_and(|mut d| d.next().is_some());
+    if used && !marker.exists() {
+        return Err(format!(
+            "--out {}: not empty and not a campaign's output; give a new directory",
+            out.display()
+        ));
+    }
     std::fs::create_dir_all(out.join("logs")).map_err(|e| format!("{}: {e}", out.display()))?;
+    std::fs::write(
+        &marker,
+        "written by campaign; a later run may replace this directory's contents\n",
+    )
+    .map_err(|e| format!("{}: {e}", marker.display()))?;
     let logs = std::fs::canonicalize(out.join("logs")).map_err(|e| e.to_string())?;
     let work = tempfile::Builder::new()
         .prefix("campaign-")
@@ -519,14 +541,7 @@ async fn campaign(opts: Options) -> Result<ExitCode, String> {
     if let Err(e) = &settled {
         notes.push(format!("the store did not settle: {e}"));
     }
-    final_phase(
-        &rec,
-        &book,
-        &proxy_addrs,
-        healed + settle_bound,
-        rng.fork(4),
-    )
-    .await;
+    final_phase(&rec, &book, &proxy_addrs, healed, settle_bound, rng.fork(4)).await;
     for c in converging {
         let _ = c.await;
     }
@@ -536,7 +551,14 @@ async fn campaign(opts: Options) -> Result<ExitCode, String> {
 
     // The upstream's journal joins the history.
     let mut execs = Vec::new();
-    for j in crate::upstream::read_journal(&journal) {
+    let (journaled, torn) = crate::upstream::read_journal(&journal)
+        .map_err(|e| format!("the upstream's journal {}: {e}", journal.display()))?;
+    if torn > 0 {
+        notes.push(format!(
+            "{torn} journal line(s) cut by a kill mid-write (never answered)"
+        ));
+    }
+    for j in journaled {
         execs.push(Event::Exec {
             t: j.t_unix_ms.saturating_sub(rec.start_unix_ms),
             key: j.key,
@@ -553,6 +575,13 @@ async fn campaign(opts: Options) -> Result<ExitCode, String> {
         history::write(&mut f, &execs).map_err(|e| e.to_string())?;
     }
     std::fs::write(logs.join("notes.txt"), notes.join("\n")).map_err(|e| e.to_string())?;
+    if rec.lost() > 0 {
+        return Err(format!(
+            "{} history line(s) could not be written to {}: the history cannot be judged",
+            rec.lost(),
+            out.join("history.jsonl").display()
+        ));
+    }
     Ok(check_file(&out.join("history.jsonl"), Some(&out)))
 }
 
@@ -625,12 +654,15 @@ fn fault(rec: &Recorder, p: &Planned, phase: FaultPhase) -> Event {
     }
 }
 
-/// Every key once more, each retried until it settles or `deadline`.
+/// Every key once more, each retried until it settles or `bound` after
+/// `from` or after it was first asked, whichever is later: every key is
+/// asked, however many there are.
 async fn final_phase(
     rec: &Arc<Recorder>,
     book: &Arc<Book>,
     proxies: &[SocketAddr],
-    deadline: Instant,
+    from: Instant,
+    bound: Duration,
     rng: Rng,
 ) {
     let keys: Vec<Op> = book.keys.lock().unwrap().clone();
@@ -645,7 +677,8 @@ async fn final_phase(
                 let Some(mut op) = queue.lock().unwrap().pop() else {
                     break;
                 };
-                while Instant::now() < deadline {
+                let deadline = from.max(Instant::now()) + bound;
+                loop {
                     let p = rng.range(0, proxies.len() as u64 - 1) as usize;
                     let out = clients::attempt(
                         &http,
@@ -658,7 +691,7 @@ async fn final_phase(
                     )
                     .await;
                     op.attempts += 1;
-                    if out.settled() {
+                    if out.settled() || Instant::now() >= deadline {
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -674,6 +707,13 @@ async fn final_phase(
 /// Checks a history, prints the report, writes summary.json and
 /// timeline.svg into `out`; the exit status says whether it held.
 pub fn check_file(path: &Path, out: Option<&Path>) -> ExitCode {
+    // A run's directory names its history.
+    let in_dir = path.join("history.jsonl");
+    let path = if path.is_dir() {
+        in_dir.as_path()
+    } else {
+        path
+    };
     let events = match history::read(path) {
         Ok(e) => e,
         Err(e) => {

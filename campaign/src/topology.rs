@@ -670,6 +670,15 @@ fn give(path: &Path) -> Res<()> {
     Ok(())
 }
 
+/// A log a tool appends to.
+fn log_file(path: &Path) -> Res<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
 const SCHEMA: &str = include_str!("../../deploy/postgres/schema.sql");
 
 async fn pg_connect(port: u16) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
@@ -715,16 +724,20 @@ impl Store {
         std::fs::create_dir_all(&root).map_err(|e| e.to_string())?;
         give(&root)?;
         let data = root.join("store-0");
+        let tool_log = self.dir.join("pg-tools.log");
         let ok = pg_tool(&bin, "initdb")
             .arg("-D")
             .arg(&data)
             .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log_file(&tool_log)?)
             .status()
-            .is_ok_and(|s| s.success());
+            .map_err(|e| {
+                format!("initdb (as root it runs through setpriv as the postgres user): {e}")
+            })?
+            .success();
         if !ok {
-            return Err("initdb failed".into());
+            return Err(format!("initdb failed; its output: {}", tool_log.display()));
         }
         let log = self.dir.join("store-0.log");
         give(&root)?;
@@ -762,16 +775,22 @@ impl Store {
         let data = self.scratch.join("pg").join(format!("store-{i}"));
         let _ = std::fs::remove_dir_all(&data);
         let mut base = pg_tool(&bin, "pg_basebackup");
-        base.args(["-h", "127.0.0.1", "-p", &self.ports[of].to_string()])
+        // Through the primary's relay: the standby's replication
+        // (`primary_conninfo`, written by -R) then goes through it too, and
+        // a partition of the primary cuts it.
+        base.args(["-h", "127.0.0.1", "-p", &self.relay_port(of).to_string()])
             .args(["-U", "postgres", "-R", "-X", "stream", "-D"])
             .arg(&data)
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(log_file(&self.dir.join("pg-tools.log"))?);
         let ok = tokio::task::spawn_blocking(move || base.status().is_ok_and(|s| s.success()))
             .await
             .unwrap_or(false);
         if !ok {
-            return Err("pg_basebackup failed".into());
+            return Err(format!(
+                "pg_basebackup failed; its output: {}",
+                self.dir.join("pg-tools.log").display()
+            ));
         }
         let log = self.dir.join(format!("store-{i}.log"));
         Proc::start(

@@ -62,10 +62,16 @@ pub fn run(port: u16, journal: PathBuf) -> std::io::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let file = std::fs::OpenOptions::new()
+        let mut file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&journal)?;
+        // A line cut by a kill mid-write would swallow the next one.
+        let text = std::fs::read(&journal)?;
+        if text.last().is_some_and(|&b| b != b'\n') {
+            file.write_all(b"\n")?;
+            file.sync_data()?;
+        }
         let state = Arc::new(State {
             journal: Mutex::new(file),
             slow_ms: AtomicU64::new(0),
@@ -160,12 +166,17 @@ async fn handle(
     Ok(answer(status, out))
 }
 
-/// Reads the journal (a line cut by a kill mid-write is skipped: it was
-/// never fsynced, so never acknowledged).
-pub fn read_journal(path: &std::path::Path) -> Vec<Journaled> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+/// Reads the journal, and how many lines were not whole executions (a
+/// line cut by a kill mid-write: never fsynced, so never answered).
+pub fn read_journal(path: &std::path::Path) -> std::io::Result<(Vec<Journaled>, u64)> {
+    let bytes = std::fs::read(path)?;
+    let mut out = Vec::new();
+    let mut torn = 0;
+    for line in bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+        match serde_json::from_slice(line) {
+            Ok(j) => out.push(j),
+            Err(_) => torn += 1,
+        }
+    }
+    Ok((out, torn))
 }

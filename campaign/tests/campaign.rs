@@ -19,10 +19,20 @@ struct Ran {
 }
 
 fn campaign(topology: &str, seed: u64, extra: &[&str]) -> Ran {
+    campaign_with(topology, seed, 8, extra)
+}
+
+fn campaign_with(topology: &str, seed: u64, clients: u32, extra: &[&str]) -> Ran {
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_campaign"))
         .args(["--topology", topology, "--seed", &seed.to_string()])
-        .args(["--duration", "15s", "--clients", "8", "--out"])
+        .args([
+            "--duration",
+            "15s",
+            "--clients",
+            &clients.to_string(),
+            "--out",
+        ])
         .arg(dir.path())
         .args(extra)
         .output()
@@ -97,8 +107,8 @@ fn postgres_holds() {
     holds("postgres", 14);
 }
 
-/// Under `lease_expiry = "re_execute"` a proxy killed after the upstream ran
-/// a request leaves a key that runs again: the campaign must say so (exit 1,
+/// Under `lease_expiry = "re_execute"` a proxy killed or paused past its
+/// lease after the upstream ran a request leaves a key that runs again: the campaign must say so (exit 1,
 /// the seed, the history), and the same faults without it must not.
 #[test]
 fn re_execute_with_proxies_killed_runs_a_key_twice_and_the_campaign_says_so() {
@@ -106,11 +116,10 @@ fn re_execute_with_proxies_killed_runs_a_key_twice_and_the_campaign_says_so() {
     let extra = dir.path().join("route.toml");
     std::fs::write(&extra, "lease = \"1s\"\nlease_expiry = \"re_execute\"\n").unwrap();
     let extra = extra.to_str().unwrap();
-    let ran = campaign(
-        "postgres",
-        1,
-        &["--faults", "kill", "--proxy-config-extra", extra],
-    );
+    // Kills and pauses (a proxy stopped past its lease with a request at
+    // the upstream), and clients enough that some request is in flight.
+    let faults = ["--faults", "kill,pause", "--proxy-config-extra"];
+    let ran = campaign_with("postgres", 1, 16, &[&faults[..], &[extra]].concat());
     assert_eq!(ran.code, 1, "{}", ran.stdout);
     let twice = ran.summary["violations"]["executed_twice"]
         .as_u64()
@@ -137,6 +146,31 @@ fn re_execute_with_proxies_killed_runs_a_key_twice_and_the_campaign_says_so() {
         "{}",
         ran.stdout
     );
+}
+
+/// The same on Redis, where a store fault excuses a second execution of a
+/// record written while it was open: proxy kills under `re_execute` still
+/// show, the store's faults excuse only what they could have lost.
+#[test]
+fn re_execute_is_found_on_redis_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = dir.path().join("route.toml");
+    std::fs::write(&extra, "lease = \"1s\"\nlease_expiry = \"re_execute\"\n").unwrap();
+    let ran = campaign(
+        "sentinel",
+        2,
+        &[
+            "--faults",
+            "kill",
+            "--proxy-config-extra",
+            extra.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(ran.code, 1, "{}", ran.stdout);
+    let twice = ran.summary["violations"]["executed_twice"]
+        .as_u64()
+        .unwrap();
+    assert!(twice >= 1, "{}", ran.summary["violations"]);
 }
 
 fn write_history(path: &Path, lines: &[&str]) {
