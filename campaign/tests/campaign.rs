@@ -156,12 +156,14 @@ fn re_execute_is_found_on_redis_too() {
     let dir = tempfile::tempdir().unwrap();
     let extra = dir.path().join("route.toml");
     std::fs::write(&extra, "lease = \"1s\"\nlease_expiry = \"re_execute\"\n").unwrap();
-    let ran = campaign(
+    // Seed 6 draws four kills or pauses of proxies in 15 s.
+    let ran = campaign_with(
         "sentinel",
-        2,
+        6,
+        16,
         &[
             "--faults",
-            "kill",
+            "kill,pause",
             "--proxy-config-extra",
             extra.to_str().unwrap(),
         ],
