@@ -281,3 +281,70 @@ async fn with_wait_replicas_nothing_acknowledged_is_lost() {
         settled.executed
     );
 }
+
+/// Found by the fault campaign (`sentinel-wait`): a `SENTINEL FAILOVER`
+/// while a request is at the upstream. The old master stays up and takes
+/// writes until a sentinel turns it into a replica (up to ten seconds);
+/// the proxy's connection stays with it, so the completion landed there,
+/// its `WAIT` fell short, and it was lost with the old master though the
+/// client had its 201: the retry got 409, then 502 `outcome-unknown`. Now a
+/// `WAIT` that falls short asks the sentinels which master they name, the
+/// completion is written again on the new master, and the retry replays the
+/// answer even with the old master gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_wait_replicas_a_completion_after_a_sentinel_failover_goes_to_the_new_master() {
+    let mut setup = SentinelSetup::start().await;
+    let upstream = TestUpstream::start().await;
+    let config = ConfigBuilder::new(&upstream.url())
+        .redis_store(&setup.store_lines())
+        .store("wait_replicas = 1\nwait_timeout = \"100ms\"")
+        .route("payments", "/v1/payments", "lease = \"2s\"")
+        .build();
+    let proxy = Proxy::in_process(&config, &[]).await;
+    let url = proxy.url("/v1/payments");
+
+    // Reserved and replicated, then held at the upstream.
+    let first = support::Call::post(&url)
+        .key("k-failover")
+        .header("x-test-hold", "1")
+        .without_deadline()
+        .spawn("{\"amount\": 1}");
+    upstream.wait_hits(1).await;
+    setup.wait_replica_caught_up().await;
+    let sentinel = setup.sentinels[0].port;
+    support::redis_cmd(sentinel, &["SENTINEL", "FAILOVER", "mymaster"])
+        .await
+        .expect("SENTINEL FAILOVER");
+    setup.wait_replica_promoted().await;
+    // The old master still says it is one (the sentinels convert it later).
+    let role = support::info_field(setup.master.port, "replication", "role").await;
+    assert_eq!(
+        role.as_deref(),
+        Some("master"),
+        "the old master was converted already"
+    );
+
+    upstream.release(1);
+    let answered = first.await.unwrap();
+    assert_eq!(answered.status, 201, "{answered:?}");
+    // The proxy stores the record in the background, writing it again while
+    // WAIT falls short, until the lease is over (the new master has no
+    // replica yet either).
+    proxy.wait_log("before its retries ran out").await;
+    // Only the new master is left: the answer must come from there.
+    setup.master.kill();
+    let again = support::eventually("the retry to be answered", support::DEADLINE, || {
+        let url = url.clone();
+        async move {
+            let r = support::Call::post(&url)
+                .key("k-failover")
+                .body("{\"amount\": 1}")
+                .await;
+            (r.status != 503 && r.status != 409).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(again.is_replay(), "not a replay: {:?}", again.headers);
+    assert_eq!(upstream.hits(), 1, "the upstream ran it once");
+}

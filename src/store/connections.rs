@@ -39,6 +39,8 @@ struct Slot {
     /// One connect at a time; the others wait for its result.
     connecting: tokio::sync::Mutex<()>,
     failures_in_a_row: AtomicU32,
+    /// Sentinel: the master this slot's connection went to.
+    master: Mutex<Option<String>>,
 }
 
 /// Where connections come from.
@@ -89,7 +91,13 @@ pub(super) struct Connections {
     op_timeout: Duration,
     /// Standalone and Sentinel: when a connect failed, the next waits.
     backoff: Mutex<Backoff>,
+    /// Sentinel: when the sentinels were last asked whether the master moved.
+    master_asked: Mutex<Option<Instant>>,
 }
+
+/// How often, at most, a replica's missing acknowledgement sends the
+/// sentinels a question (see [`Connections::master_moved`]).
+const MASTER_ASKED_EVERY: Duration = Duration::from_millis(250);
 
 impl Connections {
     pub(super) fn new(source: Source, slots: usize, op_timeout: Duration) -> Self {
@@ -103,6 +111,49 @@ impl Connections {
             failing: AtomicBool::new(false),
             op_timeout,
             backoff: Mutex::new(Backoff::default()),
+            master_asked: Mutex::new(None),
+        }
+    }
+
+    /// Sentinel: after a `WAIT` that fell short. A failover leaves the old
+    /// master taking writes until a sentinel turns it into a replica (up to
+    /// ten seconds), and a connection made before it stays with it: what is
+    /// written there is lost, though the client has its answer. So the
+    /// sentinels are asked (at most every 250 ms) which master they name,
+    /// and every connection to another one is given up: the next operation
+    /// (a completion written again) connects to the new master. A replica
+    /// that only lags asks the same question and changes nothing.
+    pub(super) async fn master_moved(&self) {
+        let Source::Sentinel(sentinel) = &self.source else {
+            return;
+        };
+        {
+            let mut asked = self.master_asked.lock().unwrap_or_else(|e| e.into_inner());
+            if asked.is_some_and(|t| t.elapsed() < MASTER_ASKED_EVERY) {
+                return;
+            }
+            *asked = Some(Instant::now());
+        }
+        let Ok(Ok(named)) = tokio::time::timeout(self.op_timeout, sentinel.master_addr()).await
+        else {
+            return;
+        };
+        let mut given_up = 0;
+        for slot in self.slots.all() {
+            let stale = {
+                let master = slot.master.lock().unwrap_or_else(|e| e.into_inner());
+                master.as_ref().is_some_and(|m| *m != named)
+            };
+            if stale {
+                given_up += usize::from(take_conn(slot));
+            }
+        }
+        if given_up > 0 {
+            warn!(
+                master = %named,
+                connections = given_up,
+                "a replica did not acknowledge and the sentinels name another master; connecting to it"
+            );
         }
     }
 
@@ -158,7 +209,7 @@ impl Connections {
             }
             single => {
                 self.backing_off()?;
-                let fresh = self.connect_single(single).await;
+                let fresh = self.connect_single(single, slot).await;
                 self.note_connect(&fresh);
                 fresh?
             }
@@ -167,13 +218,15 @@ impl Connections {
         Ok(fresh)
     }
 
-    async fn connect_single(&self, source: &Source) -> Result<Conn, StoreError> {
+    async fn connect_single(&self, source: &Source, slot: &Slot) -> Result<Conn, StoreError> {
         match source {
             Source::Standalone { client, config } => {
                 self.single(client.clone(), config.clone()).await
             }
             Source::Sentinel(sentinel) => {
                 let client = sentinel.master().await.map_err(|e| self.backend(e))?;
+                let named = client.get_connection_info().addr().to_string();
+                *slot.master.lock().unwrap_or_else(|e| e.into_inner()) = Some(named);
                 self.single(client, sentinel.config.clone()).await
             }
             Source::Cluster(_) => Err(StoreError::Backend("a cluster has no single node".into())),

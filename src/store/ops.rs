@@ -143,7 +143,17 @@ impl RedisStore {
         ))
     }
 
+    /// `WAIT`; when it falls short, whether the master moved
+    /// ([`Connections::master_moved`](super::connections::Connections::master_moved)).
     async fn wait(&self, conn: &mut Conn, key: &str) -> redis::RedisResult<i64> {
+        let waited = self.wait_once(conn, key).await;
+        if !matches!(waited, Ok(acked) if acked >= i64::from(self.wait_replicas)) {
+            self.conns.master_moved().await;
+        }
+        waited
+    }
+
+    async fn wait_once(&self, conn: &mut Conn, key: &str) -> redis::RedisResult<i64> {
         let mut wait = redis::cmd("WAIT");
         wait.arg(self.wait_replicas).arg(ms(self.wait_timeout));
         match conn {

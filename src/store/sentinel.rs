@@ -45,6 +45,12 @@ impl Sentinel {
         })
     }
 
+    /// The address of the master the sentinels name now (`host:port`).
+    pub(super) async fn master_addr(&self) -> redis::RedisResult<String> {
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        Ok(client.get_connection_info().addr().to_string())
+    }
+
     /// A client for the master the sentinels name now.
     pub(super) async fn master(&self) -> redis::RedisResult<redis::Client> {
         let client = self.sentinel.lock().await.async_get_client().await?;
