@@ -34,8 +34,10 @@ pub const DETAILS_PER_KIND: usize = 100;
 pub const AT_RISK_LEAD_MS: u64 = 1000;
 
 /// Fault kinds on a proxy's link to the store that can keep its writes
-/// from landing (a delay or a lost segment only slows them).
-const LINK_LOSS_KINDS: [&str; 4] = ["cut", "partition", "stall", "one_way"];
+/// from landing within the lease: a cut, a partition, a stall, one way
+/// down, and the campaign's `loss`, whose lost segments are held 200–1000 ms,
+/// as long as a store operation's `op_timeout` (a `delay` only slows them).
+const LINK_LOSS_KINDS: [&str; 5] = ["cut", "partition", "stall", "one_way", "loss"];
 
 /// Fault kinds on a store that may lose a record (with `AtRisk::StoreFailover`).
 const STORE_LOSS_KINDS: [&str; 4] = ["kill", "pause", "failover", "partition"];
@@ -1249,6 +1251,8 @@ mod tests {
         for (from, to, kind, target, kept_apart) in [
             (1_020, 9_000, "kill", "store-0", true),
             (1_000, 1_500, "partition", "proxy-0->store", true),
+            (1_000, 1_500, "loss", "proxy-0->store", true),
+            (1_000, 1_500, "delay", "proxy-0->store", false),
             (1_012, 1_400, "kill", "proxy-0", true),
             // Another proxy's link, or a fault long after the lease: a violation.
             (1_000, 1_500, "partition", "proxy-1->store", false),
