@@ -50,6 +50,7 @@ impl Framework {
 }
 
 /// Where the frameworks' files are: the sources in `tests/frameworks`, the installs under `target/`.
+#[derive(Clone)]
 pub struct Dirs {
     pub sources: PathBuf,
     pub target: PathBuf,
@@ -94,6 +95,9 @@ pub struct Upstream {
     pub port: u16,
     child: Option<Child>,
     log: PathBuf,
+    /// To start it again on another port (see [`Upstream::wait_listening`]).
+    dirs: Dirs,
+    logs: PathBuf,
 }
 
 impl Upstream {
@@ -153,6 +157,8 @@ impl Upstream {
             port,
             child: Some(child),
             log,
+            dirs: dirs.clone(),
+            logs: logs.to_path_buf(),
         }
     }
 
@@ -164,6 +170,7 @@ impl Upstream {
     /// or takes longer than the deadline.
     pub async fn wait_listening(&mut self) -> Duration {
         let started = Instant::now();
+        let mut respawns = 0;
         loop {
             if self.runs("none").await.is_ok() {
                 return started.elapsed();
@@ -172,6 +179,18 @@ impl Upstream {
                 .child
                 .as_mut()
                 .and_then(|c| c.try_wait().ok().flatten());
+            // The port was free when chosen; a process started meanwhile (the
+            // tests run at once) may have taken it: another port.
+            let log = self.log_text().to_ascii_lowercase();
+            if exited.is_some()
+                && respawns < 5
+                && (log.contains("already in use") || log.contains("eaddrinuse"))
+            {
+                respawns += 1;
+                let (dirs, logs) = (self.dirs.clone(), self.logs.clone());
+                *self = Upstream::spawn(self.framework, &dirs, &logs);
+                continue;
+            }
             if exited.is_some() || started.elapsed() > START_DEADLINE {
                 panic!(
                     "{} did not start ({}):\n{}",
