@@ -3,7 +3,7 @@
 //! scrapes a real proxy: every panel's query returns data, every rule's
 //! expression is a valid query, and each names only metrics the proxy exports.
 //!
-//! Needs the `prometheus` binary (Debian's `prometheus` package; `.ci/run`
+//! Needs the `prometheus` binary (Debian's `prometheus` package; `tests/run.sh`
 //! installs it). Without it the test says so loudly and passes.
 
 mod support;
@@ -391,7 +391,7 @@ async fn every_panel_and_alert_queries_metrics_the_proxy_exports() {
         eprintln!(
             "\n{bar}\nSKIPPED dashboards: no prometheus binary (/usr/bin/prometheus, or \
              IDEMPROXY_TEST_PROMETHEUS).\nThe dashboard and the alert rules were NOT checked. \
-             Install it: apt-get install -y prometheus (.ci/run does).\n{bar}\n",
+             Install it: apt-get install -y prometheus (tests/run.sh does).\n{bar}\n",
             bar = "!".repeat(78)
         );
         return;

@@ -406,3 +406,44 @@ fn links_and_the_codes_citations_of_the_guide_resolve() {
     assert!(out.status.success(), "broken links or citations:\n{report}");
     assert!(report.contains(" 0 broken"), "{report}");
 }
+
+/// The README's run-and-test block names `tests/run.sh` as the test command,
+/// and CI runs that same command (its last step), so that what a new user
+/// types is what CI proves.
+#[test]
+fn the_readme_test_command_is_what_ci_runs() {
+    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap();
+    let section = readme
+        .split("## Run and test")
+        .nth(1)
+        .expect("README.md has a \"Run and test\" section");
+    let block = blocks(section)
+        .into_iter()
+        .next()
+        .expect("a code block in \"Run and test\"");
+    let commands: Vec<&str> = block
+        .text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .collect();
+    assert!(
+        commands.contains(&"tests/run.sh"),
+        "the README's test command is not tests/run.sh: {commands:?}"
+    );
+    let ci = std::fs::read_to_string(Path::new(ROOT).join(".ci/run")).unwrap();
+    let last = ci
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    assert!(
+        last.trim().starts_with("exec bash tests/run.sh"),
+        ".ci/run must end by running the README's test command, not {last:?}"
+    );
+    let script = std::fs::read_to_string(Path::new(ROOT).join("tests/run.sh")).unwrap();
+    assert!(
+        script.contains("exec cargo nextest run --workspace \"$@\""),
+        "tests/run.sh must run every test of the workspace"
+    );
+}

@@ -124,13 +124,13 @@ fn reached<'a>(pod_spec: &'a Value, service_port: &Value) -> Option<&'a Value> {
     found
 }
 
-/// kubernetes-validate, from the peers venv (.ci/run installs it there).
+/// kubernetes-validate, from the peers venv (tests/run.sh installs it there).
 fn kubernetes_validate() -> PathBuf {
     let python = support::peer_python();
     let bin = python.with_file_name("kubernetes-validate");
     assert!(
         bin.exists(),
-        "{} is missing: .ci/run installs kubernetes-validate into the peers venv",
+        "{} is missing: tests/run.sh installs kubernetes-validate into the peers venv",
         bin.display()
     );
     bin

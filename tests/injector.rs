@@ -243,7 +243,7 @@ fn apply(pod: &Value, response: &Value) -> Value {
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
-        "jsonpatch (.ci/run installs it into the peers venv): {}",
+        "jsonpatch (tests/run.sh installs it into the peers venv): {}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()

@@ -377,3 +377,36 @@ async fn a_large_record_without_room_beside_its_answer_is_kept_without_its_body(
     assert!(replay.is_replay());
     assert_eq!(replay.body.len(), 1 << 20);
 }
+
+/// A store outage between the reservation and its release: the upstream
+/// answers 503 (a release status) while Redis resets every connection, so
+/// the release fails on each of its attempts. The operator reads one warning
+/// for it, not one per attempt: during an outage every request does this.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_release_logs_one_line_not_one_per_attempt() {
+    let env = env().redis_relay().start().await;
+    let relay = env.redis_relay.as_ref().unwrap();
+    let url = env.url("/v1/payments");
+    let call = tokio::spawn(async move {
+        Call::post(&url)
+            .key("release-in-outage")
+            .header("x-test-hold", "1")
+            .header("x-test-status", "503")
+            .body("x")
+            .await
+    });
+    env.upstream.wait_hits(1).await;
+    relay.set(Fault::Reset);
+    env.upstream.release(1);
+    let r = call.await.unwrap();
+    assert_eq!(r.status, 503, "the upstream's 503 is relayed: {r:?}");
+    let line = env.proxy.wait_log("releasing a reservation failed").await;
+    assert_eq!(line["level"], "WARN", "{line}");
+    settled(&env.proxy).await;
+    assert_eq!(
+        env.proxy.log_count("releasing a reservation failed"),
+        1,
+        "one line per failed release: {:#?}",
+        env.proxy.logs()
+    );
+}

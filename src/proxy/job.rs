@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::response::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 use uuid::Uuid;
 
 use super::access::Held;
@@ -713,14 +713,19 @@ impl Job {
     }
 }
 
-/// Releases a reservation by its token, retrying briefly; if it cannot be released, the lease frees it.
+/// Releases a reservation by its token, retrying briefly; if it cannot be
+/// released, the lease frees it. One warning per release that failed (not
+/// per attempt: during a store outage every request's release fails).
 pub async fn release(app: &App, store_key: &str, token: Token) {
-    let _ = store::retry(STORE_ATTEMPTS, FIRST_PAUSE, |attempt| async move {
+    let r = store::retry(STORE_ATTEMPTS, FIRST_PAUSE, |attempt| async move {
         let r = app.store.release(store_key, token).await;
         if let Err(e) = &r {
-            warn!(error = %e, attempt, "releasing a reservation failed");
+            debug!(error = %e, attempt, "a release attempt failed");
         }
         r
     })
     .await;
+    if let Err(e) = r {
+        warn!(error = %e, attempts = STORE_ATTEMPTS, "releasing a reservation failed; the lease will free it");
+    }
 }

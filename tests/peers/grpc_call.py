@@ -20,7 +20,7 @@ try:
     import grpc
 except ImportError:
     sys.stderr.write(
-        f"grpcio is not installed for {sys.executable}; .ci/run installs it "
+        f"grpcio is not installed for {sys.executable}; tests/run.sh installs it "
         "(target/peers-venv), or: python3 -m venv target/peers-venv && "
         "target/peers-venv/bin/pip install grpcio urllib3\n"
     )

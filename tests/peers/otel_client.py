@@ -30,7 +30,7 @@ try:
 except ImportError as e:
     sys.stderr.write(
         f"{e}: opentelemetry-sdk is needed ({sys.executable}); "
-        ".ci/run installs it into target/peers-venv\n"
+        "tests/run.sh installs it into target/peers-venv\n"
     )
     sys.exit(3)
 

@@ -48,7 +48,7 @@ def main():
     except ImportError as e:
         sys.stderr.write(
             f"{e}: opentelemetry-exporter-otlp-proto-grpc / -http are needed "
-            f"({sys.executable}); .ci/run installs them into target/peers-venv\n"
+            f"({sys.executable}); tests/run.sh installs them into target/peers-venv\n"
         )
         sys.exit(3)
     resource = Resource.create(

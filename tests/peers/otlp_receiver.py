@@ -41,7 +41,7 @@ try:
 except ImportError as e:
     sys.stderr.write(
         f"{e}: grpcio and opentelemetry-proto are needed ({sys.executable}); "
-        ".ci/run installs them into target/peers-venv\n"
+        "tests/run.sh installs them into target/peers-venv\n"
     )
     sys.exit(3)
 

@@ -19,7 +19,7 @@ try:
     from urllib3.util.retry import Retry
 except ImportError:
     sys.stderr.write(
-        f"urllib3 is not installed for {sys.executable}; .ci/run installs it "
+        f"urllib3 is not installed for {sys.executable}; tests/run.sh installs it "
         "(target/peers-venv), or: python3 -m venv target/peers-venv && "
         "target/peers-venv/bin/pip install grpcio urllib3\n"
     )

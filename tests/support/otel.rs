@@ -309,7 +309,7 @@ impl OtlpReceiver {
                 let mut child = Some(child);
                 kill_child(&mut child);
                 panic!(
-                    "the OTLP receiver did not start ({}; .ci/run installs grpcio and opentelemetry-proto into target/peers-venv):\n{}",
+                    "the OTLP receiver did not start ({}; tests/run.sh installs grpcio and opentelemetry-proto into target/peers-venv):\n{}",
                     python.display(),
                     noise.lock().unwrap().join("\n")
                 );

@@ -1,6 +1,6 @@
 //! Client peers written in Python (tests/peers/*.py): grpcio with a retry
 //! policy, urllib3 with its `Retry`. The interpreter is `IDEMPROXY_TEST_PYTHON`
-//! (set by .ci/run to a venv that has them), else `target/peers-venv`'s, else
+//! (set by tests/run.sh to a venv that has them), else the target directory's `peers-venv`, else
 //! `python3`; a missing package fails the test with what to install.
 
 use std::path::PathBuf;
@@ -13,7 +13,13 @@ pub fn peer_python() -> PathBuf {
     if let Some(p) = std::env::var_os("IDEMPROXY_TEST_PYTHON") {
         return PathBuf::from(p);
     }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/peers-venv/bin/python");
+    // target/debug/idemproxy: the target directory (where tests/run.sh made the
+    // venv) is two levels up, wherever CARGO_TARGET_DIR put it.
+    let venv = PathBuf::from(env!("CARGO_BIN_EXE_idemproxy"))
+        .ancestors()
+        .nth(2)
+        .expect("the target directory")
+        .join("peers-venv/bin/python");
     if venv.exists() {
         venv
     } else {
@@ -38,7 +44,7 @@ pub async fn run_peer(script: &str, args: &[&str]) -> serde_json::Value {
         .spawn()
         .unwrap_or_else(|e| {
             panic!(
-                "cannot run {} ({e}): set IDEMPROXY_TEST_PYTHON to a Python with grpcio and urllib3 (.ci/run makes one in target/peers-venv)",
+                "cannot run {} ({e}): set IDEMPROXY_TEST_PYTHON to a Python with grpcio and urllib3 (tests/run.sh makes one in target/peers-venv)",
                 python.display()
             )
         });
@@ -49,7 +55,7 @@ pub async fn run_peer(script: &str, args: &[&str]) -> serde_json::Value {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "{script} failed ({}) with {}:\n{stderr}\n(set IDEMPROXY_TEST_PYTHON to a Python with grpcio and urllib3; .ci/run makes one in target/peers-venv)",
+        "{script} failed ({}) with {}:\n{stderr}\n(set IDEMPROXY_TEST_PYTHON to a Python with grpcio and urllib3; tests/run.sh makes one in target/peers-venv)",
         out.status,
         python.display()
     );
