@@ -49,6 +49,9 @@ struct Cli {
     /// Address to listen on (overrides server.listen).
     #[arg(long, env = "IDEMPROXY_LISTEN", value_name = "ADDR")]
     listen: Option<String>,
+    /// Address of the admin listener: probes, metrics (overrides server.admin_listen).
+    #[arg(long, env = "IDEMPROXY_ADMIN_LISTEN", value_name = "ADDR")]
+    admin_listen: Option<String>,
     /// Upstream base URL (overrides server.upstream).
     #[arg(long, env = "IDEMPROXY_UPSTREAM", value_name = "URL")]
     upstream: Option<String>,
@@ -102,6 +105,12 @@ struct InjectArgs {
     /// The sidecar's image.
     #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
     image: String,
+    /// Inject only this workload (repeatable): deployment/api, statefulset/db, pod/x...
+    #[arg(long, value_name = "KIND/NAME")]
+    only: Vec<String>,
+    /// Inject only the workloads whose labels (or their pods') match: app=shop[,tier=web].
+    #[arg(long, short = 'l', value_name = "LABEL=VALUE")]
+    selector: Vec<String>,
     /// The port to protect in every workload, by name or number.
     #[arg(long, value_name = "NAME|NUMBER")]
     port: Option<String>,
@@ -196,6 +205,7 @@ fn main() -> ExitCode {
         upstream: cli.upstream.clone(),
         redis_url: cli.redis_url.clone(),
         upstream_protocol: cli.upstream_protocol.map(UpstreamProtocol::from),
+        admin_listen: cli.admin_listen.clone(),
     };
     let config = match Config::load(cli.config.as_deref(), &overrides) {
         Ok(c) => c,
@@ -292,8 +302,19 @@ fn run_inject(args: InjectArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let text = config.as_ref().map(|(text, _)| text.as_str());
-    match inject::inject_manifests(&input, &settings, text, args.network_policy) {
+    let select = match inject::Selection::parse(&args.only, &args.selector) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("idemproxy inject: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let options = inject::Options {
+        config: config.as_ref().map(|(text, _)| text.as_str()),
+        network_policy: args.network_policy,
+        select,
+    };
+    match inject::inject_manifests(&input, &settings, &options) {
         Ok(done) => {
             for note in &done.notes {
                 eprintln!("idemproxy inject: {note}");
@@ -317,8 +338,9 @@ fn run_inject(args: InjectArgs) -> ExitCode {
 }
 
 /// `inject --config FILE`: the file's text, checked as the sidecar will load
-/// it (the listen address and upstream come from its arguments), and the
-/// admin port its probes use, which must be reachable from the kubelet.
+/// it (the listen address, upstream and admin address come from its
+/// arguments), and the port of its `admin_listen`, which the sidecar's
+/// `--admin-listen 0.0.0.0:PORT` opens to the kubelet's probes.
 fn inject_config(path: &std::path::Path) -> Result<(String, u16), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let overrides = Overrides {
@@ -331,14 +353,6 @@ fn inject_config(path: &std::path::Path) -> Result<(String, u16), String> {
     let addr: std::net::SocketAddr = admin
         .parse()
         .map_err(|e| format!("{}: server.admin_listen {admin:?}: {e}", path.display()))?;
-    if addr.ip().is_loopback() {
-        return Err(format!(
-            "{}: server.admin_listen {admin:?} is a loopback address: the kubelet probes the \
-             sidecar on the pod's address (use \"0.0.0.0:{}\")",
-            path.display(),
-            addr.port()
-        ));
-    }
     Ok((text, addr.port()))
 }
 

@@ -3,213 +3,12 @@
 
 mod support;
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::Command;
 
 use serde_norway::Value;
 
-fn fixture(path: &str) -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/kubernetes")
-        .join(path);
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-/// The kubernetes/examples files of one example, as one stream.
-fn example(paths: &[&str]) -> String {
-    let texts: Vec<String> = paths
-        .iter()
-        .map(|p| fixture(&format!("kubernetes-examples/{p}")))
-        .collect();
-    texts.join("---\n")
-}
-
-/// Runs `idemproxy inject ARGS` with `input` on standard input.
-fn inject(args: &[&str], input: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
-        .arg("inject")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("idemproxy");
-    let mut stdin = child.stdin.take().expect("stdin");
-    let text = input.to_owned();
-    let writer = std::thread::spawn(move || stdin.write_all(text.as_bytes()));
-    let out = child.wait_with_output().expect("idemproxy inject");
-    // A process that exits before reading (a bad --config) closes the pipe: not an error here.
-    let _ = writer.join().expect("writer");
-    out
-}
-
-/// The output of a successful injection.
-fn injected(args: &[&str], input: &str) -> (String, String) {
-    let out = inject(args, input);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    (String::from_utf8(out.stdout).expect("UTF-8"), stderr)
-}
-
-/// The documents of a YAML stream (empty ones left out).
-fn documents(text: &str) -> Vec<Value> {
-    let mut docs = Vec::new();
-    for piece in text.split("\n---") {
-        let v: Value = serde_norway::from_str(piece).unwrap_or_else(|e| panic!("{e}: {piece}"));
-        if !v.is_null() {
-            docs.push(v);
-        }
-    }
-    docs
-}
-
-fn kind(v: &Value) -> &str {
-    v["kind"].as_str().unwrap_or("")
-}
-
-fn name(v: &Value) -> &str {
-    v["metadata"]["name"].as_str().unwrap_or("")
-}
-
-fn template(v: &Value) -> &Value {
-    match kind(v) {
-        "Pod" => v,
-        "CronJob" => &v["spec"]["jobTemplate"]["spec"]["template"],
-        _ => &v["spec"]["template"],
-    }
-}
-
-fn seq(v: &Value) -> &[Value] {
-    v.as_sequence().map(Vec::as_slice).unwrap_or(&[])
-}
-
-fn sidecar(workload: &Value) -> Option<&Value> {
-    seq(&template(workload)["spec"]["initContainers"])
-        .iter()
-        .find(|c| c["name"] == "idemproxy")
-}
-
-fn selects(service: &Value, workload: &Value) -> bool {
-    let Some(selector) = service["spec"]["selector"].as_mapping() else {
-        return false;
-    };
-    let labels = &template(workload)["metadata"]["labels"];
-    !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
-}
-
-/// The container a Service port reaches in the pod: its targetPort (the port when
-/// absent) resolved by name or number against every container's ports.
-fn reached<'a>(pod_spec: &'a Value, service_port: &Value) -> Option<&'a Value> {
-    let target = match &service_port["targetPort"] {
-        Value::Null => service_port["port"].clone(),
-        t => t.clone(),
-    };
-    let containers = seq(&pod_spec["initContainers"])
-        .iter()
-        .chain(seq(&pod_spec["containers"]));
-    let mut found = None;
-    for c in containers {
-        for p in seq(&c["ports"]) {
-            let hit = match &target {
-                Value::String(n) => p["name"].as_str() == Some(n),
-                n => p["containerPort"] == *n,
-            };
-            if hit {
-                assert!(found.is_none(), "two containers answer {target:?}");
-                found = Some(c);
-            }
-        }
-    }
-    found
-}
-
-/// kubernetes-validate, from the peers venv (tests/run.sh installs it there).
-fn kubernetes_validate() -> PathBuf {
-    let python = support::peer_python();
-    let bin = python.with_file_name("kubernetes-validate");
-    assert!(
-        bin.exists(),
-        "{} is missing: tests/run.sh installs kubernetes-validate into the peers venv",
-        bin.display()
-    );
-    bin
-}
-
-/// Fails the test unless `--strict` validation passes for 1.29 and 1.37.
-fn assert_valid(text: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("out.yaml");
-    std::fs::write(&file, text).unwrap();
-    for version in ["1.29.0", "1.37.0"] {
-        let out = Command::new(kubernetes_validate())
-            .args(["--strict", "-k", version, "--quiet"])
-            .arg(&file)
-            .output()
-            .expect("kubernetes-validate");
-        assert!(
-            out.status.success(),
-            "kubernetes-validate --strict -k {version}:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-}
-
-/// The application containers of `after` are those of `before` but for the names of their ports.
-fn assert_apps_unchanged(before: &Value, after: &Value) {
-    let strip = |v: &Value| {
-        let mut cs = template(v)["spec"]["containers"].clone();
-        for c in cs.as_sequence_mut().into_iter().flatten() {
-            if let Some(ports) = c.get_mut("ports").and_then(Value::as_sequence_mut) {
-                for p in ports {
-                    if let Some(p) = p.as_mapping_mut() {
-                        p.remove("name");
-                    }
-                }
-            }
-        }
-        cs
-    };
-    assert_eq!(strip(before), strip(after), "{}", name(before));
-    // Init containers of the application stay, after the sidecar.
-    let init = |v: &Value| {
-        seq(&template(v)["spec"]["initContainers"])
-            .iter()
-            .filter(|c| c["name"] != "idemproxy")
-            .cloned()
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(init(before), init(after), "{}", name(before));
-}
-
-/// Every Service that selects an injected workload reaches the sidecar, on
-/// every port; the ones that select a workload left alone reach the app.
-fn assert_services_reach_the_proxy(out: &[Value]) -> usize {
-    let mut through_proxy = 0;
-    for svc in out.iter().filter(|d| kind(d) == "Service") {
-        for w in out.iter().filter(|w| selects(svc, w)) {
-            let spec = &template(w)["spec"];
-            for port in seq(&svc["spec"]["ports"]) {
-                let c = reached(spec, port).unwrap_or_else(|| {
-                    panic!("Service {} reaches nothing in {}", name(svc), name(w))
-                });
-                if sidecar(w).is_some() {
-                    assert_eq!(
-                        c["name"],
-                        "idemproxy",
-                        "Service {} port {port:?}",
-                        name(svc)
-                    );
-                    through_proxy += 1;
-                } else {
-                    assert_ne!(c["name"], "idemproxy");
-                }
-            }
-        }
-    }
-    through_proxy
-}
+use support::kube::*;
 
 const MICROSERVICES: &str = "microservices-demo/kubernetes-manifests.yaml";
 
@@ -360,14 +159,18 @@ fn kubernetes_examples_vllm_port_only_the_service_names() {
 }
 
 #[test]
-fn kubernetes_examples_tf_serving_two_http_ports_need_a_choice() {
+fn kubernetes_examples_tf_serving_the_port_named_grpc_unless_another_is_chosen() {
     let input = example(&[
         "AI/model-serving-tensorflow/deployment.yaml",
         "AI/model-serving-tensorflow/service.yaml",
     ]);
+    // Only the Service port named grpc shows it speaks HTTP (h2c); "rest" says nothing.
     let (output, stderr) = injected(&[], &input);
-    assert_eq!(output, input, "two HTTP ports and no choice: left alone");
-    assert!(stderr.contains("several HTTP ports"), "{stderr}");
+    assert_valid(&output);
+    assert!(stderr.contains("injected: port 8500"), "{stderr}");
+    let after = documents(&output);
+    let args = &sidecar(&after[0]).unwrap()["args"];
+    assert!(seq(args).iter().any(|a| a == "h2c"), "{args:?}");
     // --port picks REST; the gRPC port stays the application's own.
     let (output, _) = injected(&["--port", "8501"], &input);
     assert_valid(&output);
@@ -485,16 +288,64 @@ fn config_file_becomes_a_config_map_in_the_workloads_namespace() {
     assert_eq!(again, output);
 }
 
+/// The README's minimal configuration (no `admin_listen`: loopback by
+/// default) injects: the sidecar opens its admin port to the kubelet on its
+/// command line, and the proxy accepts those arguments with that file.
 #[test]
-fn a_config_whose_admin_port_the_kubelet_cannot_reach_is_refused() {
+fn the_readme_minimal_configuration_injects() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let section = readme
+        .split("## A minimal configuration")
+        .nth(1)
+        .expect("the README's minimal configuration");
+    let toml = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|t| t.split("```").next())
+        .expect("its TOML block");
+    assert!(!toml.contains("admin_listen"), "{toml}");
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("idemproxy.toml");
-    std::fs::write(&config, "[server]\nadmin_listen = \"127.0.0.1:9901\"\n").unwrap();
-    let out = inject(&["--config", config.to_str().unwrap()], NAMED);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(out.stdout.is_empty());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("server.admin_listen"), "{stderr}");
+    std::fs::write(&config, toml).unwrap();
+    let (output, _) = injected(&["--config", config.to_str().unwrap()], NAMED);
+    assert_valid(&output);
+    let after = documents(&output);
+    let sidecar = sidecar(&after[0]).expect("injected");
+    let args: Vec<&str> = seq(&sidecar["args"])
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    let at = args
+        .iter()
+        .position(|a| *a == "--admin-listen")
+        .expect("--admin-listen");
+    assert_eq!(args[at + 1], "0.0.0.0:9901");
+    assert_eq!(
+        sidecar["readinessProbe"]["httpGet"]["port"],
+        "idemproxy-admin"
+    );
+    // The proxy takes the file with the sidecar's arguments.
+    let mut check: Vec<&str> = vec!["--config", config.to_str().unwrap()];
+    check.extend(
+        args.iter()
+            .filter(|a| **a != "--config" && !a.ends_with(".toml")),
+    );
+    check.push("--check");
+    let out = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .args(&check)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{check:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("0.0.0.0:9901"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }
 
 #[test]

@@ -278,7 +278,10 @@ fn server(raw: RawServer, src: &Source, ov: &Overrides) -> Result<ServerConfig, 
         "0.0.0.0:8080",
     );
     check_addr(&listen, "server.listen", src)?;
-    let admin_listen = Given::or_default(Given::file(raw.admin_listen), "127.0.0.1:9901");
+    let admin_listen = Given::or_default(
+        Given::pick(Overrides::ADMIN_LISTEN, &ov.admin_listen, raw.admin_listen),
+        "127.0.0.1:9901",
+    );
     check_addr(&admin_listen, "server.admin_listen", src)?;
     let max_connections = count(
         &raw.max_connections,

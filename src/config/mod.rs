@@ -145,6 +145,9 @@ pub struct Overrides {
     /// `--upstream-protocol`: lets one shared configuration file serve a
     /// gRPC workload (h2c) beside HTTP/1.1 ones, as `idemproxy inject` does.
     pub upstream_protocol: Option<UpstreamProtocol>,
+    /// `--admin-listen`: the sidecar `idemproxy inject` adds sets it, so that
+    /// the kubelet can probe a proxy whose file leaves `admin_listen` on loopback.
+    pub admin_listen: Option<String>,
 }
 
 impl Overrides {
@@ -159,6 +162,10 @@ impl Overrides {
     pub const REDIS_URL: Flag = Flag {
         name: "--redis-url",
         env: "IDEMPROXY_REDIS_URL",
+    };
+    pub const ADMIN_LISTEN: Flag = Flag {
+        name: "--admin-listen",
+        env: "IDEMPROXY_ADMIN_LISTEN",
     };
 }
 

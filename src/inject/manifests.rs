@@ -1,15 +1,20 @@
 //! `idemproxy inject`: a stream of manifests in, the same stream out with the sidecar added and the Services rewired.
 //!
-//! The YAML stream is split into documents here, so that a document the
-//! injection does not change comes out as its original text, comments and
-//! all; a changed one is written again from its parsed value (its leading
-//! comments kept). JSON (one object, or a `List`) comes out as JSON.
+//! The input is read as documents ([`super::documents`]); every workload
+//! chosen (`--only`, `--selector`; all without them) gets the sidecar
+//! ([`super::pod`]); the Services that select the injected pods are rewired
+//! to the proxy's port when that cuts no other pod off ([`super::services`]).
 
 use serde_norway::{Mapping, Value};
 
-use super::emit::to_yaml;
+use super::documents::{self, describe, namespace, str_at, At, Document};
 use super::pod::{inject_pod, injected_change, Change, FieldError, Outcome, ServicePort};
-use super::{PortRef, Settings};
+use super::select::Selection;
+use super::services::{
+    config_map, foreign_pods, network_policy_for, open_proxy_port, retarget, same_namespace,
+    selects, service_ports, service_selects, ForeignPods,
+};
+use super::Settings;
 
 /// The output, built whole before any of it is written, and the notes for standard error.
 #[derive(Debug)]
@@ -55,6 +60,18 @@ pub enum ManifestError {
         service: String,
         message: String,
     },
+    #[error(
+        "document {doc} ({service}): it selects the pods of {owner}, which inject does not \
+         inject; rewired to the proxy's port it would cut them off: leave its workloads out \
+         with --only or --selector, or give them a Service of their own"
+    )]
+    ForeignPods {
+        doc: String,
+        service: String,
+        owner: String,
+    },
+    #[error("{0}")]
+    Selection(String),
     #[error("cannot write document {doc}: {message}")]
     Write { doc: usize, message: String },
 }
@@ -69,267 +86,167 @@ fn template_path(kind: &str) -> Option<&'static [&'static str]> {
     })
 }
 
-/// One document of the input.
-struct Document<'a> {
-    /// The document's text as it came, separator line included.
-    text: &'a str,
-    /// Its leading separator, comment and blank lines, kept when it is rewritten.
-    head: &'a str,
-    /// The line of the input its text starts on.
-    line: usize,
-    value: Value,
-    changed: bool,
+/// What `inject_manifests` adds beside the sidecars, and which workloads it chooses.
+#[derive(Clone, Debug, Default)]
+pub struct Options<'a> {
+    /// The text of a configuration file: a ConfigMap holding it is added for
+    /// each namespace injected into, unless the input has one by that name.
+    pub config: Option<&'a str>,
+    /// A NetworkPolicy per injected workload that lets ingress reach only the
+    /// proxy's and admin ports.
+    pub network_policy: bool,
+    /// `--only` and `--selector`.
+    pub select: Selection,
 }
 
-/// An object of the input: a document, or an item of a document of kind `List`.
-#[derive(Clone, Copy)]
-struct At {
-    doc: usize,
-    item: Option<usize>,
-}
-
-impl At {
-    fn get<'v>(&self, docs: &'v [Document]) -> &'v Value {
-        let v = &docs[self.doc].value;
-        match self.item {
-            None => v,
-            Some(i) => &v["items"][i],
-        }
-    }
-
-    fn set(&self, docs: &mut [Document], new: Value) {
-        let d = &mut docs[self.doc];
-        d.changed = true;
-        match self.item {
-            None => d.value = new,
-            Some(i) => {
-                if let Some(slot) = d.value.get_mut("items").and_then(|items| items.get_mut(i)) {
-                    *slot = new;
-                }
-            }
-        }
-    }
-
-    /// "document 3" or "document 1, item 4", numbered from 1.
-    fn number(&self) -> String {
-        match self.item {
-            None => format!("{}", self.doc + 1),
-            Some(i) => format!("{}, item {}", self.doc + 1, i + 1),
-        }
-    }
-}
-
-fn str_at<'v>(v: &'v Value, path: &[&str]) -> Option<&'v str> {
-    path.iter()
-        .try_fold(v, |v, k| v.get(*k))
-        .and_then(Value::as_str)
-}
-
-fn namespace(v: &Value) -> Option<&str> {
-    str_at(v, &["metadata", "namespace"])
-}
-
-/// "Deployment shop/frontend", for notes and errors.
-fn describe(v: &Value) -> String {
-    let kind = str_at(v, &["kind"]).unwrap_or("object");
-    let name = str_at(v, &["metadata", "name"])
-        .or(str_at(v, &["metadata", "generateName"]))
-        .unwrap_or("(no name)");
-    match namespace(v) {
-        Some(ns) => format!("{kind} {ns}/{name}"),
-        None => format!("{kind} {name}"),
-    }
-}
-
-/// Two objects can refer to each other unless both name a namespace and the names differ.
-fn same_namespace(a: Option<&str>, b: Option<&str>) -> bool {
-    match (a, b) {
-        (Some(a), Some(b)) => a == b,
-        _ => true,
-    }
-}
-
-/// A Service's selector matches the labels (an empty selector selects nothing here:
-/// such a Service has endpoints managed by hand).
-fn selects(selector: &Mapping, labels: Option<&Mapping>) -> bool {
-    !selector.is_empty()
-        && labels.is_some_and(|labels| selector.iter().all(|(k, v)| labels.get(k) == Some(v)))
-}
-
-fn service_ports(service: &Value) -> Vec<ServicePort> {
-    let ports = service
-        .get("spec")
-        .and_then(|s| s.get("ports"))
-        .and_then(Value::as_sequence);
-    let text = |p: &Value, k: &str| p.get(k).and_then(Value::as_str).map(str::to_owned);
-    ports
-        .into_iter()
-        .flatten()
-        .filter_map(|p| {
-            let port = p
-                .get("port")
-                .and_then(Value::as_u64)
-                .and_then(|n| u16::try_from(n).ok())?;
-            let target = match p.get("targetPort") {
-                None => PortRef::Number(port),
-                Some(Value::String(s)) => PortRef::parse(s),
-                Some(v) => PortRef::Number(v.as_u64().and_then(|n| u16::try_from(n).ok())?),
-            };
-            Some(ServicePort {
-                name: text(p, "name"),
-                port,
-                target,
-                app_protocol: text(p, "appProtocol"),
-                protocol: text(p, "protocol"),
-            })
-        })
-        .collect()
-}
-
-/// Splits a YAML stream before each `---` line; the first piece holds what
-/// comes before the first one (often only comments).
-fn split_documents(text: &str) -> Vec<(usize, &str)> {
-    let mut out = Vec::new();
-    let (mut start, mut start_line, mut pos) = (0, 1, 0);
-    for (n, line) in text.split_inclusive('\n').enumerate() {
-        let separator =
-            line.starts_with("---") && line[3..].chars().next().is_none_or(char::is_whitespace);
-        if separator && pos > start {
-            out.push((start_line, &text[start..pos]));
-            start = pos;
-            start_line = n + 1;
-        }
-        pos += line.len();
-    }
-    if pos > start || out.is_empty() {
-        out.push((start_line, &text[start..]));
-    }
-    out
-}
-
-/// The leading lines of a document that carry no content: its separator, comments, blanks.
-fn head_of(text: &str) -> &str {
-    let mut end = 0;
-    for line in text.split_inclusive('\n') {
-        let t = line.trim();
-        if t.is_empty() || t.starts_with('#') || t == "---" || t.starts_with("--- #") {
-            end += line.len();
-        } else {
-            break;
-        }
-    }
-    &text[..end]
-}
-
-/// Injects every workload of `text`. With `config`, the text of a configuration
-/// file, a ConfigMap holding it is added for each namespace injected into,
-/// unless the input has one by that name.
-/// With `network_policy`, a NetworkPolicy per injected workload lets ingress
-/// reach only the proxy's and admin ports.
+/// Injects the chosen workloads of `text`.
 pub fn inject_manifests(
     text: &str,
     settings: &Settings,
-    config: Option<&str>,
-    network_policy: bool,
+    options: &Options,
 ) -> Result<Injected, ManifestError> {
-    let json = text.trim_start().starts_with(['{', '[']);
-    let mut docs = if json {
-        let value: Value =
-            serde_json::from_str(text).map_err(|e| ManifestError::Json(e.to_string()))?;
-        vec![Document {
-            text,
-            head: "",
-            line: 1,
-            value,
-            changed: false,
-        }]
-    } else {
-        let mut docs = Vec::new();
-        for (i, (line, piece)) in split_documents(text).into_iter().enumerate() {
-            let yaml_error = |e: serde_norway::Error| ManifestError::Yaml {
-                doc: i + 1,
-                line: line + e.location().map_or(0, |l| l.line().saturating_sub(1)),
-                message: e.to_string(),
-            };
-            let value = if head_of(piece).len() == piece.len() {
-                Value::Null
-            } else {
-                let mut value: Value = serde_norway::from_str(piece).map_err(yaml_error)?;
-                // `<<: *anchor` merge keys, as YAML 1.1 readers (Kubernetes) apply them.
-                value.apply_merge().map_err(yaml_error)?;
-                value
-            };
-            docs.push(Document {
-                text: piece,
-                head: head_of(piece),
-                line,
-                value,
-                changed: false,
-            });
-        }
-        docs
-    };
-
-    let mut objects = Vec::new();
-    for (doc, d) in docs.iter().enumerate() {
-        if str_at(&d.value, &["kind"]) == Some("List") {
-            let items = d.value.get("items").and_then(Value::as_sequence);
-            let n = items.map_or(0, Vec::len);
-            objects.extend((0..n).map(|i| At { doc, item: Some(i) }));
-        } else if d.value.is_mapping() {
-            objects.push(At { doc, item: None });
-        }
-    }
+    let (json, mut docs) = documents::parse(text)?;
+    let objects = documents::objects(&docs);
     let services: Vec<At> = objects
         .iter()
-        .copied()
         .filter(|at| str_at(at.get(&docs), &["kind"]) == Some("Service"))
+        .cloned()
         .collect();
-
-    let mut notes = Vec::new();
-    let mut injected_namespaces: Vec<Option<String>> = Vec::new();
-    let mut injected = 0;
-    let mut workloads: Vec<Workload> = Vec::new();
+    let mut run = Run::default();
     for at in &objects {
-        let object = at.get(&docs);
-        let Some(path) = str_at(object, &["kind"]).and_then(template_path) else {
-            continue;
+        run.workload(at, &mut docs, &services, settings, &options.select)?;
+    }
+    let unmatched = options.select.unmatched(&run.seen);
+    if !unmatched.is_empty() {
+        return Err(ManifestError::Selection(format!(
+            "--only {} names no workload of the input",
+            unmatched.join(", ")
+        )));
+    }
+    if options.select.is_some() && !run.unchosen.is_empty() {
+        run.notes.push(format!(
+            "not chosen by --only/--selector, left as they were: {}",
+            run.unchosen.join(", ")
+        ));
+    }
+    let foreign = foreign_pods(
+        objects.iter().map(|at| at.get(&docs)),
+        |kind| template_path(kind).is_some(),
+        |kind, ns, name| run.pod_labels(kind, ns, name),
+    );
+    run.rewire(&mut docs, &services, &foreign)?;
+    run.open_policies(&mut docs, &objects);
+    let mut extra = Vec::new();
+    if let Some(config) = options.config {
+        extra.extend(run.config_maps(&docs, &objects, settings, config));
+    }
+    if options.network_policy {
+        extra.extend(run.policies(&docs, &objects, settings));
+    }
+    if !json {
+        documents::check_yaml_1_1(&docs)?;
+    }
+    let output = if json {
+        documents::render_json(text, docs.remove(0), extra)?
+    } else {
+        documents::render_yaml(&docs, extra)
+    };
+    Ok(Injected {
+        output,
+        notes: run.notes,
+        injected: run.injected,
+    })
+}
+
+/// A workload of the input and what became of it.
+struct Workload {
+    at: At,
+    kind: String,
+    what: String,
+    name: Option<String>,
+    ns: Option<String>,
+    /// The pod template's labels, which Services select.
+    labels: Option<Mapping>,
+    /// The workload's `spec.selector.matchLabels`, which a NetworkPolicy selects by.
+    selector: Option<Mapping>,
+    /// The ports, when it runs the sidecar (injected now or before).
+    change: Option<Change>,
+}
+
+/// What the injection has done so far.
+#[derive(Default)]
+struct Run {
+    notes: Vec<String>,
+    injected: usize,
+    namespaces: Vec<Option<String>>,
+    workloads: Vec<Workload>,
+    /// Every workload of the input, by kind and name (for `--only` that names none).
+    seen: Vec<(String, Option<String>)>,
+    /// The workloads `--only`/`--selector` left out.
+    unchosen: Vec<String>,
+}
+
+impl Run {
+    /// Injects the workload at `at`, if it is one and is chosen.
+    fn workload(
+        &mut self,
+        at: &At,
+        docs: &mut [Document],
+        services: &[At],
+        settings: &Settings,
+        select: &Selection,
+    ) -> Result<(), ManifestError> {
+        let original = at.get(docs);
+        let Some(kind) = str_at(original, &["kind"]).filter(|k| template_path(k).is_some()) else {
+            return Ok(());
         };
-        let what = describe(object);
-        let ns = namespace(object).map(str::to_owned);
-        let mut object = object.clone();
+        let path = template_path(kind).unwrap_or_default();
+        let kind = kind.to_owned();
+        let what = describe(original);
+        let ns = namespace(original).map(str::to_owned);
+        let name = str_at(original, &["metadata", "name"]).map(str::to_owned);
+        self.seen.push((kind.clone(), name.clone()));
+        let mut object = original.clone();
+        let mapping_at = |v: &Value, keys: &[&str]| -> Option<Mapping> {
+            keys.iter()
+                .try_fold(v, |v, k| v.get(*k))
+                .and_then(Value::as_mapping)
+                .cloned()
+        };
+        let own_labels = mapping_at(&object, &["metadata", "labels"]);
         let owner = match path {
             [] => None,
-            _ => object
-                .get("metadata")
-                .and_then(|m| m.get("annotations"))
-                .and_then(Value::as_mapping)
-                .cloned(),
+            _ => mapping_at(&object, &["metadata", "annotations"]),
         };
-        let selector = object
-            .get("spec")
-            .and_then(|s| s.get("selector"))
-            .and_then(|s| s.get("matchLabels"))
-            .and_then(Value::as_mapping)
-            .cloned();
-        let name = str_at(&object, &["metadata", "name"]).map(str::to_owned);
+        let selector = mapping_at(&object, &["spec", "selector", "matchLabels"]);
         let Some(template) = path.iter().try_fold(&mut object, |v, k| v.get_mut(*k)) else {
-            notes.push(format!(
+            self.notes.push(format!(
                 "document {} ({what}): left as it was: no pod template at {}",
                 at.number(),
                 path.join(".")
             ));
-            continue;
+            return Ok(());
         };
-        let labels = template
-            .get("metadata")
-            .and_then(|m| m.get("labels"))
-            .and_then(Value::as_mapping)
-            .cloned();
+        let labels = mapping_at(template, &["metadata", "labels"]);
+        let mut workload = Workload {
+            at: at.clone(),
+            kind: kind.clone(),
+            what: what.clone(),
+            name: name.clone(),
+            ns: ns.clone(),
+            labels: labels.clone(),
+            selector,
+            change: None,
+        };
+        if !select.admits(&kind, name.as_deref(), own_labels.as_ref(), labels.as_ref()) {
+            self.unchosen.push(what);
+            self.workloads.push(workload);
+            return Ok(());
+        }
         let ports: Vec<ServicePort> = services
             .iter()
-            .filter(|s| service_selects(s.get(&docs), ns.as_deref(), labels.as_ref()))
-            .flat_map(|s| service_ports(s.get(&docs)))
+            .filter(|s| service_selects(s.get(docs), ns.as_deref(), labels.as_ref()))
+            .flat_map(|s| service_ports(s.get(docs)))
             .collect();
         let outcome = inject_pod(template, owner.as_ref(), &ports, settings).map_err(|error| {
             let mut field = path.join(".");
@@ -343,115 +260,195 @@ pub fn inject_manifests(
                 error,
             }
         })?;
-        let change = match outcome {
+        let injected = matches!(outcome, Outcome::Injected(_));
+        workload.change = self.outcome(at, &what, ns, outcome, template);
+        if injected {
+            at.set(docs, object);
+        }
+        self.workloads.push(workload);
+        Ok(())
+    }
+
+    /// Notes what became of a workload; its ports when it runs the sidecar.
+    fn outcome(
+        &mut self,
+        at: &At,
+        what: &str,
+        ns: Option<String>,
+        outcome: Outcome,
+        template: &Value,
+    ) -> Option<Change> {
+        let n = at.number();
+        match outcome {
             Outcome::Injected(change) => {
-                injected += 1;
-                if !injected_namespaces.contains(&ns) {
-                    injected_namespaces.push(ns.clone());
+                self.injected += 1;
+                if !self.namespaces.contains(&ns) {
+                    self.namespaces.push(ns);
                 }
-                at.set(&mut docs, object);
+                self.notes.push(format!(
+                    "document {n} ({what}): injected: port {} through the proxy on {}{}",
+                    change.app_port,
+                    change.proxy_port,
+                    if change.h2 {
+                        " (HTTP/2 to the app)"
+                    } else {
+                        ""
+                    }
+                ));
                 Some(change)
             }
             Outcome::Skipped(reason) => {
-                notes.push(format!(
-                    "document {} ({what}): left as it was: {reason}",
-                    at.number()
-                ));
+                self.notes
+                    .push(format!("document {n} ({what}): left as it was: {reason}"));
                 None
             }
             Outcome::AlreadyInjected => {
-                notes.push(format!(
-                    "document {} ({what}): already injected",
-                    at.number()
-                ));
+                self.notes
+                    .push(format!("document {n} ({what}): already injected"));
                 // Its Services are rewired still: one added since the last run may target the app.
                 let change = injected_change(template);
                 if change.is_none() {
-                    notes.push(format!(
-                        "document {} ({what}): its idemproxy sidecar has no --listen and \
+                    self.notes.push(format!(
+                        "document {n} ({what}): its idemproxy sidecar has no --listen and \
                          --upstream arguments to read the ports from: its Services are left as \
-                         they are",
-                        at.number()
+                         they are"
                     ));
                 }
                 change
             }
-        };
-        workloads.push(Workload {
-            at: *at,
-            what,
-            name,
-            ns,
-            labels,
-            selector,
-            change,
-        });
+        }
     }
 
-    // A Service is rewired only when every workload of the input it selects
-    // goes through a proxy on the same ports: never half of its endpoints cut off.
-    for s in &services {
-        let svc = s.get(&docs);
-        let selected: Vec<&Workload> = workloads
+    /// The pod labels of the workload `kind`/`name` in `ns`.
+    fn pod_labels(&self, kind: &str, ns: Option<&str>, name: &str) -> Option<Mapping> {
+        self.workloads
             .iter()
-            .filter(|w| service_selects(svc, w.ns.as_deref(), w.labels.as_ref()))
-            .collect();
-        let Some(first) = selected.iter().find_map(|w| w.change.as_ref()) else {
-            continue;
-        };
-        if str_at(svc, &["spec", "clusterIP"]) == Some("None") {
-            notes.push(format!(
-                "document {} ({}): headless Service: its clients dial the pods' addresses and \
-                 may name the application's port, around the proxy (see --network-policy)",
-                s.number(),
-                describe(svc)
-            ));
-        }
-        let mut rewired = svc.clone();
-        if !retarget(&mut rewired, first.app_port, first.proxy_port) {
-            continue;
-        }
-        let differ: Vec<String> = selected
-            .iter()
-            .filter(|w| w.change.as_ref().is_none_or(|c| !same_ports(c, first)))
-            .map(|w| match &w.change {
-                None => format!("{} (left as it was)", w.what),
-                Some(c) => format!(
-                    "{} (app port {}, proxy port {})",
-                    w.what, c.app_port, c.proxy_port
-                ),
+            .find(|w| {
+                w.kind == kind
+                    && w.name.as_deref() == Some(name)
+                    && same_namespace(w.ns.as_deref(), ns)
             })
-            .collect();
-        if !differ.is_empty() {
-            let with: Vec<&str> = selected
-                .iter()
-                .filter(|w| w.change.as_ref().is_some_and(|c| same_ports(c, first)))
-                .map(|w| w.what.as_str())
-                .collect();
-            return Err(ManifestError::SharedService {
-                doc: s.number(),
-                service: describe(svc),
-                message: format!(
-                    "it selects {} (app port {}, proxy port {}) and {}: retargeting it to the \
-                     proxy's port would cut the others off; give them their own Service, or \
-                     inject them alike (--port, or the {} annotation)",
-                    with.join(", "),
-                    first.app_port,
-                    first.proxy_port,
-                    differ.join(", "),
-                    super::pod::PORT_ANNOTATION
-                ),
-            });
-        }
-        s.set(&mut docs, rewired);
+            .and_then(|w| w.labels.clone())
     }
 
-    let mut policies = Vec::new();
-    if network_policy {
-        for w in &workloads {
+    /// A Service is rewired only when every workload of the input it selects
+    /// goes through a proxy on the same ports, and no pods of another kind:
+    /// never half of its endpoints cut off.
+    fn rewire(
+        &mut self,
+        docs: &mut [Document],
+        services: &[At],
+        foreign: &[ForeignPods],
+    ) -> Result<(), ManifestError> {
+        for s in services {
+            let svc = s.get(docs);
+            let selected: Vec<&Workload> = self
+                .workloads
+                .iter()
+                .filter(|w| service_selects(svc, w.ns.as_deref(), w.labels.as_ref()))
+                .collect();
+            let Some(first) = selected.iter().find_map(|w| w.change.as_ref()) else {
+                continue;
+            };
+            if str_at(svc, &["spec", "clusterIP"]) == Some("None") {
+                self.notes.push(format!(
+                    "document {} ({}): headless Service: its clients dial the pods' addresses and \
+                     may name the application's port, around the proxy (see --network-policy)",
+                    s.number(),
+                    describe(svc)
+                ));
+            }
+            let mut rewired = svc.clone();
+            if !retarget(&mut rewired, first.app_port, first.proxy_port) {
+                continue;
+            }
+            let sel = svc
+                .get("spec")
+                .and_then(|sp| sp.get("selector"))
+                .and_then(Value::as_mapping);
+            let other = foreign.iter().find(|f| {
+                same_namespace(namespace(svc), f.namespace.as_deref())
+                    && sel.is_some_and(|sel| selects(sel, Some(&f.labels)))
+            });
+            if let Some(f) = other {
+                return Err(ManifestError::ForeignPods {
+                    doc: s.number(),
+                    service: describe(svc),
+                    owner: f.what.clone(),
+                });
+            }
+            shared_ports(s, svc, &selected, first)?;
+            s.set(docs, rewired);
+        }
+        Ok(())
+    }
+
+    /// The input's NetworkPolicies that let traffic reach an injected app's
+    /// port by number let it reach the proxy's port too.
+    fn open_policies(&mut self, docs: &mut [Document], objects: &[At]) {
+        for at in objects {
+            if str_at(at.get(docs), &["kind"]) != Some("NetworkPolicy") {
+                continue;
+            }
+            let mut policy = at.get(docs).clone();
+            let mut changed = false;
+            for w in &self.workloads {
+                let Some(c) = &w.change else { continue };
+                if open_proxy_port(
+                    &mut policy,
+                    w.ns.as_deref(),
+                    w.labels.as_ref(),
+                    c.app_port,
+                    c.proxy_port,
+                ) {
+                    changed = true;
+                    self.notes.push(format!(
+                        "document {} ({}): lets ingress reach the proxy's port {} of {} as it \
+                         did the application's port {}",
+                        at.number(),
+                        describe(&policy),
+                        c.proxy_port,
+                        w.what,
+                        c.app_port
+                    ));
+                }
+            }
+            if changed {
+                at.set(docs, policy);
+            }
+        }
+    }
+
+    /// A ConfigMap holding `config` for each namespace injected into, unless the input has it.
+    fn config_maps(
+        &self,
+        docs: &[Document],
+        objects: &[At],
+        settings: &Settings,
+        config: &str,
+    ) -> Vec<Value> {
+        let mut out = Vec::new();
+        for ns in &self.namespaces {
+            let present = objects.iter().any(|at| {
+                let v = at.get(docs);
+                str_at(v, &["kind"]) == Some("ConfigMap")
+                    && str_at(v, &["metadata", "name"]) == Some(settings.config_map.as_str())
+                    && same_namespace(namespace(v), ns.as_deref())
+            });
+            if !present {
+                out.push(config_map(&settings.config_map, ns.as_deref(), config));
+            }
+        }
+        out
+    }
+
+    /// A NetworkPolicy per injected workload, unless the input has it.
+    fn policies(&mut self, docs: &[Document], objects: &[At], settings: &Settings) -> Vec<Value> {
+        let mut out = Vec::new();
+        for w in &self.workloads {
             let Some(change) = &w.change else { continue };
             let Some(name) = &w.name else {
-                notes.push(format!(
+                self.notes.push(format!(
                     "document {} ({}): no NetworkPolicy: the workload has no name",
                     w.at.number(),
                     w.what
@@ -459,7 +456,7 @@ pub fn inject_manifests(
                 continue;
             };
             let Some(selector) = w.selector.as_ref().or(w.labels.as_ref()) else {
-                notes.push(format!(
+                self.notes.push(format!(
                     "document {} ({}): no NetworkPolicy: the pods have no labels to select them by",
                     w.at.number(),
                     w.what
@@ -468,13 +465,13 @@ pub fn inject_manifests(
             };
             let policy_name = format!("{name}-idemproxy");
             let present = objects.iter().any(|at| {
-                let v = at.get(&docs);
+                let v = at.get(docs);
                 str_at(v, &["kind"]) == Some("NetworkPolicy")
                     && str_at(v, &["metadata", "name"]) == Some(policy_name.as_str())
                     && same_namespace(namespace(v), w.ns.as_deref())
             });
             if !present {
-                policies.push(network_policy_for(
+                out.push(network_policy_for(
                     &policy_name,
                     w.ns.as_deref(),
                     selector,
@@ -482,268 +479,52 @@ pub fn inject_manifests(
                 ));
             }
         }
+        out
     }
-
-    let mut config_maps = Vec::new();
-    if let Some(config) = config {
-        for ns in &injected_namespaces {
-            let present = objects.iter().any(|at| {
-                let v = at.get(&docs);
-                str_at(v, &["kind"]) == Some("ConfigMap")
-                    && str_at(v, &["metadata", "name"]) == Some(settings.config_map.as_str())
-                    && same_namespace(namespace(v), ns.as_deref())
-            });
-            if !present {
-                config_maps.push(config_map(&settings.config_map, ns.as_deref(), config));
-            }
-        }
-    }
-
-    config_maps.extend(policies);
-    if !json {
-        check_yaml_1_1(&docs)?;
-    }
-    let output = if json {
-        render_json(text, docs.remove(0), config_maps)?
-    } else {
-        render_yaml(&docs, config_maps)
-    };
-    Ok(Injected {
-        output,
-        notes,
-        injected,
-    })
 }
 
-/// A workload of the input and what became of it.
-struct Workload {
-    at: At,
-    what: String,
-    name: Option<String>,
-    ns: Option<String>,
-    /// The pod template's labels, which Services select.
-    labels: Option<Mapping>,
-    /// The workload's `spec.selector.matchLabels`, which a NetworkPolicy selects by.
-    selector: Option<Mapping>,
-    /// The ports, when it runs the sidecar (injected now or before).
-    change: Option<Change>,
+/// Every workload the Service selects must run the proxy on the same ports.
+fn shared_ports(
+    s: &At,
+    svc: &Value,
+    selected: &[&Workload],
+    first: &Change,
+) -> Result<(), ManifestError> {
+    let differ: Vec<String> = selected
+        .iter()
+        .filter(|w| w.change.as_ref().is_none_or(|c| !same_ports(c, first)))
+        .map(|w| match &w.change {
+            None => format!("{} (left as it was)", w.what),
+            Some(c) => format!(
+                "{} (app port {}, proxy port {})",
+                w.what, c.app_port, c.proxy_port
+            ),
+        })
+        .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    let with: Vec<&str> = selected
+        .iter()
+        .filter(|w| w.change.as_ref().is_some_and(|c| same_ports(c, first)))
+        .map(|w| w.what.as_str())
+        .collect();
+    Err(ManifestError::SharedService {
+        doc: s.number(),
+        service: describe(svc),
+        message: format!(
+            "it selects {} (app port {}, proxy port {}) and {}: retargeting it to the \
+             proxy's port would cut the others off; give them their own Service, or \
+             inject them alike (--port, or the {} annotation)",
+            with.join(", "),
+            first.app_port,
+            first.proxy_port,
+            differ.join(", "),
+            super::pod::PORT_ANNOTATION
+        ),
+    })
 }
 
 fn same_ports(a: &Change, b: &Change) -> bool {
     a.app_port == b.app_port && a.proxy_port == b.proxy_port
-}
-
-fn service_selects(svc: &Value, ns: Option<&str>, labels: Option<&Mapping>) -> bool {
-    let selector = svc
-        .get("spec")
-        .and_then(|s| s.get("selector"))
-        .and_then(Value::as_mapping);
-    same_namespace(namespace(svc), ns) && selector.is_some_and(|sel| selects(sel, labels))
-}
-
-/// Ingress to the selected pods on `ports` (TCP) only, from anywhere.
-fn network_policy_for(
-    name: &str,
-    namespace: Option<&str>,
-    labels: &Mapping,
-    ports: &[u16],
-) -> Value {
-    let mut metadata = Mapping::new();
-    metadata.insert("name".into(), name.into());
-    if let Some(ns) = namespace {
-        metadata.insert("namespace".into(), ns.into());
-    }
-    let mut component = Mapping::new();
-    component.insert("app.kubernetes.io/component".into(), "idemproxy".into());
-    metadata.insert("labels".into(), component.into());
-    let mut selector = Mapping::new();
-    selector.insert("matchLabels".into(), labels.clone().into());
-    let ports: Vec<Value> = ports
-        .iter()
-        .map(|p| {
-            let mut m = Mapping::new();
-            m.insert("protocol".into(), "TCP".into());
-            m.insert("port".into(), Value::from(*p));
-            m.into()
-        })
-        .collect();
-    let mut rule = Mapping::new();
-    rule.insert("ports".into(), ports.into());
-    let mut spec = Mapping::new();
-    spec.insert("podSelector".into(), selector.into());
-    spec.insert("policyTypes".into(), vec![Value::from("Ingress")].into());
-    spec.insert("ingress".into(), vec![Value::from(rule)].into());
-    let mut np = Mapping::new();
-    np.insert("apiVersion".into(), "networking.k8s.io/v1".into());
-    np.insert("kind".into(), "NetworkPolicy".into());
-    np.insert("metadata".into(), metadata.into());
-    np.insert("spec".into(), spec.into());
-    np.into()
-}
-
-/// A rewritten document is written from its parsed value, read as YAML 1.2:
-/// a plain `yes`, `off`, `0644` or `1:20` came in as a string, and would go
-/// out quoted, a string where Kubernetes (YAML 1.1) read a boolean or a
-/// number. Such a document is refused, naming the line and value.
-fn check_yaml_1_1(docs: &[Document]) -> Result<(), ManifestError> {
-    use yaml_rust2::parser::{Event, Parser};
-    use yaml_rust2::scanner::TScalarStyle;
-    for (i, d) in docs.iter().enumerate().filter(|(_, d)| d.changed) {
-        let mut parser = Parser::new_from_str(d.text);
-        // The text parsed once already (serde_norway); an error here ends the check.
-        while let Ok((event, mark)) = parser.next_token() {
-            match event {
-                Event::StreamEnd => break,
-                Event::Scalar(value, TScalarStyle::Plain, _, None) => {
-                    if let Some((meaning, fix)) = yaml_1_1_meaning(&value) {
-                        return Err(ManifestError::Yaml11 {
-                            doc: i + 1,
-                            line: d.line + mark.line().saturating_sub(1),
-                            value,
-                            meaning,
-                            fix,
-                        });
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(())
-}
-
-/// What YAML 1.1 reads a plain scalar as, when YAML 1.2 (serde_norway) reads a string.
-fn yaml_1_1_meaning(s: &str) -> Option<(&'static str, &'static str)> {
-    const BOOLS: [&str; 16] = [
-        "y", "Y", "yes", "Yes", "YES", "n", "N", "no", "No", "NO", "on", "On", "ON", "off", "Off",
-        "OFF",
-    ];
-    if BOOLS.contains(&s) {
-        return Some(("a boolean", "true or false, or quoted if a string is meant"));
-    }
-    if !matches!(serde_norway::from_str::<Value>(s), Ok(Value::String(_))) {
-        return None;
-    }
-    let unsigned = s.strip_prefix(['-', '+']).unwrap_or(s);
-    let digits =
-        |t: &str, ok: fn(char) -> bool| !t.is_empty() && t.chars().all(|c| ok(c) || c == '_');
-    let number = if let Some(b) = unsigned.strip_prefix("0b") {
-        digits(b, |c| c == '0' || c == '1')
-    } else if let Some(x) = unsigned.strip_prefix("0x") {
-        digits(x, |c| c.is_ascii_hexdigit())
-    } else if unsigned.starts_with('0') && unsigned.len() > 1 && !unsigned.contains('.') {
-        digits(unsigned, |c| ('0'..='7').contains(&c))
-    } else if unsigned.contains(':') {
-        // Sexagesimal: 1:20, 190:20:30, 1:20.5.
-        let mut parts = unsigned.split(':');
-        let head = parts.next().unwrap_or("");
-        digits(head, |c| c.is_ascii_digit())
-            && parts.all(|p| {
-                let whole = p.split('.').next().unwrap_or("");
-                !whole.is_empty()
-                    && whole.len() <= 2
-                    && whole.chars().all(|c| c.is_ascii_digit())
-                    && p[whole.len()..]
-                        .strip_prefix('.')
-                        .is_none_or(|f| f.chars().all(|c| c.is_ascii_digit() || c == '_'))
-            })
-    } else {
-        // 1_000, 1_000.5: underscores in a number.
-        unsigned.contains('_')
-            && unsigned.starts_with(|c: char| c.is_ascii_digit())
-            && unsigned
-                .chars()
-                .all(|c| c.is_ascii_digit() || c == '_' || c == '.')
-            && unsigned.matches('.').count() <= 1
-    };
-    number.then_some((
-        "a number",
-        "a decimal number, or quoted if a string is meant",
-    ))
-}
-
-/// Points the Service's ports that target `app` by number at `proxy`; true when one changed.
-fn retarget(service: &mut Value, app: u16, proxy: u16) -> bool {
-    let mut changed = false;
-    let ports = service
-        .get_mut("spec")
-        .and_then(|s| s.get_mut("ports"))
-        .and_then(Value::as_sequence_mut);
-    for p in ports.into_iter().flatten() {
-        let port = p.get("port").and_then(Value::as_u64);
-        let by_number = match p.get("targetPort") {
-            None => port == Some(u64::from(app)),
-            Some(Value::String(s)) => s.parse::<u16>() == Ok(app),
-            Some(v) => v.as_u64() == Some(u64::from(app)),
-        };
-        if let (true, Some(p)) = (by_number, p.as_mapping_mut()) {
-            p.insert("targetPort".into(), Value::from(proxy));
-            changed = true;
-        }
-    }
-    changed
-}
-
-fn config_map(name: &str, namespace: Option<&str>, config: &str) -> Value {
-    let mut metadata = Mapping::new();
-    metadata.insert("name".into(), name.into());
-    if let Some(ns) = namespace {
-        metadata.insert("namespace".into(), ns.into());
-    }
-    let mut labels = Mapping::new();
-    labels.insert("app.kubernetes.io/component".into(), "idemproxy".into());
-    metadata.insert("labels".into(), labels.into());
-    let mut data = Mapping::new();
-    data.insert("idemproxy.toml".into(), config.into());
-    let mut cm = Mapping::new();
-    cm.insert("apiVersion".into(), "v1".into());
-    cm.insert("kind".into(), "ConfigMap".into());
-    cm.insert("metadata".into(), metadata.into());
-    cm.insert("data".into(), data.into());
-    cm.into()
-}
-
-fn render_yaml(docs: &[Document], extra: Vec<Value>) -> String {
-    let mut out = String::new();
-    for d in docs {
-        if d.changed {
-            out.push_str(d.head);
-            out.push_str(&to_yaml(&d.value));
-        } else {
-            out.push_str(d.text);
-        }
-    }
-    for v in &extra {
-        if !out.is_empty() && !out.ends_with('\n') {
-            out.push('\n');
-        }
-        out.push_str("---\n");
-        out.push_str(&to_yaml(v));
-    }
-    out
-}
-
-fn render_json(text: &str, doc: Document, extra: Vec<Value>) -> Result<String, ManifestError> {
-    if !doc.changed && extra.is_empty() {
-        return Ok(text.to_owned());
-    }
-    let mut value = doc.value;
-    if !extra.is_empty() {
-        if str_at(&value, &["kind"]) != Some("List") {
-            let mut list = Mapping::new();
-            list.insert("apiVersion".into(), "v1".into());
-            list.insert("kind".into(), "List".into());
-            list.insert("items".into(), Value::Sequence(vec![value]));
-            value = list.into();
-        }
-        if let Some(items) = value.get_mut("items").and_then(Value::as_sequence_mut) {
-            items.extend(extra);
-        }
-    }
-    let mut out = serde_json::to_string_pretty(&value).map_err(|e| ManifestError::Write {
-        doc: 1,
-        message: e.to_string(),
-    })?;
-    out.push('\n');
-    Ok(out)
 }

@@ -10,13 +10,18 @@
 
 use std::fmt;
 
+mod documents;
 mod emit;
 pub mod manifests;
 pub mod pod;
+pub mod ports;
+pub mod select;
+mod services;
 pub mod webhook;
 
-pub use manifests::{inject_manifests, Injected, ManifestError};
+pub use manifests::{inject_manifests, Injected, ManifestError, Options};
 pub use pod::{inject_pod, Change, Outcome, ServicePort};
+pub use select::Selection;
 
 /// The image the sidecar runs by default: the one the release workflow publishes for this version.
 pub const DEFAULT_IMAGE: &str = concat!("ghcr.io/idemproxy/idemproxy:", env!("CARGO_PKG_VERSION"));

@@ -2,6 +2,7 @@
 
 use serde_norway::{Mapping, Value};
 
+use super::ports::{self, Candidate, Says};
 use super::{PortRef, Settings};
 
 /// `idemproxy.dev/inject: disabled` leaves a workload as it was (`enabled` opts a pod in at the webhook).
@@ -16,14 +17,6 @@ const CONFIG_VOLUME: &str = "idemproxy-config";
 pub const PROXY_PORT_BASE: u16 = 15080;
 /// The proxy port's name when the application's port has none.
 const PROXY_PORT_NAME: &str = "idemproxy-http";
-/// Ports that are never HTTP when a pod has only one and nothing else says
-/// what it is: Redis, PostgreSQL, MySQL, MongoDB, memcached, Cassandra,
-/// ZooKeeper, Kafka, AMQP.
-const WELL_KNOWN_NOT_HTTP: [u16; 9] = [6379, 5432, 3306, 27017, 11211, 9042, 2181, 9092, 5672];
-/// Port-name prefixes that say "not HTTP" (on a Service port or a container port).
-const NOT_HTTP_NAMES: [&str; 5] = ["tcp", "redis", "mongo", "mysql", "postgres"];
-/// `appProtocol` values that are HTTP (anything else is not taken).
-const HTTP_PROTOCOLS: [&str; 6] = ["http", "https", "http2", "h2c", "grpc", "kubernetes.io/h2c"];
 
 /// A Service port that selects the pod, as the injection needs it.
 #[derive(Clone, Debug)]
@@ -34,29 +27,6 @@ pub struct ServicePort {
     pub target: PortRef,
     pub app_protocol: Option<String>,
     pub protocol: Option<String>,
-}
-
-impl ServicePort {
-    fn is_http(&self) -> bool {
-        let named_not_http = self
-            .name
-            .as_deref()
-            .is_some_and(|n| NOT_HTTP_NAMES.iter().any(|p| n.starts_with(p)));
-        let protocol_not_http = self
-            .app_protocol
-            .as_deref()
-            .is_some_and(|p| !HTTP_PROTOCOLS.contains(&p));
-        let not_tcp = self.protocol.as_deref().is_some_and(|p| p != "TCP");
-        !(named_not_http || protocol_not_http || not_tcp)
-    }
-
-    fn is_h2(&self) -> bool {
-        self.name.as_deref().is_some_and(|n| n.starts_with("grpc"))
-            || matches!(
-                self.app_protocol.as_deref(),
-                Some("grpc" | "h2c" | "kubernetes.io/h2c")
-            )
-    }
 }
 
 /// What was done to a pod.
@@ -117,97 +87,225 @@ pub fn inject_pod(
             message: "missing".into(),
         });
     };
-    if containers(spec, "initContainers").any(|c| name_of(c) == Some(SIDECAR)) {
-        return Ok(Outcome::AlreadyInjected);
-    }
-    if annotation(INJECT_ANNOTATION).as_deref() == Some("disabled") {
-        return Ok(Outcome::Skipped(format!(
-            "annotated {INJECT_ANNOTATION}: disabled"
-        )));
-    }
-    if spec.get("hostNetwork").and_then(Value::as_bool) == Some(true) {
-        return Ok(Outcome::Skipped(
-            "hostNetwork: the proxy's ports would be the node's".into(),
-        ));
+    if let Some(outcome) = left_alone(spec, annotation(INJECT_ANNOTATION).as_deref()) {
+        return Ok(outcome);
     }
     let ports = app_ports(spec);
-    let chosen = match (&settings.port, annotation(PORT_ANNOTATION)) {
-        (Some(p), _) => match resolve(&ports, p) {
-            Some(n) => n,
-            None => return Ok(Outcome::Skipped(format!("no container port {p} (--port)"))),
-        },
-        (None, Some(text)) => {
-            let p = PortRef::parse(&text);
-            resolve(&ports, &p).ok_or_else(|| FieldError {
-                field: format!("metadata.annotations.{PORT_ANNOTATION}"),
-                message: format!("no container port named or numbered {text:?}"),
-            })?
-        }
-        (None, None) => match from_services(&ports, services) {
-            Ok(n) => n,
-            Err(reason) => return Ok(Outcome::Skipped(reason)),
-        },
+    let chosen = match chosen_port(&ports, services, settings, annotation(PORT_ANNOTATION))? {
+        Ok(n) => n,
+        Err(reason) => return Ok(Outcome::Skipped(reason)),
     };
-    // Never a port that a Service says is not HTTP, whoever chose it.
-    let targeting: Vec<&ServicePort> = services
-        .iter()
-        .filter(|s| resolve(&ports, &s.target) == Some(chosen))
-        .collect();
-    if let Some(s) = targeting.iter().find(|s| !s.is_http()) {
-        return Ok(Outcome::Skipped(format!(
-            "port {chosen} is not HTTP (Service port {})",
-            s.name.as_deref().unwrap_or("without a name")
-        )));
-    }
     let app = ports.iter().find(|p| p.number == chosen);
-    if let Some(p) = app.filter(|p| !p.tcp) {
-        return Ok(Outcome::Skipped(format!("port {} is not TCP", p.number)));
+    if let Some(reason) = obstacle(spec, app, settings) {
+        return Ok(Outcome::Skipped(reason));
     }
-    // Port names are unique within a container, not within a pod: with two
-    // containers naming a port alike, a Service's named targetPort could
-    // reach the other container after the rename.
-    if let Some(name) = app.and_then(|p| p.name.as_deref()) {
-        if port_names(spec).iter().filter(|n| *n == name).count() > 1 {
-            return Ok(Outcome::Skipped(format!(
-                "several containers name a port {name:?}: a Service that targets it by name \
-                 could reach any of them; rename the others, or choose with --port"
-            )));
-        }
-    }
-    let h2 = targeting.iter().any(|s| s.is_h2())
+    let targeting = services
+        .iter()
+        .filter(|s| resolve(&ports, &s.target) == Some(chosen));
+    let h2 = targeting.clone().any(ServicePort::is_h2)
         || app
             .and_then(|p| p.name.as_deref())
-            .is_some_and(|n| n.starts_with("grpc"));
-
+            .is_some_and(|n| n.to_ascii_lowercase().starts_with("grpc"));
     let used = used_ports(spec);
-    if used.contains(&settings.admin_port) {
-        return Ok(Outcome::Skipped(format!(
-            "the pod already uses port {}, the proxy's admin port",
-            settings.admin_port
-        )));
-    }
-    let volumes = spec.get("volumes").and_then(Value::as_sequence);
-    if volumes.is_some_and(|v| v.iter().any(|v| name_of(v) == Some(CONFIG_VOLUME))) {
-        return Ok(Outcome::Skipped(format!(
-            "the pod already has a volume named {CONFIG_VOLUME}"
-        )));
-    }
     let proxy_port = (PROXY_PORT_BASE..=u16::MAX)
         .find(|n| !used.contains(n) && *n != settings.admin_port)
         .unwrap_or(PROXY_PORT_BASE);
-
-    // The proxy takes over the app port's name, so that whatever targets it by name reaches the proxy.
-    let names = port_names(spec);
-    let proxy_port_name = match app.and_then(|p| p.name.clone()) {
-        Some(name) => name,
-        None => PROXY_PORT_NAME.to_owned(),
-    };
     let change = Change {
         app_port: chosen,
         proxy_port,
         h2,
     };
-    let mut sidecar = sidecar(settings, &change, &proxy_port_name);
+    apply(pod, app, &change, settings)?;
+    Ok(Outcome::Injected(change))
+}
+
+/// A pod injected before, or one the sidecar must not be added to, and why.
+fn left_alone(spec: &Value, inject: Option<&str>) -> Option<Outcome> {
+    let sidecar_like = |key| containers(spec, key).find(|c| name_of(c) == Some(SIDECAR));
+    if let Some(init) = sidecar_like("initContainers") {
+        let ours = init.get("restartPolicy").and_then(Value::as_str) == Some("Always")
+            && injected_change_of(init).is_some();
+        return Some(if ours {
+            Outcome::AlreadyInjected
+        } else {
+            Outcome::Skipped(format!(
+                "it already has an init container named {SIDECAR:?} that is not the idemproxy \
+                 sidecar (container names must be unique in a pod)"
+            ))
+        });
+    }
+    if sidecar_like("containers").is_some() || sidecar_like("ephemeralContainers").is_some() {
+        return Some(Outcome::Skipped(format!(
+            "it already has a container named {SIDECAR:?} (container names must be unique in a pod)"
+        )));
+    }
+    if inject == Some("disabled") {
+        return Some(Outcome::Skipped(format!(
+            "annotated {INJECT_ANNOTATION}: disabled"
+        )));
+    }
+    if spec.get("hostNetwork").and_then(Value::as_bool) == Some(true) {
+        return Some(Outcome::Skipped(
+            "hostNetwork: the proxy's ports would be the node's".into(),
+        ));
+    }
+    let os = spec
+        .get("os")
+        .and_then(|o| o.get("name"))
+        .and_then(Value::as_str);
+    if os.is_some_and(|os| os != "linux") {
+        return Some(Outcome::Skipped(format!(
+            "a {} pod (spec.os.name): the sidecar is a Linux container",
+            os.unwrap_or_default()
+        )));
+    }
+    None
+}
+
+/// The port to protect: `--port`, else the annotation, else the one the
+/// evidence shows (`Ok(Err(reason))` when there is none to take; `Err` when
+/// the annotation names no port of the pod).
+fn chosen_port(
+    ports: &[AppPort],
+    services: &[ServicePort],
+    settings: &Settings,
+    annotated: Option<String>,
+) -> Result<Result<u16, String>, FieldError> {
+    let explicit = match (&settings.port, annotated) {
+        (Some(p), _) => match resolve(ports, p) {
+            Some(n) => Some(n),
+            None => return Ok(Err(format!("no container port {p} (--port)"))),
+        },
+        (None, Some(text)) => {
+            let p = PortRef::parse(&text);
+            Some(resolve(ports, &p).ok_or_else(|| FieldError {
+                field: format!("metadata.annotations.{PORT_ANNOTATION}"),
+                message: format!("no container port named or numbered {text:?}"),
+            })?)
+        }
+        (None, None) => None,
+    };
+    let chosen = match explicit {
+        Some(n) => n,
+        None => match ports::choose(&candidates(ports, services)) {
+            Ok(n) => n,
+            Err(reason) => return Ok(Err(reason)),
+        },
+    };
+    // Never a port that is not HTTP, whoever chose it.
+    let targeting: Vec<&ServicePort> = services
+        .iter()
+        .filter(|s| resolve(ports, &s.target) == Some(chosen))
+        .collect();
+    if let Some(reason) = ports::never(chosen, &targeting) {
+        return Ok(Err(reason));
+    }
+    if let Some(p) = ports.iter().find(|p| p.number == chosen && !p.tcp) {
+        return Ok(Err(format!("port {} is not TCP", p.number)));
+    }
+    Ok(Ok(chosen))
+}
+
+/// The pod's TCP ports and the numbers its Services target, with what each says.
+fn candidates(ports: &[AppPort], services: &[ServicePort]) -> Vec<Candidate> {
+    let mut out: Vec<Candidate> = Vec::new();
+    for p in ports.iter().filter(|p| p.tcp) {
+        if out.iter().any(|c| c.number == p.number) {
+            continue;
+        }
+        let says = p.name.as_deref().map(ports::name_says);
+        out.push(Candidate {
+            number: p.number,
+            name: p.name.clone(),
+            evidence: (says == Some(Says::Http))
+                .then(|| format!("container port {:?}", p.name.as_deref().unwrap_or(""))),
+            against: match says {
+                Some(Says::NotHttp | Says::Tls) => Some(format!(
+                    "container port {:?} is not HTTP in clear text",
+                    p.name.as_deref().unwrap_or("")
+                )),
+                _ => None,
+            },
+            named: p.name.is_some(),
+        });
+    }
+    for s in services {
+        let Some(n) = resolve(ports, &s.target) else {
+            continue;
+        };
+        let at = match out.iter().position(|c| c.number == n) {
+            Some(i) => i,
+            None => {
+                out.push(Candidate {
+                    number: n,
+                    name: None,
+                    evidence: None,
+                    against: None,
+                    named: false,
+                });
+                out.len() - 1
+            }
+        };
+        let c = &mut out[at];
+        c.named |= s.name.is_some() || s.app_protocol.is_some();
+        match s.says() {
+            Says::Http => c.evidence = c.evidence.take().or_else(|| Some(s.label())),
+            Says::Tls | Says::NotHttp => {
+                c.against = c.against.take().or_else(|| ports::never(n, &[s]));
+            }
+            Says::Nothing => {}
+        }
+    }
+    for c in &mut out {
+        if let Some(what) = ports::well_known(c.number) {
+            c.against = Some(format!("port {} is {what}'s, not HTTP", c.number));
+        }
+    }
+    out
+}
+
+/// What keeps the sidecar out of a pod once its port is chosen.
+fn obstacle(spec: &Value, app: Option<&AppPort>, settings: &Settings) -> Option<String> {
+    // Port names are unique within a container, not within a pod: with two
+    // containers naming a port alike, a Service's named targetPort could
+    // reach the other container after the rename.
+    if let Some(name) = app.and_then(|p| p.name.as_deref()) {
+        if port_names(spec).iter().filter(|n| *n == name).count() > 1 {
+            return Some(format!(
+                "several containers name a port {name:?}: a Service that targets it by name \
+                 could reach any of them; rename the others, or choose with --port"
+            ));
+        }
+    }
+    if used_ports(spec).contains(&settings.admin_port) {
+        return Some(format!(
+            "the pod already uses port {}, the proxy's admin port",
+            settings.admin_port
+        ));
+    }
+    let volumes = spec.get("volumes").and_then(Value::as_sequence);
+    if volumes.is_some_and(|v| v.iter().any(|v| name_of(v) == Some(CONFIG_VOLUME))) {
+        return Some(format!(
+            "the pod already has a volume named {CONFIG_VOLUME}"
+        ));
+    }
+    None
+}
+
+/// Adds the sidecar and its volume, and renames the app's port (and moves
+/// its host port) so that the proxy takes over what targets it by name.
+fn apply(
+    pod: &mut Value,
+    app: Option<&AppPort>,
+    change: &Change,
+    settings: &Settings,
+) -> Result<(), FieldError> {
+    let names = pod.get("spec").map(port_names).unwrap_or_default();
+    let proxy_port_name = match app.and_then(|p| p.name.clone()) {
+        Some(name) => name,
+        None => PROXY_PORT_NAME.to_owned(),
+    };
+    let mut sidecar = sidecar(settings, change, &proxy_port_name);
     let Some(spec) = pod.as_mapping_mut().and_then(|pod| map_at(pod, "spec")) else {
         return Err(FieldError {
             field: "spec".into(),
@@ -215,38 +313,11 @@ pub fn inject_pod(
         });
     };
     if let Some(p) = app {
-        let renamed = p.name.as_deref().map(|old| app_port_name(old, &names));
         let container = spec
             .get_mut("containers")
             .and_then(|c| c.get_mut(p.container));
         if let Some(c) = container {
-            let port = c
-                .get_mut("ports")
-                .and_then(|ps| ps.get_mut(p.index))
-                .and_then(Value::as_mapping_mut);
-            if let Some(port) = port {
-                if let Some(renamed) = &renamed {
-                    port.insert("name".into(), renamed.clone().into());
-                }
-                // A hostPort on the app's port would let node:hostPort reach the
-                // app around the proxy: it moves to the proxy's port.
-                let host: Vec<(Value, Value)> = ["hostPort", "hostIP"]
-                    .iter()
-                    .filter_map(|k| port.remove(*k).map(|v| (Value::from(*k), v)))
-                    .collect();
-                let proxy = sidecar
-                    .get_mut("ports")
-                    .and_then(|ps| ps.get_mut(0))
-                    .and_then(Value::as_mapping_mut);
-                if let Some(proxy) = proxy {
-                    proxy.extend(host);
-                }
-            }
-            // The kubelet resolves a probe's named port in the probe's own container:
-            // the app's probes and lifecycle hooks follow the rename (and still reach the app).
-            if let (Some(old), Some(renamed)) = (&p.name, &renamed) {
-                rename_probe_ports(c, old, renamed);
-            }
+            rename_app_port(c, p, &names, &mut sidecar);
         }
     }
     if let Some(init) = seq_at(spec, "initContainers") {
@@ -260,7 +331,39 @@ pub fn inject_pod(
     if let Some(volumes) = seq_at(spec, "volumes") {
         volumes.push(volume.into());
     }
-    Ok(Outcome::Injected(change))
+    Ok(())
+}
+
+/// The app's port gets a new name (the proxy takes the old one), and a
+/// hostPort on it moves to the proxy's port: node:hostPort would otherwise
+/// reach the app around the proxy. Its probes follow the rename.
+fn rename_app_port(c: &mut Value, p: &AppPort, names: &[String], sidecar: &mut Value) {
+    let renamed = p.name.as_deref().map(|old| app_port_name(old, names));
+    let port = c
+        .get_mut("ports")
+        .and_then(|ps| ps.get_mut(p.index))
+        .and_then(Value::as_mapping_mut);
+    if let Some(port) = port {
+        if let Some(renamed) = &renamed {
+            port.insert("name".into(), renamed.clone().into());
+        }
+        let host: Vec<(Value, Value)> = ["hostPort", "hostIP"]
+            .iter()
+            .filter_map(|k| port.remove(*k).map(|v| (Value::from(*k), v)))
+            .collect();
+        let proxy = sidecar
+            .get_mut("ports")
+            .and_then(|ps| ps.get_mut(0))
+            .and_then(Value::as_mapping_mut);
+        if let Some(proxy) = proxy {
+            proxy.extend(host);
+        }
+    }
+    // The kubelet resolves a probe's named port in the probe's own container:
+    // the app's probes and lifecycle hooks follow the rename (and still reach the app).
+    if let (Some(old), Some(renamed)) = (&p.name, &renamed) {
+        rename_probe_ports(c, old, renamed);
+    }
 }
 
 /// The ports of a pod injected before, read back from its sidecar's
@@ -268,6 +371,11 @@ pub fn inject_pod(
 pub fn injected_change(pod: &Value) -> Option<Change> {
     let spec = pod.get("spec")?;
     let sidecar = containers(spec, "initContainers").find(|c| name_of(c) == Some(SIDECAR))?;
+    injected_change_of(sidecar)
+}
+
+/// The ports of an idemproxy sidecar, from its arguments.
+fn injected_change_of(sidecar: &Value) -> Option<Change> {
     let args: Vec<&str> = sidecar
         .get("args")
         .and_then(Value::as_sequence)?
@@ -314,66 +422,6 @@ fn rename_probe_ports(container: &mut Value, old: &str, new: &str) {
                 }
             }
         }
-    }
-}
-
-/// The port the Services in the input target (the only HTTP one), else the
-/// pod's only port; or why there is none to take.
-fn from_services(ports: &[AppPort], services: &[ServicePort]) -> Result<u16, String> {
-    let mut http: Vec<u16> = Vec::new();
-    let mut not_http: Vec<u16> = Vec::new();
-    for s in services {
-        let Some(n) = resolve(ports, &s.target) else {
-            continue;
-        };
-        // An unnamed port of Redis, PostgreSQL... is not taken on the Service's silence.
-        let silent = s.name.is_none() && s.app_protocol.is_none();
-        let list = if s.is_http() && !(silent && WELL_KNOWN_NOT_HTTP.contains(&n)) {
-            &mut http
-        } else {
-            &mut not_http
-        };
-        if !list.contains(&n) {
-            list.push(n);
-        }
-    }
-    http.retain(|n| !not_http.contains(n));
-    match http.as_slice() {
-        [one] => return Ok(*one),
-        [_, _, ..] => {
-            return Err(format!(
-                "Services target several HTTP ports ({http:?}): choose one with --port or the \
-                 {PORT_ANNOTATION} annotation"
-            ))
-        }
-        [] if !not_http.is_empty() => {
-            return Err(format!(
-                "the Services that select it target no HTTP port (port {not_http:?} is not HTTP)"
-            ))
-        }
-        [] => {}
-    }
-    let tcp: Vec<&AppPort> = ports.iter().filter(|p| p.tcp).collect();
-    match tcp.as_slice() {
-        [] => Err("no container port to protect".into()),
-        [one] => {
-            let named_not_http = one
-                .name
-                .as_deref()
-                .is_some_and(|n| NOT_HTTP_NAMES.iter().any(|p| n.starts_with(p)));
-            if named_not_http || WELL_KNOWN_NOT_HTTP.contains(&one.number) {
-                Err(format!(
-                    "its only port {} is not HTTP (by its name or number)",
-                    one.number
-                ))
-            } else {
-                Ok(one.number)
-            }
-        }
-        _ => Err(format!(
-            "several container ports and no Service in the input says which is HTTP: choose one \
-             with --port or the {PORT_ANNOTATION} annotation"
-        )),
     }
 }
 
@@ -487,6 +535,9 @@ fn sidecar(settings: &Settings, change: &Change, proxy_port_name: &str) -> Value
         format!("0.0.0.0:{}", change.proxy_port),
         "--upstream".to_owned(),
         format!("http://127.0.0.1:{}", change.app_port),
+        // The kubelet probes the pod's address, whatever the file's admin_listen says.
+        "--admin-listen".to_owned(),
+        format!("0.0.0.0:{}", settings.admin_port),
     ];
     if change.h2 {
         args.extend(["--upstream-protocol".to_owned(), "h2c".to_owned()]);

@@ -16,6 +16,7 @@
 //! - `relay`: a fault-injecting TCP relay;
 //! - `peers`: client peers in Python (grpcio, urllib3) run as subprocesses;
 //! - `otel`: OpenTelemetry peers: a real OTLP receiver, the Python SDK's client, spans read back;
+//! - `kube`: `idemproxy inject` run on manifests, and its output read back and validated;
 //! - `failover`: the store failover tests' traffic (`Traffic`) and their final check (`settle`).
 //!
 //! Waits are on events with deadlines (`eventually`), never fixed sleeps.
@@ -30,6 +31,7 @@ mod curl;
 mod env;
 pub mod failover;
 mod inprocess;
+pub mod kube;
 mod logs;
 mod otel;
 mod peers;

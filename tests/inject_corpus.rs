@@ -1,0 +1,554 @@
+//! `idemproxy inject` on real public manifests (Istio's Bookinfo, Argo CD's
+//! install manifest, ingress-nginx's Helm-rendered static manifest), each
+//! checked strict for Kubernetes 1.29 and 1.37, with what was injected and
+//! what was left alone (and why) asserted per workload; and what keeps the
+//! sidecar out: ports that are not HTTP, workloads not chosen, pods that
+//! cannot take it, Services that also select pods of other kinds.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use serde_norway::Value;
+
+use support::kube::*;
+
+/// What became of each workload: its app port through the proxy, or the
+/// words of the note that left it alone.
+#[derive(Debug)]
+enum Fate {
+    Injected { port: u64, h2: bool },
+    LeftAlone(&'static str),
+}
+
+/// Injects `input` with `args`, validates the output, and checks every
+/// workload against `expected` (by name): the sidecar and its app port, or
+/// the document unchanged and the note's reason on standard error.
+fn check_corpus(input: &str, args: &[&str], expected: &[(&str, Fate)]) -> Vec<Value> {
+    let (output, stderr) = injected(args, input);
+    assert_valid(&output);
+    let (before, after) = (documents(input), documents(&output));
+    let workloads: BTreeMap<&str, (&Value, &Value)> = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, _)| {
+            matches!(
+                kind(b),
+                "Deployment" | "StatefulSet" | "DaemonSet" | "Job" | "CronJob" | "Pod"
+            )
+        })
+        .map(|(b, a)| (name(b), (b, a)))
+        .collect();
+    assert_eq!(
+        workloads.keys().copied().collect::<Vec<_>>(),
+        {
+            let mut names: Vec<&str> = expected.iter().map(|(n, _)| *n).collect();
+            names.sort_unstable();
+            names
+        },
+        "every workload of the input is accounted for"
+    );
+    for (wname, fate) in expected {
+        let (b, a) = workloads[wname];
+        assert_eq!(kind(b), kind(a));
+        match fate {
+            Fate::Injected { port, h2 } => {
+                let sidecar = sidecar(a).unwrap_or_else(|| panic!("{wname}: no sidecar\n{stderr}"));
+                assert_apps_unchanged(b, a);
+                let args: Vec<&str> = seq(&sidecar["args"])
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect();
+                assert!(
+                    args.contains(&format!("http://127.0.0.1:{port}").as_str()),
+                    "{wname}: {args:?}"
+                );
+                assert_eq!(
+                    args.windows(2).any(|w| w == ["--upstream-protocol", "h2c"]),
+                    *h2,
+                    "{wname}: {args:?}"
+                );
+                // The app's start waits for the proxy to run, not for the store;
+                // no lifecycle action that 1.29 drops.
+                assert_eq!(sidecar["startupProbe"]["httpGet"]["path"], "/healthz");
+                assert!(sidecar.get("lifecycle").is_none(), "{wname}");
+                assert!(
+                    stderr.contains(&format!("{wname}): injected: port {port} ")),
+                    "{wname}: {stderr}"
+                );
+            }
+            Fate::LeftAlone(why) => {
+                assert_eq!(b, a, "{wname} changed");
+                let line = stderr
+                    .lines()
+                    .find(|l| l.contains(&format!("{wname}): left as it was")))
+                    .unwrap_or_else(|| panic!("{wname}: no note\n{stderr}"));
+                assert!(line.contains(why), "{wname}: {line}");
+            }
+        }
+    }
+    assert_services_reach_the_proxy(&after);
+    // Injecting the output again changes nothing.
+    let (again, _) = injected(args, &output);
+    assert_eq!(again, output, "a second injection changed something");
+    after
+}
+
+const BOOKINFO: &str = "bookinfo/bookinfo.yaml";
+const ARGO_CD: &str = "argo-cd/install.yaml";
+const INGRESS_NGINX: &str = "ingress-nginx/deploy.yaml";
+
+fn inj(port: u64) -> Fate {
+    Fate::Injected { port, h2: false }
+}
+
+#[test]
+fn bookinfo_every_service_named_http_goes_through_the_proxy() {
+    let input = fixture(BOOKINFO);
+    let all: Vec<(&str, Fate)> = [
+        "details-v1",
+        "ratings-v1",
+        "reviews-v1",
+        "reviews-v2",
+        "reviews-v3",
+        "productpage-v1",
+    ]
+    .into_iter()
+    .map(|n| (n, inj(9080)))
+    .collect();
+    let after = check_corpus(&input, &[], &all);
+    assert_eq!(assert_services_reach_the_proxy(&after), 6);
+}
+
+#[test]
+fn bookinfo_only_what_is_asked_for() {
+    let input = fixture(BOOKINFO);
+    // By label: the three reviews versions, which share one Service.
+    let (output, stderr) = injected(&["--selector", "app=reviews"], &input);
+    assert_valid(&output);
+    let after = documents(&output);
+    let chosen: Vec<&str> = after
+        .iter()
+        .filter(|d| kind(d) == "Deployment" && sidecar(d).is_some())
+        .map(name)
+        .collect();
+    assert_eq!(chosen, ["reviews-v1", "reviews-v2", "reviews-v3"]);
+    assert!(
+        stderr.contains("not chosen by --only/--selector, left as they were: Deployment details-v1, Deployment ratings-v1, Deployment productpage-v1"),
+        "{stderr}"
+    );
+    assert_eq!(assert_services_reach_the_proxy(&after), 3);
+    // By name, one workload; its Service is its own.
+    let (output, _) = injected(&["--only", "deploy/productpage-v1"], &input);
+    let after = documents(&output);
+    let chosen: Vec<&str> = after
+        .iter()
+        .filter(|d| sidecar(d).is_some())
+        .map(name)
+        .collect();
+    assert_eq!(chosen, ["productpage-v1"]);
+    // One of three behind a shared Service would cut the others off: refused.
+    let out = inject(&["--only", "deployment/reviews-v1"], &input);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("Service reviews") && stderr.contains("reviews-v2"),
+        "{stderr}"
+    );
+    // A name that matches nothing is a mistake, not an empty injection.
+    let out = inject(&["--only", "deploy/reveiws-v1"], &input);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--only deploy/reveiws-v1 names no workload"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn argo_cd_only_ports_with_evidence_and_its_network_policies_follow() {
+    let input = fixture(ARGO_CD);
+    let after = check_corpus(
+        &input,
+        &[],
+        &[
+            // Service port "webhook" (7000).
+            ("argocd-applicationset-controller", inj(7000)),
+            // "http" 5556 has appProtocol: TCP; "grpc" 5557 is HTTP/2.
+            (
+                "argocd-dex-server",
+                Fate::Injected {
+                    port: 5557,
+                    h2: true,
+                },
+            ),
+            (
+                "argocd-notifications-controller",
+                Fate::LeftAlone("shows no sign of HTTP"),
+            ),
+            ("argocd-redis", Fate::LeftAlone("port 6379 is Redis's")),
+            (
+                "argocd-repo-server",
+                Fate::LeftAlone("no port shows it speaks HTTP"),
+            ),
+            // 8080 serves HTTP and TLS alike (Service ports http and https): the proxy
+            // cannot read the TLS half.
+            ("argocd-server", Fate::LeftAlone("speaks TLS")),
+            (
+                "argocd-application-controller",
+                Fate::LeftAlone("shows no sign of HTTP"),
+            ),
+        ],
+    );
+    // The NetworkPolicies that let ingress reach 7000 and 5557 let it reach the proxy too.
+    for (policy, app) in [
+        ("argocd-applicationset-controller-network-policy", 7000),
+        ("argocd-dex-server-network-policy", 5557),
+    ] {
+        let np = after
+            .iter()
+            .find(|d| kind(d) == "NetworkPolicy" && name(d) == policy)
+            .unwrap();
+        let rule = seq(&np["spec"]["ingress"])
+            .iter()
+            .find(|r| seq(&r["ports"]).iter().any(|p| p["port"] == app))
+            .unwrap();
+        assert!(
+            seq(&rule["ports"]).iter().any(|p| p["port"] == 15080),
+            "{policy}: {rule:?}"
+        );
+    }
+    let redis_policy = after
+        .iter()
+        .find(|d| name(d) == "argocd-redis-network-policy")
+        .unwrap();
+    assert!(!format!("{redis_policy:?}").contains("15080"));
+}
+
+#[test]
+fn ingress_nginx_helm_rendered_http_through_the_proxy_tls_and_webhook_untouched() {
+    let input = fixture(INGRESS_NGINX);
+    let after = check_corpus(
+        &input,
+        &[],
+        &[
+            ("ingress-nginx-controller", inj(80)),
+            (
+                "ingress-nginx-admission-create",
+                Fate::LeftAlone("no container port"),
+            ),
+            (
+                "ingress-nginx-admission-patch",
+                Fate::LeftAlone("no container port"),
+            ),
+        ],
+    );
+    let controller = after
+        .iter()
+        .find(|d| kind(d) == "Service" && name(d) == "ingress-nginx-controller")
+        .unwrap();
+    let targets: Vec<&Value> = seq(&controller["spec"]["ports"])
+        .iter()
+        .map(|p| &p["targetPort"])
+        .collect();
+    // http (appProtocol http) by name: the proxy took the name; https stays the app's.
+    assert_eq!(targets, [&Value::from("http"), &Value::from("https")]);
+}
+
+fn one_port(port: u16, service_name: &str, app_protocol: Option<&str>) -> String {
+    let app_protocol = app_protocol.map_or(String::new(), |p| format!("\n      appProtocol: {p}"));
+    format!(
+        "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: svc
+spec:
+  selector:
+    matchLabels: {{app: svc}}
+  template:
+    metadata:
+      labels: {{app: svc}}
+    spec:
+      containers:
+        - name: svc
+          image: example/svc:1
+          ports:
+            - containerPort: {port}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: svc
+spec:
+  selector: {{app: svc}}
+  ports:
+    - name: \"{service_name}\"
+      port: {port}{app_protocol}
+"
+    )
+}
+
+fn run_library(input: &str, settings: &idemproxy::inject::Settings) -> idemproxy::inject::Injected {
+    idemproxy::inject::inject_manifests(input, settings, &idemproxy::inject::Options::default())
+        .expect("inject")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// A well-known port of a database, broker or other protocol that is not
+    /// HTTP is never taken: whatever the Service calls it, even `http`, even
+    /// with `appProtocol: http`, and even when the operator names it.
+    #[test]
+    fn a_well_known_non_http_port_is_never_taken(
+        which in 0..idemproxy::inject::ports::NOT_HTTP_PORTS.len(),
+        name in prop_oneof![
+            Just("http".to_string()), Just("web".to_string()), Just("grpc".to_string()),
+            Just("pg".to_string()), Just("client".to_string()), "[a-z][a-z0-9-]{0,13}",
+        ],
+        app_protocol in prop_oneof![Just(None), Just(Some("http")), Just(Some("grpc"))],
+        explicit in any::<bool>(),
+    ) {
+        let (port, _) = idemproxy::inject::ports::NOT_HTTP_PORTS[which];
+        let input = one_port(port, &name, app_protocol);
+        let mut settings = idemproxy::inject::Settings::default();
+        if explicit {
+            settings.port = Some(idemproxy::inject::PortRef::Number(port));
+        }
+        let done = run_library(&input, &settings);
+        prop_assert_eq!(done.injected, 0, "{:?}", done.notes);
+        prop_assert_eq!(done.output, input);
+    }
+
+    /// Any other port is taken only with evidence: a name that starts with
+    /// http, grpc, h2c or web (not https), or appProtocol http, h2c or grpc.
+    #[test]
+    fn another_port_is_taken_only_with_evidence(
+        port in 1024u16..60000,
+        name in "[a-z][a-z0-9-]{0,13}",
+        app_protocol in prop_oneof![Just(None), Just(Some("http")), Just(Some("tcp")), Just(Some("https"))],
+    ) {
+        prop_assume!(idemproxy::inject::ports::well_known(port).is_none());
+        prop_assume!(!(15080..=15090).contains(&port) && port != 9901);
+        let input = one_port(port, &name, app_protocol);
+        let done = run_library(&input, &idemproxy::inject::Settings::default());
+        let by_name = ["http", "grpc", "h2c", "web"].iter().any(|p| name.starts_with(p))
+            && !["https", "grpcs"].iter().any(|p| name.starts_with(p))
+            && !["tcp", "udp", "redis", "mongo", "mysql", "maria", "postgres", "pg", "kafka",
+                "amqp", "mqtt", "nats", "ldap", "smtp", "memcache", "cql"]
+                .iter()
+                .any(|p| name.starts_with(p));
+        let evidence = match app_protocol {
+            Some("http") => true,
+            Some(_) => false,
+            None => by_name,
+        };
+        prop_assert_eq!(done.injected, usize::from(evidence), "{} {:?}: {:?}", name, app_protocol, done.notes);
+    }
+}
+
+/// The ports the issue found taken over by name before: each stays the app's.
+#[test]
+fn databases_and_brokers_named_anything_keep_their_ports() {
+    for (port, name) in [
+        (5432, "pg"),
+        (3306, "mariadb"),
+        (9092, "kafka"),
+        (5672, "amqp"),
+        (11211, "memcache"),
+        (2181, "client"),
+        (9042, "cql"),
+        (4222, "nats"),
+        (1883, "mqtt"),
+        (389, "ldap"),
+        (25, "smtp"),
+        (9300, "transport"),
+    ] {
+        let input = one_port(port, name, None);
+        let (output, stderr) = injected(&[], &input);
+        assert_eq!(output, input, "{port} {name}");
+        assert!(stderr.contains("left as it was"), "{stderr}");
+        let (output, _) = injected(&["--port", &port.to_string()], &input);
+        assert_eq!(output, input, "--port {port}");
+    }
+}
+
+const POD_WITH: &str = "apiVersion: v1
+kind: Pod
+metadata:
+  name: p
+spec:
+  EXTRA
+  containers:
+    - name: app
+      image: example/app:1
+      ports:
+        - name: http
+          containerPort: 8080
+";
+
+#[test]
+fn pods_that_cannot_take_the_sidecar_are_left_unchanged_with_a_note() {
+    for (extra, why) in [
+        (
+            "initContainers:\n    - name: idemproxy\n      image: someone/else:1\n  ",
+            "not the idemproxy sidecar",
+        ),
+        ("os:\n    name: windows\n  ", "a windows pod"),
+    ] {
+        let input = POD_WITH.replace("EXTRA\n  ", extra);
+        let (output, stderr) = injected(&[], &input);
+        assert_eq!(output, input);
+        assert!(stderr.contains(why), "{stderr}");
+    }
+    // A regular container by that name.
+    let input = POD_WITH.replace(
+        "EXTRA\n  containers:\n",
+        "containers:\n    - name: idemproxy\n      image: someone/else:1\n",
+    );
+    let (output, stderr) = injected(&[], &input);
+    assert_eq!(output, input);
+    assert!(
+        stderr.contains("already has a container named \"idemproxy\""),
+        "{stderr}"
+    );
+}
+
+const SHARED_WITH_OTHER_KIND: &str = "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: api
+spec:
+  selector:
+    matchLabels: {app: api}
+  template:
+    metadata:
+      labels: {app: api}
+    spec:
+      containers:
+        - name: api
+          image: example/api:1
+          ports:
+            - {name: http, containerPort: 8080}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: api
+spec:
+  selector: {app: api}
+  ports:
+    - {name: http, port: 80, targetPort: 8080}
+---
+OTHER";
+
+const RC: &str = "apiVersion: v1
+kind: ReplicationController
+metadata:
+  name: api-legacy
+spec:
+  selector: {app: api}
+  template:
+    metadata:
+      labels: {app: api, generation: old}
+    spec:
+      containers:
+        - name: api
+          image: example/api:0
+          ports:
+            - {name: http, containerPort: 8080}
+";
+
+const ROLLOUT: &str = "apiVersion: argoproj.io/v1alpha1
+kind: Rollout
+metadata:
+  name: api-rollout
+spec:
+  workloadRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: api
+  strategy:
+    canary: {}
+";
+
+const OTHER_SERVICE: &str = "---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: web
+spec:
+  selector:
+    matchLabels: {app: web}
+  template:
+    metadata:
+      labels: {app: web}
+    spec:
+      containers:
+        - name: web
+          image: example/web:1
+          ports:
+            - {name: http, containerPort: 3000}
+";
+
+#[test]
+fn a_service_that_also_selects_pods_of_another_kind_is_not_rewired() {
+    for (other, owner) in [
+        (RC, "ReplicationController api-legacy"),
+        (ROLLOUT, "Rollout api-rollout"),
+    ] {
+        let input = SHARED_WITH_OTHER_KIND.replace("OTHER", other);
+        let out = inject(&[], &input);
+        assert_eq!(out.status.code(), Some(2), "{owner}");
+        assert!(out.stdout.is_empty());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("Service api") && stderr.contains(owner),
+            "{stderr}"
+        );
+        // --only leaves the Service's workloads out: the rest is injected.
+        let input = format!("{input}{OTHER_SERVICE}");
+        let (output, _) = injected(&["--only", "deploy/web"], &input);
+        let after = documents(&output);
+        let web = after.iter().find(|d| name(d) == "web").unwrap();
+        assert!(sidecar(web).is_some());
+        let api = after
+            .iter()
+            .find(|d| kind(d) == "Deployment" && name(d) == "api")
+            .unwrap();
+        assert!(sidecar(api).is_none());
+    }
+}
+
+#[test]
+fn every_list_kind_is_unwrapped() {
+    let deployment = documents(&one_port(8080, "http", None)).remove(0);
+    let service = documents(&one_port(8080, "http", None)).remove(1);
+    let typed = serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "DeploymentList",
+        "items": [deployment],
+    });
+    let nested = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [typed.clone(), service],
+    });
+    for input in [
+        serde_norway::to_string(&typed).unwrap(),
+        serde_norway::to_string(&nested).unwrap(),
+        serde_json::to_string_pretty(&typed).unwrap(),
+    ] {
+        let (output, stderr) = injected(&[], &input);
+        assert!(stderr.contains("injected: port 8080"), "{stderr}");
+        assert!(output.contains("idemproxy"), "{output}");
+        if input.starts_with('{') {
+            let v: serde_json::Value = serde_json::from_str(&output).unwrap();
+            assert!(v["kind"].as_str().unwrap().ends_with("List"), "{v}");
+        } else {
+            assert_valid(&output);
+        }
+    }
+}
