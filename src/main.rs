@@ -88,6 +88,10 @@ enum Command {
     Inject(InjectArgs),
     /// Serves the mutating admission webhook that adds the sidecar to Pods as they are created.
     Injector(InjectorArgs),
+    /// Drives an endpoint that claims Idempotency-Key support through the draft's requirements
+    /// and common practice, and prints what it meets: exit 0 every MUST met, 1 one is not, 2 the
+    /// endpoint cannot be reached (docs/conformance.md).
+    Conformance(ConformanceArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -137,6 +141,59 @@ struct InjectorArgs {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+}
+
+#[derive(Debug, clap::Args)]
+struct ConformanceArgs {
+    /// The endpoint's URL (http://); its path unless --route is given.
+    #[arg(value_name = "URL")]
+    url: String,
+    /// The path (and query) to send the requests to, replacing the URL's.
+    #[arg(long, value_name = "PATH")]
+    route: Option<String>,
+    /// The method of every request.
+    #[arg(long, default_value = "POST")]
+    method: http::Method,
+    /// The JSON body; {{n}} is numbered per request, {{run}} is the run's id.
+    #[arg(long, value_name = "TEMPLATE", default_value = idemproxy::conformance::DEFAULT_BODY)]
+    body: String,
+    /// A header sent with every request, e.g. auth (repeatable).
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = conformance_header)]
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// The header that carries the key.
+    #[arg(long, value_name = "NAME", default_value = "Idempotency-Key")]
+    key_header: http::HeaderName,
+    /// The route does not require a key: skip the missing-key rows.
+    #[arg(long)]
+    key_optional: bool,
+    /// A GET URL answering the number of executions so far (a number, or JSON with one),
+    /// read before and after each check to count executions exactly.
+    #[arg(long, value_name = "URL", value_parser = conformance_url)]
+    executions: Option<http::Uri>,
+    /// Another principal's credentials ('Authorization: Bearer other') for the key-scope row.
+    #[arg(long, value_name = "NAME: VALUE", value_parser = conformance_header)]
+    other_principal: Option<(http::HeaderName, http::HeaderValue)>,
+    /// Simultaneous identical requests in the concurrency check.
+    #[arg(long, default_value_t = idemproxy::conformance::DEFAULT_CONCURRENCY)]
+    concurrency: usize,
+    /// The deadline of every request.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = conformance_timeout)]
+    timeout: std::time::Duration,
+    /// Also write the rows as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+}
+
+fn conformance_header(line: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
+    idemproxy::conformance::header_line(line).map_err(|e| e.to_string())
+}
+
+fn conformance_url(text: &str) -> Result<http::Uri, String> {
+    idemproxy::conformance::http_url(text).map_err(|e| e.to_string())
+}
+
+fn conformance_timeout(text: &str) -> Result<std::time::Duration, String> {
+    HumanDuration::parse(text).map(|d| d.0)
 }
 
 /// Exit status for invalid usage or configuration.
@@ -189,6 +246,7 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::Inject(args)) => return run_inject(args),
         Some(Command::Injector(args)) => return run_injector(args),
+        Some(Command::Conformance(args)) => return run_conformance(args),
         None => {}
     }
     let overrides = Overrides {
@@ -383,6 +441,67 @@ fn run_injector(args: InjectorArgs) -> ExitCode {
         reloader.abort();
         ExitCode::SUCCESS
     })
+}
+
+/// `idemproxy conformance`: the table on standard output, the JSON with `--report`;
+/// exit 0 (no MUST row failed), 1 (one did) or 2 (bad arguments, or the endpoint
+/// cannot be exercised).
+fn run_conformance(args: ConformanceArgs) -> ExitCode {
+    use idemproxy::conformance::{self, Settings};
+    let settings = conformance::target(&args.url, args.route.as_deref()).map(|target| Settings {
+        target,
+        method: args.method,
+        headers: args.headers,
+        key_header: args.key_header,
+        template: args.body,
+        executions: args.executions,
+        key_optional: args.key_optional,
+        other_principal: args.other_principal,
+        concurrency: args.concurrency,
+        timeout: args.timeout,
+    });
+    let settings = match settings.and_then(|s| s.check().map(|()| s)) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("idemproxy conformance: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemproxy conformance: cannot start the runtime: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let (code, json) = match runtime.block_on(conformance::run(settings)) {
+        Ok(report) => {
+            print!("{}", report.table());
+            (report.exit_code, serde_json::to_string_pretty(&report))
+        }
+        Err(e) => {
+            eprintln!("idemproxy conformance: {e}");
+            let failed = serde_json::json!({ "error": e.to_string(), "exit_code": EXIT_CONFIG });
+            (EXIT_CONFIG, serde_json::to_string_pretty(&failed))
+        }
+    };
+    if let Some(path) = &args.report {
+        let written = json
+            .map_err(std::io::Error::from)
+            .and_then(|text| std::fs::write(path, text + "\n"));
+        if let Err(e) = written {
+            eprintln!(
+                "idemproxy conformance: cannot write {}: {e}",
+                path.display()
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    }
+    ExitCode::from(code)
 }
 
 /// The injector's certificate is re-read on SIGHUP, and when its files change:
