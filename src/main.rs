@@ -91,7 +91,7 @@ enum Command {
     /// Drives an endpoint that claims Idempotency-Key support through the draft's requirements
     /// and common practice, and prints what it meets: exit 0 every MUST met, 1 one is not, 2 the
     /// endpoint cannot be reached (docs/conformance.md).
-    Conformance(ConformanceArgs),
+    Conformance(Box<ConformanceArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -246,7 +246,7 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::Inject(args)) => return run_inject(args),
         Some(Command::Injector(args)) => return run_injector(args),
-        Some(Command::Conformance(args)) => return run_conformance(args),
+        Some(Command::Conformance(args)) => return run_conformance(*args),
         None => {}
     }
     let overrides = Overrides {

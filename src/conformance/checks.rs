@@ -2,14 +2,38 @@
 //!
 //! The levels follow draft-ietf-httpapi-idempotency-key-header-07, row by row
 //! as docs/conformance.md#rows argues them: its 400, 409 and 422 answers are
-//! SHOULD; refusing a reused or missing key at all is MUST (the server "MUST
+//! SHOULD; refusing a reused or missing key at all is MUST (the resource "MUST
 //! fail the request"); running a retry, or a duplicate in flight, a second
 //! time is what the header exists to prevent, so those rows are MUST too.
 //! PRACTICE rows are what implementations commonly do beyond the draft
 //! (Stripe's replay of the original status and body, a replay marker header,
 //! RFC 9457 problem documents, `Retry-After` on a 409).
 
-use super::report::Level;
+use std::fmt;
+
+use serde::Serialize;
+
+/// How strongly a row is required: by the draft's own wording (`MUST`,
+/// `SHOULD`) or by what implementations commonly do (`PRACTICE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Level {
+    #[serde(rename = "MUST")]
+    Must,
+    #[serde(rename = "SHOULD")]
+    Should,
+    #[serde(rename = "PRACTICE")]
+    Practice,
+}
+
+impl fmt::Display for Level {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Level::Must => "MUST",
+            Level::Should => "SHOULD",
+            Level::Practice => "PRACTICE",
+        })
+    }
+}
 
 /// One row's definition.
 #[derive(Debug)]

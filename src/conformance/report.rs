@@ -5,28 +5,7 @@ use std::fmt;
 use serde::Serialize;
 
 use super::checks::Check;
-
-/// How strongly a row is required: by the draft's own wording (`MUST`,
-/// `SHOULD`) or by what implementations commonly do (`PRACTICE`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Level {
-    #[serde(rename = "MUST")]
-    Must,
-    #[serde(rename = "SHOULD")]
-    Should,
-    #[serde(rename = "PRACTICE")]
-    Practice,
-}
-
-impl fmt::Display for Level {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Level::Must => "MUST",
-            Level::Should => "SHOULD",
-            Level::Practice => "PRACTICE",
-        })
-    }
-}
+pub use super::checks::Level;
 
 /// What a row's check found.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
