@@ -145,7 +145,7 @@ struct InjectorArgs {
 
 #[derive(Debug, clap::Args)]
 struct ConformanceArgs {
-    /// The endpoint's URL (http://); its path unless --route is given.
+    /// The endpoint's URL (http:// or https://); its path unless --route is given.
     #[arg(value_name = "URL")]
     url: String,
     /// The path (and query) to send the requests to, replacing the URL's.
@@ -179,6 +179,9 @@ struct ConformanceArgs {
     /// The deadline of every request.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = conformance_timeout)]
     timeout: std::time::Duration,
+    /// For https://: trust only the CA certificates of this PEM file (default: the system's roots).
+    #[arg(long, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
     /// Also write the rows as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
@@ -448,17 +451,22 @@ fn run_injector(args: InjectorArgs) -> ExitCode {
 /// cannot be exercised).
 fn run_conformance(args: ConformanceArgs) -> ExitCode {
     use idemproxy::conformance::{self, Settings};
-    let settings = conformance::target(&args.url, args.route.as_deref()).map(|target| Settings {
-        target,
-        method: args.method,
-        headers: args.headers,
-        key_header: args.key_header,
-        template: args.body,
-        executions: args.executions,
-        key_optional: args.key_optional,
-        other_principal: args.other_principal,
-        concurrency: args.concurrency,
-        timeout: args.timeout,
+    let settings = conformance::target(&args.url, args.route.as_deref()).and_then(|target| {
+        let ca_file = args.ca_file.as_deref();
+        let tls = conformance::tls_for(&target, args.executions.as_ref(), ca_file)?;
+        Ok(Settings {
+            target,
+            method: args.method,
+            headers: args.headers,
+            key_header: args.key_header,
+            template: args.body,
+            executions: args.executions,
+            key_optional: args.key_optional,
+            other_principal: args.other_principal,
+            concurrency: args.concurrency,
+            timeout: args.timeout,
+            tls,
+        })
     });
     let settings = match settings.and_then(|s| s.check().map(|()| s)) {
         Ok(s) => s,

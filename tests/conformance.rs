@@ -1,5 +1,5 @@
 //! `idemproxy conformance` (docs/conformance.md) against real endpoints: idemproxy in
-//! front of the demo upstream; an in-app implementation in the common tutorial style
+//! front of the demo upstream, over HTTP and over TLS; an in-app implementation in the common tutorial style
 //! (Flask and SQLite, a UNIQUE constraint as the lock: tests/conformance/flask_sqlite.py)
 //! and its deliberately broken variants; and an address where nothing listens.
 //!
@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{free_port, get, kill_child, ConfigBuilder, Proxy};
+use support::{free_port, get, kill_child, make_certs, ConfigBuilder, Proxy};
 use upstreams::Dirs;
 
 /// How long the Flask app may take to listen (Python imports Flask first).
@@ -148,6 +148,33 @@ async fn idemproxy_in_front_of_the_demo_upstream_meets_every_row() {
     run.assert_rows(&[], &[]);
     assert_eq!(run.report["exit_code"], 0);
     assert!(run.stdout.contains("| `concurrent-runs-once` | MUST |"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idemproxy_over_https_trusting_a_ca_file() {
+    let demo = Demo::start();
+    let certs = tempfile::tempdir().expect("a directory for certificates");
+    make_certs(certs.path());
+    let tls = format!(
+        "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"",
+        certs.path().join("server.pem").display(),
+        certs.path().join("server.key").display()
+    );
+    let config = ConfigBuilder::new(&demo.1)
+        .server(&tls)
+        .route("payments", "/v1/payments", "")
+        .build();
+    let proxy = Proxy::start(&config).await;
+    let url = format!("https://{}/v1/payments", proxy.addr);
+    let ca = certs.path().join("ca.pem");
+    let run = conformance(&[&url, "--ca-file", &ca.to_string_lossy()]).await;
+    assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
+    // No --other-principal: that row alone is not observed.
+    run.assert_rows(&[], &["principal-scope"]);
+    // Without the CA the certificate is refused, and nothing can be checked.
+    let untrusted = conformance(&[&url]).await;
+    assert_eq!(untrusted.code, Some(2), "{}", untrusted.stderr);
+    assert!(untrusted.stderr.contains("TLS"), "{}", untrusted.stderr);
 }
 
 /// The Flask + SQLite app, with `defect` or as written correctly.
@@ -312,7 +339,8 @@ async fn an_endpoint_that_cannot_be_reached_is_exit_2() {
 #[tokio::test]
 async fn arguments_it_cannot_use_are_exit_2_before_anything_is_sent() {
     for args in [
-        &["https://127.0.0.1:1/"][..],
+        &["ftp://127.0.0.1:1/"][..],
+        &["https://127.0.0.1:1/", "--ca-file", "/nonexistent/ca.pem"],
         &["http://127.0.0.1:1/", "--body", "{}"],
         &["http://127.0.0.1:1/", "--route", "orders"],
         &["http://127.0.0.1:1/", "--header", "no colon"],

@@ -1,12 +1,10 @@
-//! The kit's HTTP client: one request per connection (HTTP/1.1 over TCP), every one under a deadline, timed.
+//! The kit's HTTP client: one request per connection (HTTP/1.1 over TCP or TLS), every one under a deadline, timed.
 //!
 //! A connection of its own per request keeps concurrent duplicates really
 //! concurrent (no pool to queue them on one connection) and makes each
 //! exchange's timing its own: when it was sent, when its answer was whole.
-//! Plain `http://` only: the kit is pointed at a service or a proxy on the
-//! network it runs in, as the tests do; TLS in front of it is the part it does
-//! not look at.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -14,6 +12,8 @@ use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, HOST};
 use http::{HeaderMap, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 /// The most of an answer's body the kit reads: answers are compared whole, and
@@ -85,6 +85,8 @@ pub struct Client {
     /// `--header` lines, sent on every request (auth, tenant, test switches).
     pub headers: Vec<(HeaderName, HeaderValue)>,
     pub timeout: Duration,
+    /// For `https://` URLs (the target's or the counter's).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Client {
@@ -112,18 +114,40 @@ impl Client {
         if !has_type && !body.is_empty() {
             headers.push((CONTENT_TYPE, HeaderValue::from_static("application/json")));
         }
-        exchange(&self.uri, self.method.clone(), &headers, body, self.timeout).await
+        let request = build(&self.uri, self.method.clone(), &headers, body);
+        exchange(&self.uri, request, self.tls.as_ref(), self.timeout).await
     }
 
     /// A GET of `uri` with the run's headers (the executions counter).
     pub async fn get(&self, uri: &Uri) -> Result<Exchange, SendError> {
-        exchange(uri, Method::GET, &self.headers, Bytes::new(), self.timeout).await
+        let request = build(uri, Method::GET, &self.headers, Bytes::new());
+        exchange(uri, request, self.tls.as_ref(), self.timeout).await
     }
+}
+
+/// The request in origin form, with `Host` from the URL.
+fn build(uri: &Uri, method: Method, headers: &[(HeaderName, HeaderValue)], body: Bytes) -> Built {
+    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+    let authority = authority_of(uri);
+    let host = uri.authority().map_or(authority.as_str(), |a| a.as_str());
+    let mut request = Request::builder()
+        .method(method)
+        .uri(target)
+        .header(HOST, host);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    request.body(Full::new(body))
 }
 
 fn authority_of(uri: &Uri) -> String {
     let host = uri.host().unwrap_or("localhost");
-    let port = uri.port_u16().unwrap_or(80);
+    let default_port = if uri.scheme_str() == Some("https") {
+        443
+    } else {
+        80
+    };
+    let port = uri.port_u16().unwrap_or(default_port);
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")
     } else {
@@ -131,17 +155,18 @@ fn authority_of(uri: &Uri) -> String {
     }
 }
 
+type Built = Result<Request<Full<Bytes>>, http::Error>;
+
 /// One request on a connection of its own, whole answer read, all within `timeout`.
 async fn exchange(
     uri: &Uri,
-    method: Method,
-    headers: &[(HeaderName, HeaderValue)],
-    body: Bytes,
+    request: Built,
+    tls: Option<&Arc<rustls::ClientConfig>>,
     timeout: Duration,
 ) -> Result<Exchange, SendError> {
     let authority = authority_of(uri);
     let sent = Instant::now();
-    let answer = tokio::time::timeout(timeout, exchange_unbounded(uri, method, headers, body));
+    let answer = tokio::time::timeout(timeout, connect_and_send(uri, request, tls));
     match answer.await {
         Ok(Ok((status, headers, body))) => Ok(Exchange {
             status,
@@ -155,17 +180,20 @@ async fn exchange(
     }
 }
 
-async fn exchange_unbounded(
+type Answered = (StatusCode, HeaderMap, Bytes);
+
+/// Connects (TCP, then TLS for `https://`) and sends.
+async fn connect_and_send(
     uri: &Uri,
-    method: Method,
-    headers: &[(HeaderName, HeaderValue)],
-    body: Bytes,
-) -> Result<(StatusCode, HeaderMap, Bytes), SendError> {
+    request: Built,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> Result<Answered, SendError> {
     let authority = authority_of(uri);
     let failed = |detail: String| SendError::Exchange {
         authority: authority.clone(),
         detail,
     };
+    let request = request.map_err(|e| failed(e.to_string()))?;
     let stream = TcpStream::connect(&authority)
         .await
         .map_err(|source| SendError::Connect {
@@ -173,30 +201,39 @@ async fn exchange_unbounded(
             source,
         })?;
     let _ = stream.set_nodelay(true);
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    let driver = tokio::spawn(connection);
-    let target = uri.path_and_query().map_or("/", |p| p.as_str());
-    let mut request = Request::builder().method(method).uri(target);
-    let host = uri.authority().map_or(authority.as_str(), |a| a.as_str());
-    request = request.header(HOST, host);
-    for (name, value) in headers {
-        request = request.header(name, value);
+    if uri.scheme_str() != Some("https") {
+        return send_on(stream, request).await.map_err(failed);
     }
-    let request = request
-        .body(Full::new(body))
-        .map_err(|e| failed(e.to_string()))?;
+    let config = tls.ok_or_else(|| failed("no TLS configuration for https".into()))?;
+    let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| failed(e.to_string()))?;
+    let connector = tokio_rustls::TlsConnector::from(config.clone());
+    let stream = connector
+        .connect(name, stream)
+        .await
+        .map_err(|e| failed(format!("TLS: {e}")))?;
+    send_on(stream, request).await.map_err(failed)
+}
+
+/// HTTP/1.1 on a connected stream: the request, then the whole answer.
+async fn send_on<S>(io: S, request: Request<Full<Bytes>>) -> Result<Answered, String>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| e.to_string())?;
+    let driver = tokio::spawn(connection);
     let result = async {
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| failed(e.to_string()))?;
+            .map_err(|e| e.to_string())?;
         let (parts, incoming) = response.into_parts();
         let body = Limited::new(incoming, MAX_ANSWER_BYTES)
             .collect()
             .await
-            .map_err(|e| failed(format!("reading the body: {e}")))?
+            .map_err(|e| format!("reading the body: {e}"))?
             .to_bytes();
         Ok((parts.status, parts.headers, body))
     }
@@ -263,5 +300,7 @@ mod tests {
         assert_eq!(authority_of(&uri), "api.example:80");
         let uri: Uri = "http://[::1]:9/".parse().unwrap();
         assert_eq!(authority_of(&uri), "[::1]:9");
+        let uri: Uri = "https://api.example/v1".parse().unwrap();
+        assert_eq!(authority_of(&uri), "api.example:443");
     }
 }

@@ -8,6 +8,7 @@
 //! no MUST row failed, 1 when one did, 2 when the endpoint cannot be
 //! exercised (unreachable, or a first request with a fresh key is not a 2xx).
 
+use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +21,7 @@ pub mod client;
 pub mod judge;
 pub mod probe;
 pub mod report;
+pub mod tls;
 
 pub use probe::ProbeError;
 pub use report::{Finding, Level, Report, Row};
@@ -34,7 +36,7 @@ pub const DEFAULT_CONCURRENCY: usize = 8;
 pub enum SettingsError {
     #[error("{0:?} is not a URL: {1}")]
     Url(String, String),
-    #[error("{0}: only http:// URLs are supported (put the kit where it can reach the endpoint without TLS)")]
+    #[error("{0}: only http:// and https:// URLs are supported")]
     Scheme(String),
     #[error("--route {0:?} must be a path starting with '/'")]
     Route(String),
@@ -46,6 +48,8 @@ pub enum SettingsError {
     Template,
     #[error("--concurrency must be at least 2")]
     Concurrency,
+    #[error(transparent)]
+    Tls(#[from] tls::TlsSetupError),
 }
 
 /// What a run is told to do.
@@ -62,6 +66,8 @@ pub struct Settings {
     pub other_principal: Option<(HeaderName, HeaderValue)>,
     pub concurrency: usize,
     pub timeout: Duration,
+    /// For `https://` URLs ([`tls_for`]).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Settings {
@@ -77,16 +83,30 @@ impl Settings {
     }
 }
 
-/// An `http://` URL (what `--executions` takes, too).
+/// An `http://` or `https://` URL (what `--executions` takes, too).
 pub fn http_url(text: &str) -> Result<Uri, SettingsError> {
     let uri: Uri = text
         .parse()
         .map_err(|e: http::uri::InvalidUri| SettingsError::Url(text.into(), e.to_string()))?;
     match uri.scheme_str() {
-        Some("http") if uri.host().is_some() => Ok(uri),
-        Some("http") => Err(SettingsError::Url(text.into(), "no host".into())),
+        Some("http" | "https") if uri.host().is_some() => Ok(uri),
+        Some("http" | "https") => Err(SettingsError::Url(text.into(), "no host".into())),
         _ => Err(SettingsError::Scheme(text.into())),
     }
+}
+
+/// The TLS client when the target or the counter is `https://` (`None` otherwise):
+/// trusting `ca_file`'s certificates, or the system's roots without one.
+pub fn tls_for(
+    target: &Uri,
+    executions: Option<&Uri>,
+    ca_file: Option<&Path>,
+) -> Result<Option<Arc<rustls::ClientConfig>>, SettingsError> {
+    let https = |u: &Uri| u.scheme_str() == Some("https");
+    if !https(target) && !executions.is_some_and(https) {
+        return Ok(None);
+    }
+    Ok(Some(tls::client_config(ca_file)?))
 }
 
 /// The URL with `route` as its path and query; without a route, the URL's own (`/` when none).
@@ -123,6 +143,7 @@ pub async fn run(settings: Settings) -> Result<Report, ProbeError> {
         method: settings.method.clone(),
         headers: settings.headers,
         timeout: settings.timeout,
+        tls: settings.tls,
     };
     let probe = Arc::new(probe::Probe {
         client,
@@ -156,8 +177,12 @@ mod tests {
         let t = target("http://api.local/orders", None).unwrap();
         assert_eq!(t.path(), "/orders");
         assert_eq!(target("http://h:1", None).unwrap().path(), "/");
+        assert_eq!(
+            target("https://h/", None).unwrap().scheme_str(),
+            Some("https")
+        );
         assert!(matches!(
-            target("https://h/", None),
+            target("ftp://h/", None),
             Err(SettingsError::Scheme(_))
         ));
         assert!(matches!(
