@@ -154,7 +154,7 @@ struct ConformanceArgs {
     /// The method of every request.
     #[arg(long, default_value = "POST")]
     method: http::Method,
-    /// The JSON body; {{n}} is numbered per request, {{run}} is the run's id.
+    /// The JSON body: {{seq}} becomes a number per request, {{run}} the run's id.
     #[arg(long, value_name = "TEMPLATE", default_value = idemproxy::conformance::DEFAULT_BODY)]
     body: String,
     /// A header sent with every request, e.g. auth (repeatable).

@@ -27,7 +27,8 @@ pub use probe::ProbeError;
 pub use report::{Finding, Level, Report, Row};
 
 /// The body when `--body` is not given: JSON, numbered per request.
-pub const DEFAULT_BODY: &str = r#"{"amount": {{n}}, "reference": "idemproxy conformance {{run}}"}"#;
+pub const DEFAULT_BODY: &str =
+    r#"{"amount": {{seq}}, "reference": "idemproxy conformance {{run}}"}"#;
 /// Simultaneous duplicates in the concurrency check, unless told otherwise.
 pub const DEFAULT_CONCURRENCY: usize = 8;
 
@@ -43,7 +44,7 @@ pub enum SettingsError {
     #[error("--header {0:?} must be 'Name: value': {1}")]
     Header(String, String),
     #[error(
-        "--body must contain {{{{n}}}}: the kit numbers its requests' bodies to tell them apart"
+        "--body must contain {{{{seq}}}}: the kit numbers its requests' bodies to tell them apart"
     )]
     Template,
     #[error("--concurrency must be at least 2")]
@@ -73,7 +74,7 @@ pub struct Settings {
 impl Settings {
     /// Checks the template and the concurrency; the rest is parsed by the helpers below.
     pub fn check(&self) -> Result<(), SettingsError> {
-        if !self.template.contains("{{n}}") {
+        if !self.template.contains("{{seq}}") {
             return Err(SettingsError::Template);
         }
         if self.concurrency < 2 {

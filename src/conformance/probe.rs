@@ -1,7 +1,7 @@
 //! The requests of a run, check by check, each with keys of its own: what was sent and what came back.
 //!
 //! The kit controls only its requests. Keys are fresh UUIDs per run; bodies
-//! come from the template with `{{n}}` numbered per request, so that two
+//! come from the template with `{{seq}}` numbered per request, so that two
 //! checks never send one body by accident; where a check needs the same body
 //! twice it says so. Executions are counted exactly when a counter was given
 //! (`--executions`: read before and after each check), and otherwise judged
@@ -96,7 +96,7 @@ pub enum ProbeError {
 pub struct Probe {
     pub client: Client,
     pub key_header: HeaderName,
-    /// The body template; `{{n}}` is numbered per request, `{{run}}` is the run's id.
+    /// The body template; `{{seq}}` is numbered per request, `{{run}}` is the run's id.
     pub template: String,
     pub counter: Option<Uri>,
     pub key_optional: bool,
@@ -158,7 +158,7 @@ impl Probe {
         let n = self.next_body.fetch_add(1, Ordering::Relaxed) + 1;
         let text = self
             .template
-            .replace("{{n}}", &n.to_string())
+            .replace("{{seq}}", &n.to_string())
             .replace("{{run}}", &self.run);
         Bytes::from(text)
     }
