@@ -99,5 +99,8 @@ pub mod telemetry;
 // Kubernetes: the sidecar added to workloads (`idemproxy inject`, `idemproxy injector`).
 pub mod inject;
 
+// `idemproxy conformance`: a black-box check of any endpoint's Idempotency-Key handling.
+pub mod conformance;
+
 #[cfg(test)]
 mod sizes;

@@ -91,6 +91,10 @@ enum Command {
     Inject(InjectArgs),
     /// Serves the mutating admission webhook that adds the sidecar to Pods as they are created.
     Injector(InjectorArgs),
+    /// Drives an endpoint that claims Idempotency-Key support through the draft's requirements
+    /// and common practice, and prints what it meets: exit 0 every MUST met, 1 one is not, 2 the
+    /// endpoint cannot be reached (docs/conformance.md).
+    Conformance(Box<ConformanceArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -148,6 +152,62 @@ struct InjectorArgs {
     log_format: LogFormat,
 }
 
+#[derive(Debug, clap::Args)]
+struct ConformanceArgs {
+    /// The endpoint's URL (http:// or https://); its path unless --route is given.
+    #[arg(value_name = "URL")]
+    url: String,
+    /// The path (and query) to send the requests to, replacing the URL's.
+    #[arg(long, value_name = "PATH")]
+    route: Option<String>,
+    /// The method of every request.
+    #[arg(long, default_value = "POST")]
+    method: http::Method,
+    /// The JSON body: {{seq}} becomes a number per request, {{run}} the run's id.
+    #[arg(long, value_name = "TEMPLATE", default_value = idemproxy::conformance::DEFAULT_BODY)]
+    body: String,
+    /// A header sent with every request, e.g. auth (repeatable).
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = conformance_header)]
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// The header that carries the key.
+    #[arg(long, value_name = "NAME", default_value = "Idempotency-Key")]
+    key_header: http::HeaderName,
+    /// The route does not require a key: skip the missing-key rows.
+    #[arg(long)]
+    key_optional: bool,
+    /// A GET URL answering the number of executions so far (a number, or JSON with one),
+    /// read before and after each check to count executions exactly.
+    #[arg(long, value_name = "URL", value_parser = conformance_url)]
+    executions: Option<http::Uri>,
+    /// Another principal's credentials ('Authorization: Bearer other') for the key-scope row.
+    #[arg(long, value_name = "NAME: VALUE", value_parser = conformance_header)]
+    other_principal: Option<(http::HeaderName, http::HeaderValue)>,
+    /// Simultaneous identical requests in the concurrency check.
+    #[arg(long, default_value_t = idemproxy::conformance::DEFAULT_CONCURRENCY)]
+    concurrency: usize,
+    /// The deadline of every request.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = conformance_timeout)]
+    timeout: std::time::Duration,
+    /// For https://: trust only the CA certificates of this PEM file (default: the system's roots).
+    #[arg(long, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
+    /// Also write the rows as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+}
+
+fn conformance_header(line: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
+    idemproxy::conformance::header_line(line).map_err(|e| e.to_string())
+}
+
+fn conformance_url(text: &str) -> Result<http::Uri, String> {
+    idemproxy::conformance::http_url(text).map_err(|e| e.to_string())
+}
+
+fn conformance_timeout(text: &str) -> Result<std::time::Duration, String> {
+    HumanDuration::parse(text).map(|d| d.0)
+}
+
 /// Exit status for invalid usage or configuration.
 const EXIT_CONFIG: u8 = 2;
 /// Exit status for any other failure to start.
@@ -198,6 +258,7 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::Inject(args)) => return run_inject(args),
         Some(Command::Injector(args)) => return run_injector(args),
+        Some(Command::Conformance(args)) => return run_conformance(*args),
         None => {}
     }
     let overrides = Overrides {
@@ -397,6 +458,72 @@ fn run_injector(args: InjectorArgs) -> ExitCode {
         reloader.abort();
         ExitCode::SUCCESS
     })
+}
+
+/// `idemproxy conformance`: the table on standard output, the JSON with `--report`;
+/// exit 0 (no MUST row failed), 1 (one did) or 2 (bad arguments, or the endpoint
+/// cannot be exercised).
+fn run_conformance(args: ConformanceArgs) -> ExitCode {
+    use idemproxy::conformance::{self, Settings};
+    let settings = conformance::target(&args.url, args.route.as_deref()).and_then(|target| {
+        let ca_file = args.ca_file.as_deref();
+        let tls = conformance::tls_for(&target, args.executions.as_ref(), ca_file)?;
+        Ok(Settings {
+            target,
+            method: args.method,
+            headers: args.headers,
+            key_header: args.key_header,
+            template: args.body,
+            executions: args.executions,
+            key_optional: args.key_optional,
+            other_principal: args.other_principal,
+            concurrency: args.concurrency,
+            timeout: args.timeout,
+            tls,
+        })
+    });
+    let settings = match settings.and_then(|s| s.check().map(|()| s)) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("idemproxy conformance: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemproxy conformance: cannot start the runtime: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let (code, json) = match runtime.block_on(conformance::run(settings)) {
+        Ok(report) => {
+            print!("{}", report.table());
+            (report.exit_code, serde_json::to_string_pretty(&report))
+        }
+        Err(e) => {
+            eprintln!("idemproxy conformance: {e}");
+            let failed = serde_json::json!({ "error": e.to_string(), "exit_code": EXIT_CONFIG });
+            (EXIT_CONFIG, serde_json::to_string_pretty(&failed))
+        }
+    };
+    if let Some(path) = &args.report {
+        let written = json
+            .map_err(std::io::Error::from)
+            .and_then(|text| std::fs::write(path, text + "\n"));
+        if let Err(e) = written {
+            eprintln!(
+                "idemproxy conformance: cannot write {}: {e}",
+                path.display()
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    }
+    ExitCode::from(code)
 }
 
 /// The injector's certificate is re-read on SIGHUP, and when its files change:

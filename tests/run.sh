@@ -11,7 +11,8 @@
 #   2. the Python peers' virtual environment, TARGET/peers-venv (TARGET is
 #      $CARGO_TARGET_DIR or ./target): the real clients and validators the tests drive;
 #   3. the upstream frameworks (tests/frameworks/setup.sh: Flask, FastAPI, aiohttp,
-#      Django REST framework, Express 4 and 5, Go's ServeMux, Rails);
+#      Django REST framework, Express 4 and 5, Go's ServeMux, Rails; its Flask also
+#      runs tests/conformance.rs's in-app implementation);
 #   4. cargo-nextest, when `cargo nextest` is missing (`cargo install --locked`, a few
 #      minutes on 2 cores, once).
 # Then every test of the workspace runs: the proxy's and the fault campaign's.

@@ -75,10 +75,17 @@ impl Dirs {
     /// Runs `setup.sh` (idempotent; quick once everything is installed). A framework that
     /// cannot be installed fails the test: none is skipped.
     pub fn set_up(&self) -> Duration {
+        self.set_up_parts(&[])
+    }
+
+    /// Runs `setup.sh` for some of its parts only (`python`, `node`, `go`, `rails`; none
+    /// named: all of them), e.g. the Python venv alone for a Flask app.
+    pub fn set_up_parts(&self, parts: &[&str]) -> Duration {
         let started = Instant::now();
         let status = Command::new("bash")
             .arg(self.sources.join("setup.sh"))
             .arg(&self.target)
+            .args(parts)
             .status()
             .expect("run tests/frameworks/setup.sh");
         assert!(
