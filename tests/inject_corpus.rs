@@ -552,3 +552,173 @@ fn every_list_kind_is_unwrapped() {
         }
     }
 }
+
+/// The docs' webhook walkthrough, followed from a clean checkout: each file
+/// it applies exists and validates strict for 1.29 and 1.37; the pod the
+/// injector would patch (the same change as `inject`, without its Services)
+/// gets the sidecar; and every object that pod and its sidecar refer to —
+/// the ConfigMap, the Secret, the store's Service — is made by a step of the
+/// walkthrough. `deploy/build-image.sh --no-build` points every image
+/// reference at one image.
+#[test]
+fn the_webhook_walkthrough_makes_every_object_the_pod_needs() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let docs = std::fs::read_to_string(root.join("docs/kubernetes.md")).unwrap();
+    let walk = docs
+        .split("{#walkthrough}")
+        .nth(1)
+        .and_then(|t| t.split("```sh\n").nth(1))
+        .and_then(|t| t.split("```").next())
+        .expect("the walkthrough's commands");
+    let mut applied = Vec::new();
+    let mut secrets = Vec::new();
+    for line in walk.lines().filter(|l| !l.starts_with('#')) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let Some(i) = words.iter().position(|w| *w == "-k" || *w == "-f") {
+            let path = words[i + 1];
+            if !path.starts_with("https://") {
+                assert!(root.join(path).exists(), "{path} (from: {line})");
+                applied.push(path.to_owned());
+            }
+        }
+        if let Some(i) = words.windows(2).position(|w| w == ["secret", "generic"]) {
+            secrets.push(words[i + 2].to_owned());
+        }
+    }
+    assert!(
+        applied.contains(&"deploy/kubernetes/injector".to_owned()),
+        "{applied:?}"
+    );
+    assert_eq!(secrets, ["idemproxy-redis"]);
+    let example = root.join("deploy/kubernetes/injector/example");
+    let read = |f: &str| std::fs::read_to_string(example.join(f)).unwrap();
+    let manifests = [
+        "namespace.yaml",
+        "redis.yaml",
+        "orders.yaml",
+        "networkpolicy.yaml",
+    ]
+    .map(read)
+    .join("---\n");
+    assert_valid(&manifests);
+    let objects = documents(&manifests);
+    let has = |k: &str, n: &str| objects.iter().any(|d| kind(d) == k && name(d) == n);
+    let ns = objects.iter().find(|d| kind(d) == "Namespace").unwrap();
+    assert_eq!(ns["metadata"]["labels"]["idemproxy.dev/inject"], "enabled");
+    let kustomization = read("kustomization.yaml");
+    assert!(
+        kustomization.contains("name: idemproxy-config")
+            && kustomization.contains("- idemproxy.toml")
+    );
+    // The injector's change, to the Deployment's pod as the API server sends it.
+    let orders = objects.iter().find(|d| kind(d) == "Deployment").unwrap();
+    let mut pod = template(orders).clone();
+    let outcome =
+        idemproxy::inject::inject_pod(&mut pod, None, &[], &idemproxy::inject::Settings::default())
+            .unwrap();
+    assert!(
+        matches!(outcome, idemproxy::inject::Outcome::Injected(_)),
+        "{outcome:?}"
+    );
+    let spec = &pod["spec"];
+    for v in seq(&spec["volumes"]) {
+        if let Some(cm) = v["configMap"]["name"].as_str() {
+            assert!(
+                cm == "idemproxy-config" || has("ConfigMap", cm),
+                "ConfigMap {cm}"
+            );
+        }
+    }
+    let containers = seq(&spec["initContainers"])
+        .iter()
+        .chain(seq(&spec["containers"]));
+    for c in containers {
+        for e in seq(&c["env"]) {
+            if let Some(s) = e["valueFrom"]["secretKeyRef"]["name"].as_str() {
+                assert!(secrets.iter().any(|x| x == s), "Secret {s}");
+            }
+        }
+    }
+    for d in &objects {
+        for v in seq(&template(d)["spec"]["volumes"]) {
+            if let Some(s) = v["secret"]["secretName"].as_str() {
+                assert!(secrets.iter().any(|x| x == s), "Secret {s} of {}", name(d));
+            }
+        }
+    }
+    // The store the configuration names is a Service of the namespace.
+    let toml = read("idemproxy.toml");
+    let host = toml
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("url = \"redis://"))
+        .and_then(|u| u.split(':').next())
+        .expect("a redis url");
+    assert!(has("Service", host), "the store {host}");
+    // The sidecar's arguments with that file are a valid configuration.
+    let sidecar = &seq(&spec["initContainers"])[0];
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), &toml).unwrap();
+    let args: Vec<String> = seq(&sidecar["args"])
+        .iter()
+        .filter_map(Value::as_str)
+        .map(|a| {
+            if a.ends_with(".toml") {
+                file.path().display().to_string()
+            } else {
+                a.to_owned()
+            }
+        })
+        .collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .args(&args)
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One command points every image reference at the image you pushed.
+    let copy = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new("cp")
+        .args(["-r", "deploy"])
+        .arg(copy.path())
+        .current_dir(root)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = std::process::Command::new("bash")
+        .arg(copy.path().join("deploy/build-image.sh"))
+        .args(["--no-build", "registry.example.com/team/idemproxy:9.9.9"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut named = 0;
+    for dir in [
+        "deploy/kubernetes",
+        "deploy/kubernetes/injector",
+        "deploy/kubernetes/injector/example",
+    ] {
+        for entry in std::fs::read_dir(copy.path().join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            assert!(
+                !text.contains("ghcr.io/idemproxy/idemproxy"),
+                "{}",
+                path.display()
+            );
+            named += text
+                .matches("registry.example.com/team/idemproxy:9.9.9")
+                .count();
+        }
+    }
+    // The demo's two containers, the injector, the image it gives sidecars, the example API.
+    assert!(named >= 5, "{named}");
+}

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds idemproxy's image from this checkout, pushes it, and points the
+# Kubernetes manifests under deploy/kubernetes/ at it (the injector's own
+# image, the image it gives sidecars, the examples):
+#
+#   deploy/build-image.sh registry.example.com/team/idemproxy:0.1.0
+#   deploy/build-image.sh --no-build IMAGE   # only point the manifests at IMAGE
+#
+# Needs Docker with buildx and a registry you are logged in to (docker login).
+# Then pass the same IMAGE to `idemproxy inject --image IMAGE`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build=true
+if [ "${1:-}" = --no-build ]; then
+  build=false
+  shift
+fi
+image="${1:?usage: deploy/build-image.sh [--no-build] REGISTRY/NAME:TAG}"
+case "$image" in
+  *[[:space:]\"\'\|\\]*) echo "build-image.sh: not an image reference: $image" >&2; exit 2 ;;
+  */*:*|*/*@sha256:*) ;;
+  *) echo "build-image.sh: give a full reference, REGISTRY/NAME:TAG: $image" >&2; exit 2 ;;
+esac
+
+if $build; then
+  platforms="${PLATFORMS:-linux/amd64,linux/arm64}"
+  echo "== docker buildx build --platform $platforms -t $image --push ."
+  docker buildx build --platform "$platforms" -t "$image" --push .
+fi
+
+# Every reference to the published image in the manifests, `image:` fields
+# and the injector's `--image=` argument alike.
+mapfile -t files < <(grep -rlE 'ghcr\.io/idemproxy/idemproxy[:@]' deploy/kubernetes || true)
+for f in "${files[@]}"; do
+  sed -i -E "s#ghcr\.io/idemproxy/idemproxy[:@][^\" ,]*#${image}#g" "$f"
+  echo "== $f now names $image"
+done
+echo "== done: kubectl apply -k deploy/kubernetes/injector, and idemproxy inject --image $image"
