@@ -268,6 +268,15 @@ fn scalar_text(v: &Value) -> String {
     }
 }
 
+/// `1 route`, `2 routes`.
+pub fn count(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("1 {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
 /// What a command writes: its output for standard output, and notes for standard error.
 #[derive(Clone, Debug, Default)]
 pub struct Output {
@@ -281,11 +290,11 @@ pub fn run_routes(file: &Path, unsafe_methods: bool) -> Result<Output, OpenapiEr
     let written = routes::routes(&doc, unsafe_methods)?;
     let mut notes = written.notes;
     notes.push(format!(
-        "{}: {} operations, {} selected, {} routes written",
+        "{}: {}, {} selected, {} written",
         doc.what,
-        written.operations,
+        count(written.operations, "operation"),
         written.selected,
-        written.routes.len()
+        count(written.routes.len(), "route"),
     ));
     Ok(Output {
         text: written.toml,
@@ -305,9 +314,9 @@ pub fn run_annotate(config: &Path, file: &Path) -> Result<Output, OpenapiError> 
     let done = annotate::annotate(&mut doc, &config)?;
     let mut notes = done.notes;
     notes.push(format!(
-        "{}: {} operations, {} protected by {}'s routes",
+        "{}: {}, {} protected by the routes of {}",
         doc.what,
-        done.operations,
+        count(done.operations, "operation"),
         done.protected.len(),
         config.source
     ));

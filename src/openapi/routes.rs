@@ -333,11 +333,12 @@ fn to_toml(
     };
     let mut out = format!(
         "# Written by `idemproxy openapi routes` from {} ({:?}, OpenAPI {}):\n\
-         # {operations} operations, {selected} selected by {by}, {} routes.\n",
+         # {}, {selected} selected by {by}: {}.\n",
         comment(&doc.what),
         comment(title),
         comment(&doc.version_text),
-        routes.len()
+        super::count(operations, "operation"),
+        super::count(routes.len(), "route"),
     );
     for r in routes {
         out.push('\n');
