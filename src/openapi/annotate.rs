@@ -67,6 +67,7 @@ pub fn annotate(doc: &mut Document, config: &Config) -> Result<Annotated, Openap
     let mut components = Components::new(doc);
     let mut by_route: HashMap<usize, Additions> = HashMap::new();
     let mut kept: HashMap<u16, usize> = HashMap::new();
+    let mut no_success = 0;
     for (op, position) in plan {
         let route = config.routes.at(position);
         let adds = by_route
@@ -86,10 +87,17 @@ pub fn annotate(doc: &mut Document, config: &Config) -> Result<Annotated, Openap
                 add_parameter(operation, parameter.clone());
             }
         }
-        add_responses(operation, &adds, derived, &mut kept);
+        if !add_responses(operation, &adds, derived, &mut kept) {
+            no_success += 1;
+        }
         done.protected.push((op, route.name.to_string()));
     }
     components.write_into(&mut doc.root);
+    if no_success > 0 {
+        done.notes.push(format!(
+            "{no_success} protected operations describe no 2xx response: Idempotent-Replayed is on none of theirs"
+        ));
+    }
     let mut kept: Vec<(u16, usize)> = kept.into_iter().collect();
     kept.sort();
     for (status, n) in kept {
@@ -270,21 +278,22 @@ fn insert_header(response: &mut Value, name: &str, header: Value) {
 }
 
 /// The proxy's answers for the statuses the operation does not describe,
-/// and the replay header on its 2xx responses. `kept` counts, by status,
-/// the operations whose own description of a status is kept.
+/// and the replay header on its 2xx responses (false: it describes none).
+/// `kept` counts, by status, the operations whose own description of a status is kept.
 fn add_responses(
     operation: &mut Mapping,
     adds: &Additions,
     derived: Vec<(Value, Value)>,
     kept: &mut HashMap<u16, usize>,
-) {
+) -> bool {
     let responses = operation
         .entry(Value::String("responses".into()))
         .or_insert_with(|| Value::Mapping(Mapping::new()));
     let Some(responses) = responses.as_mapping_mut() else {
-        return;
+        return false;
     };
     let (header, header_ref) = &adds.replayed;
+    let successes = responses.keys().filter(|k| is_success(k)).count();
     for (key, response) in responses.iter_mut().filter(|(k, _)| is_success(k)) {
         if let Some((_, copy)) = derived.iter().find(|(k, _)| k == key) {
             *response = copy.clone();
@@ -299,6 +308,7 @@ fn add_responses(
             responses.insert(Value::String(status.to_string()), response.clone());
         }
     }
+    successes > 0
 }
 
 #[cfg(test)]

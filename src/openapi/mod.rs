@@ -118,12 +118,20 @@ impl Document {
             what: what.to_string(),
             message,
         };
+        let yaml = || {
+            let mut root = serde_norway::from_str::<Value>(text)?;
+            // `<<: *anchor` merges, as YAML 1.1 readers (and OpenAPI tools) take them.
+            root.apply_merge()?;
+            Ok::<_, serde_norway::Error>(root)
+        };
         let (format, root) = if text.trim_start().starts_with('{') {
-            let root = serde_json::from_str::<Value>(text).map_err(|e| syntax(e.to_string()))?;
-            (Format::Json, root)
+            match serde_json::from_str::<Value>(text) {
+                Ok(root) => (Format::Json, root),
+                // A YAML flow mapping is not always JSON; a JSON error says more.
+                Err(e) => (Format::Yaml, yaml().map_err(|_| syntax(e.to_string()))?),
+            }
         } else {
-            let root = serde_norway::from_str::<Value>(text).map_err(|e| syntax(e.to_string()))?;
-            (Format::Yaml, root)
+            (Format::Yaml, yaml().map_err(|e| syntax(e.to_string()))?)
         };
         if !root.is_mapping() {
             return Err(syntax("the document is not a mapping (an object)".into()));
@@ -268,6 +276,24 @@ fn scalar_text(v: &Value) -> String {
     }
 }
 
+/// A configuration as the proxy loads it, but that may leave `[server]
+/// upstream` out (the output of `routes` alone is one): only its routes are used.
+fn load_config(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let names_upstream = toml::from_str::<toml::Table>(&text)
+        .ok()
+        .and_then(|t| t.get("server")?.get("upstream").cloned())
+        .is_some();
+    let overrides = Overrides {
+        upstream: (!names_upstream).then(|| "http://127.0.0.1:1".to_string()),
+        ..Overrides::default()
+    };
+    Config::from_toml(&text, &path.display().to_string(), &overrides)
+}
+
 /// `1 route`, `2 routes`.
 pub fn count(n: usize, word: &str) -> String {
     if n == 1 {
@@ -303,13 +329,9 @@ pub fn run_routes(file: &Path, unsafe_methods: bool) -> Result<Output, OpenapiEr
 }
 
 /// `idemproxy openapi annotate --config FILE OPENAPI_FILE`: the configuration is loaded and
-/// checked as the proxy loads it; its `[server] upstream` may be left out.
+/// checked as the proxy loads it.
 pub fn run_annotate(config: &Path, file: &Path) -> Result<Output, OpenapiError> {
-    let overrides = Overrides {
-        upstream: Some("http://127.0.0.1:1".into()),
-        ..Overrides::default()
-    };
-    let config = Config::load(Some(config), &overrides)?;
+    let config = load_config(config)?;
     let mut doc = Document::read(file)?;
     let done = annotate::annotate(&mut doc, &config)?;
     let mut notes = done.notes;
