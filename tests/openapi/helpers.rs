@@ -283,8 +283,9 @@ pub fn references(v: &Value, out: &mut Vec<(String, String)>) {
 /// A faithful part of an annotated document: its path items that hold a
 /// protected operation, as written, the components they reference (and
 /// those reference, to the end), the security schemes and the rest of the
-/// top level as they are. Validating GitHub's whole document takes over a
-/// minute; this part, every operation annotate changed, takes seconds.
+/// top level as they are. Validating GitHub's whole document takes about a
+/// minute on a busy two-core machine (26 s of CPU); this part, every
+/// operation annotate changed, about 8 s.
 pub fn protected_part(doc: &Value, protected: &BTreeSet<(String, String)>) -> Value {
     let mut paths = serde_norway::Mapping::new();
     for (path, item) in doc["paths"].as_mapping().unwrap() {
