@@ -98,6 +98,8 @@ pub mod telemetry;
 
 // Kubernetes: the sidecar added to workloads (`idemproxy inject`, `idemproxy injector`).
 pub mod inject;
+// OpenAPI documents: routes from operations, operations annotated (`idemproxy openapi`).
+pub mod openapi;
 
 // `idemproxy conformance`: a black-box check of any endpoint's Idempotency-Key handling.
 pub mod conformance;

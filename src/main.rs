@@ -95,6 +95,39 @@ enum Command {
     /// and common practice, and prints what it meets: exit 0 every MUST met, 1 one is not, 2 the
     /// endpoint cannot be reached (docs/conformance.md).
     Conformance(Box<ConformanceArgs>),
+    /// Reads an OpenAPI 3.0/3.1 document (JSON or YAML): writes [[routes]] for its operations,
+    /// or the document with what the proxy adds to the operations it protects.
+    Openapi(OpenapiArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct OpenapiArgs {
+    #[command(subcommand)]
+    command: OpenapiCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum OpenapiCommand {
+    /// Writes (to standard output) the [[routes]] that protect the operations marked
+    /// `x-idempotency-key: required|optional`.
+    Routes {
+        /// Also every POST and PATCH operation (key required unless marked optional).
+        #[arg(long)]
+        unsafe_methods: bool,
+        /// The OpenAPI document; `-` reads standard input.
+        #[arg(value_name = "OPENAPI_FILE")]
+        file: PathBuf,
+    },
+    /// Writes the document back with what the proxy adds to each operation the
+    /// configuration protects: the key's header, its problem answers, the replay header.
+    Annotate {
+        /// The proxy's configuration file (its [server] upstream may be left out).
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// The OpenAPI document; `-` reads standard input.
+        #[arg(value_name = "OPENAPI_FILE")]
+        file: PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -259,6 +292,7 @@ fn main() -> ExitCode {
         Some(Command::Inject(args)) => return run_inject(args),
         Some(Command::Injector(args)) => return run_injector(args),
         Some(Command::Conformance(args)) => return run_conformance(*args),
+        Some(Command::Openapi(args)) => return run_openapi(args),
         None => {}
     }
     let overrides = Overrides {
@@ -396,6 +430,38 @@ fn run_inject(args: InjectArgs) -> ExitCode {
             ExitCode::from(EXIT_CONFIG)
         }
     }
+}
+
+/// `idemproxy openapi`: notes on stderr, the output on stdout, written only when complete.
+fn run_openapi(args: OpenapiArgs) -> ExitCode {
+    use idemproxy::openapi;
+    let done = match &args.command {
+        OpenapiCommand::Routes {
+            unsafe_methods,
+            file,
+        } => openapi::run_routes(file, *unsafe_methods),
+        OpenapiCommand::Annotate { config, file } => openapi::run_annotate(config, file),
+    };
+    let done = match done {
+        Ok(done) => done,
+        Err(e) => {
+            eprintln!("idemproxy openapi: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    for note in &done.notes {
+        eprintln!("idemproxy openapi: {note}");
+    }
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out
+        .write_all(done.text.as_bytes())
+        .and_then(|()| out.flush())
+    {
+        eprintln!("idemproxy openapi: cannot write the output: {e}");
+        return ExitCode::from(EXIT_START);
+    }
+    ExitCode::SUCCESS
 }
 
 /// `inject --config FILE`: the file's text, checked as the sidecar will load

@@ -11,7 +11,8 @@
 use std::fmt;
 
 mod documents;
-mod emit;
+// YAML out for YAML 1.1 readers; `openapi` writes documents with it too.
+pub(crate) mod emit;
 pub mod manifests;
 pub mod pod;
 pub mod ports;
