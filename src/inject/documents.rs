@@ -6,7 +6,7 @@
 use serde_norway::{Mapping, Value};
 
 use super::emit::to_yaml;
-use super::manifests::ManifestError;
+use super::error::ManifestError;
 
 /// One document of the input.
 pub struct Document<'a> {

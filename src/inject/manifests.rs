@@ -8,7 +8,8 @@
 use serde_norway::{Mapping, Value};
 
 use super::documents::{self, describe, namespace, str_at, At, Document};
-use super::pod::{inject_pod, injected_change, Change, FieldError, Outcome, ServicePort};
+pub use super::error::ManifestError;
+use super::pod::{inject_pod, injected_change, Change, Outcome, ServicePort};
 use super::select::Selection;
 use super::services::{
     config_map, foreign_pods, network_policy_for, open_proxy_port, retarget, same_namespace,
@@ -23,57 +24,6 @@ pub struct Injected {
     pub notes: Vec<String>,
     /// How many workloads got the sidecar.
     pub injected: usize,
-}
-
-/// Input that cannot be read, or a workload whose annotation names no port.
-#[derive(Debug, thiserror::Error)]
-pub enum ManifestError {
-    #[error("document {doc} (line {line}): {message}")]
-    Yaml {
-        doc: usize,
-        line: usize,
-        message: String,
-    },
-    #[error("invalid JSON: {0}")]
-    Json(String),
-    #[error("document {doc} ({what}): {field}.{error}")]
-    Field {
-        doc: usize,
-        what: String,
-        field: String,
-        error: FieldError,
-    },
-    #[error(
-        "document {doc} (line {line}): the plain value {value:?} is a string to YAML 1.2 but {meaning} \
-         to Kubernetes (YAML 1.1); this document is rewritten, so write it as {fix}"
-    )]
-    Yaml11 {
-        doc: usize,
-        line: usize,
-        value: String,
-        meaning: &'static str,
-        fix: &'static str,
-    },
-    #[error("document {doc} ({service}): {message}")]
-    SharedService {
-        doc: String,
-        service: String,
-        message: String,
-    },
-    #[error(
-        "document {doc} ({service}): it selects the pods of {owner}, which inject does not \
-         inject; rewired to the proxy's port it would cut them off: leave its workloads out \
-         with --only or --selector, or give them a Service of their own"
-    )]
-    ForeignPods {
-        doc: String,
-        service: String,
-        owner: String,
-    },
-    #[error("{0}")]
-    Selection(String),
-    #[error("cannot write document {doc}: {message}")]
-    Write { doc: usize, message: String },
 }
 
 /// The kinds that hold a pod template, and where.
@@ -520,7 +470,7 @@ fn shared_ports(
             first.app_port,
             first.proxy_port,
             differ.join(", "),
-            super::pod::PORT_ANNOTATION
+            super::ports::PORT_ANNOTATION
         ),
     })
 }

@@ -11,6 +11,7 @@
 use std::fmt;
 
 mod documents;
+mod error;
 // YAML out for YAML 1.1 readers; `openapi` writes documents with it too.
 pub(crate) mod emit;
 pub mod manifests;
@@ -21,7 +22,8 @@ mod services;
 pub mod webhook;
 
 pub use manifests::{inject_manifests, Injected, ManifestError, Options};
-pub use pod::{inject_pod, Change, Outcome, ServicePort};
+pub use pod::{inject_pod, Change, Outcome};
+pub use ports::ServicePort;
 pub use select::Selection;
 
 /// The image the sidecar runs by default: the one the release workflow publishes for this version.

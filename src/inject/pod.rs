@@ -3,12 +3,11 @@
 use serde_norway::{Mapping, Value};
 
 use super::ports::{self, Candidate, Says};
+pub use super::ports::{ServicePort, PORT_ANNOTATION};
 use super::{PortRef, Settings};
 
 /// `idemproxy.dev/inject: disabled` leaves a workload as it was (`enabled` opts a pod in at the webhook).
 pub const INJECT_ANNOTATION: &str = "idemproxy.dev/inject";
-/// The port to protect, by name or number, when the Services do not say it.
-pub const PORT_ANNOTATION: &str = "idemproxy.dev/port";
 /// The sidecar's name; a pod that has an init container by this name is already injected.
 pub const SIDECAR: &str = "idemproxy";
 /// The pod volume that holds the configuration.
@@ -17,17 +16,6 @@ const CONFIG_VOLUME: &str = "idemproxy-config";
 pub const PROXY_PORT_BASE: u16 = 15080;
 /// The proxy port's name when the application's port has none.
 const PROXY_PORT_NAME: &str = "idemproxy-http";
-
-/// A Service port that selects the pod, as the injection needs it.
-#[derive(Clone, Debug)]
-pub struct ServicePort {
-    pub name: Option<String>,
-    pub port: u16,
-    /// `targetPort` as written, or the port number when it is absent.
-    pub target: PortRef,
-    pub app_protocol: Option<String>,
-    pub protocol: Option<String>,
-}
 
 /// What was done to a pod.
 #[derive(Debug)]

@@ -11,8 +11,21 @@
 //! port that speaks TLS (`https*` names, `appProtocol: https`): the proxy
 //! would have to read requests it cannot decrypt.
 
-use super::pod::PORT_ANNOTATION;
-use super::ServicePort;
+use super::PortRef;
+
+/// The port to protect, by name or number, when the Services do not say it.
+pub const PORT_ANNOTATION: &str = "idemproxy.dev/port";
+
+/// A Service port that selects the pod, as the injection needs it.
+#[derive(Clone, Debug)]
+pub struct ServicePort {
+    pub name: Option<String>,
+    pub port: u16,
+    /// `targetPort` as written, or the port number when it is absent.
+    pub target: PortRef,
+    pub app_protocol: Option<String>,
+    pub protocol: Option<String>,
+}
 
 /// Port numbers of protocols that are not HTTP, never taken whatever their
 /// name or annotation says (the docs list them: docs/kubernetes.md#ports).
@@ -241,7 +254,6 @@ fn describe(c: &Candidate) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inject::PortRef;
 
     fn sp(name: Option<&str>, app_protocol: Option<&str>) -> ServicePort {
         ServicePort {

@@ -4,7 +4,7 @@
 use serde_norway::{Mapping, Value};
 
 use super::documents::{namespace, str_at};
-use super::pod::ServicePort;
+use super::ports::ServicePort;
 use super::PortRef;
 
 /// Two objects can refer to each other unless both name a namespace and the names differ.
