@@ -17,11 +17,14 @@ if [ "${1:-}" = --no-build ]; then
   shift
 fi
 image="${1:?usage: deploy/build-image.sh [--no-build] REGISTRY/NAME:TAG}"
-case "$image" in
-  *[[:space:]\"\'\|\\]*) echo "build-image.sh: not an image reference: $image" >&2; exit 2 ;;
-  */*:*|*/*@sha256:*) ;;
-  *) echo "build-image.sh: give a full reference, REGISTRY/NAME:TAG: $image" >&2; exit 2 ;;
-esac
+# Only the characters of an image reference (it is written into YAML with
+# sed, so nothing sed or YAML would read as syntax), with a registry path and
+# a tag or digest.
+reference='^[A-Za-z0-9][A-Za-z0-9._-]*(:[0-9]+)?(/[A-Za-z0-9._-]+)+((:[A-Za-z0-9._-]+)|(@sha256:[a-f0-9]{64}))$'
+if ! [[ "$image" =~ $reference ]]; then
+  echo "build-image.sh: not an image reference REGISTRY/NAME:TAG (or @sha256:DIGEST): $image" >&2
+  exit 2
+fi
 
 if $build; then
   platforms="${PLATFORMS:-linux/amd64,linux/arm64}"

@@ -722,3 +722,117 @@ fn the_webhook_walkthrough_makes_every_object_the_pod_needs() {
     // The demo's two containers, the injector, the image it gives sidecars, the example API.
     assert!(named >= 5, "{named}");
 }
+
+/// A policy that lets monitoring reach port 8080 of every backend pod: 8080
+/// is `a`'s app port but `b`'s metrics port. Opening the proxy's port (15080
+/// in both) would let monitoring reach `b`'s API: left as it was, with a
+/// note. A policy that allows `a`'s port through a range is opened.
+#[test]
+fn network_policies_are_opened_only_where_that_opens_nothing_more() {
+    let input = fixture("ours/policy-widening.yaml");
+    let (output, stderr) = injected(&[], &input);
+    assert_valid(&output);
+    let after = documents(&output);
+    let widening = after.iter().find(|d| name(d) == "from-monitoring").unwrap();
+    assert!(!format!("{widening:?}").contains("15080"), "{widening:?}");
+    assert!(
+        stderr.contains("NetworkPolicy shop/from-monitoring): left as it was")
+            && stderr.contains("Deployment shop/b"),
+        "{stderr}"
+    );
+    let range = after.iter().find(|d| name(d) == "range").unwrap();
+    assert!(
+        seq(&range["spec"]["ingress"][0]["ports"])
+            .iter()
+            .any(|p| p["port"] == 15080),
+        "{range:?}"
+    );
+    let input = fixture("ours/policy-range.yaml");
+    let (output, _) = injected(&[], &input);
+    let after = documents(&output);
+    let policy = after.iter().find(|d| kind(d) == "NetworkPolicy").unwrap();
+    let ports = seq(&policy["spec"]["ingress"][0]["ports"]);
+    assert!(ports.iter().any(|p| p["port"] == 15080), "{ports:?}");
+    // Injecting again changes nothing.
+    let (again, _) = injected(&[], &output);
+    assert_eq!(again, output);
+}
+
+/// TLS ports and ports a container names as something else are never taken,
+/// even when chosen: the proxy cannot read TLS.
+#[test]
+fn tls_and_named_non_http_container_ports_are_never_taken() {
+    let pod = |name: Option<&str>, port: u16| {
+        let name = name.map_or(String::new(), |n| format!("name: {n}, "));
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: p}}\nspec:\n  containers:\n    - name: app\n      image: a\n      ports: [{{{name}containerPort: {port}}}]\n"
+        )
+    };
+    for (name, port, args) in [
+        (Some("https"), 8443, vec!["--port", "8443"]),
+        (Some("https"), 8443, vec!["--port", "https"]),
+        (Some("tcp-api"), 8080, vec!["--port", "8080"]),
+        (None, 443, vec![]),
+        (None, 8443, vec![]),
+        (None, 6443, vec![]),
+    ] {
+        let input = pod(name, port);
+        let (output, stderr) = injected(&args, &input);
+        assert_eq!(output, input, "{name:?} {port} {args:?}: {stderr}");
+        assert!(stderr.contains("left as it was"), "{stderr}");
+    }
+    // A clear-text HTTP port that happens to be 8443, named so: taken.
+    let input = pod(Some("http"), 8443);
+    let (_, stderr) = injected(&[], &input);
+    assert!(stderr.contains("injected: port 8443"), "{stderr}");
+}
+
+/// `deploy/build-image.sh` takes only an image reference: anything that sed
+/// or YAML would read as syntax is refused before a file is touched.
+#[test]
+fn build_image_refuses_what_is_not_an_image_reference() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let copy = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new("cp")
+        .args(["-r", "deploy"])
+        .arg(copy.path())
+        .current_dir(root)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let marker = copy.path().join("pwned");
+    let before =
+        std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
+    for bad in [
+        format!("r/x:y;touch${{IFS}}{};#e", marker.display()),
+        "r/x:y#e".to_owned(),
+        "r/x:y&z".to_owned(),
+        "r/x:y\nimage: evil".to_owned(),
+        "nohost:1".to_owned(),
+        "reg.io/a/b".to_owned(),
+    ] {
+        let out = std::process::Command::new("bash")
+            .arg(copy.path().join("deploy/build-image.sh"))
+            .args(["--no-build", &bad])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+    }
+    assert!(!marker.exists());
+    let after =
+        std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
+    assert_eq!(before, after);
+    let out = std::process::Command::new("bash")
+        .arg(copy.path().join("deploy/build-image.sh"))
+        .args([
+            "--no-build",
+            "registry.example.com:5000/team/idemproxy:1.2.3",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

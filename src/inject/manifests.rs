@@ -12,8 +12,8 @@ pub use super::error::ManifestError;
 use super::pod::{inject_pod, injected_change, Change, Outcome, ServicePort};
 use super::select::Selection;
 use super::services::{
-    config_map, foreign_pods, network_policy_for, open_proxy_port, retarget, same_namespace,
-    selects, service_ports, service_selects, ForeignPods,
+    config_map, foreign_pods, network_policy_for, open_proxy_ports, retarget, same_namespace,
+    selects, service_ports, service_selects, ForeignPods, PolicyTarget,
 };
 use super::Settings;
 
@@ -112,6 +112,8 @@ pub fn inject_manifests(
 struct Workload {
     at: At,
     kind: String,
+    /// The container ports its pods declare.
+    declared: Vec<u16>,
     what: String,
     name: Option<String>,
     ns: Option<String>,
@@ -181,6 +183,7 @@ impl Run {
         let mut workload = Workload {
             at: at.clone(),
             kind: kind.clone(),
+            declared: declared_ports(template),
             what: what.clone(),
             name: name.clone(),
             ns: ns.clone(),
@@ -334,36 +337,37 @@ impl Run {
     }
 
     /// The input's NetworkPolicies that let traffic reach an injected app's
-    /// port by number let it reach the proxy's port too.
+    /// port let it reach the proxy's port too, where that opens nothing more.
     fn open_policies(&mut self, docs: &mut [Document], objects: &[At]) {
         for at in objects {
             if str_at(at.get(docs), &["kind"]) != Some("NetworkPolicy") {
                 continue;
             }
+            let targets: Vec<PolicyTarget> = self
+                .workloads
+                .iter()
+                .map(|w| PolicyTarget {
+                    what: &w.what,
+                    namespace: w.ns.as_deref(),
+                    labels: w.labels.as_ref(),
+                    ports: w.change.as_ref().map(|c| (c.app_port, c.proxy_port)),
+                    declared: w.declared.clone(),
+                })
+                .collect();
             let mut policy = at.get(docs).clone();
-            let mut changed = false;
-            for w in &self.workloads {
-                let Some(c) = &w.change else { continue };
-                if open_proxy_port(
-                    &mut policy,
-                    w.ns.as_deref(),
-                    w.labels.as_ref(),
-                    c.app_port,
-                    c.proxy_port,
-                ) {
-                    changed = true;
-                    self.notes.push(format!(
-                        "document {} ({}): lets ingress reach the proxy's port {} of {} as it \
-                         did the application's port {}",
-                        at.number(),
-                        describe(&policy),
-                        c.proxy_port,
-                        w.what,
-                        c.app_port
-                    ));
-                }
+            let change = open_proxy_ports(&mut policy, &targets);
+            let (n, what) = (at.number(), describe(&policy));
+            for (w, app, proxy) in &change.opened {
+                self.notes.push(format!(
+                    "document {n} ({what}): lets ingress reach the proxy's port {proxy} of {w} \
+                     as it did the application's port {app}"
+                ));
             }
-            if changed {
+            for why in &change.refused {
+                self.notes
+                    .push(format!("document {n} ({what}): left as it was: {why}"));
+            }
+            if !change.opened.is_empty() {
                 at.set(docs, policy);
             }
         }
@@ -473,6 +477,20 @@ fn shared_ports(
             super::ports::PORT_ANNOTATION
         ),
     })
+}
+
+/// The container ports a pod template declares.
+fn declared_ports(template: &Value) -> Vec<u16> {
+    let spec = template.get("spec");
+    ["containers", "initContainers"]
+        .iter()
+        .filter_map(|k| spec.and_then(|s| s.get(*k)).and_then(Value::as_sequence))
+        .flatten()
+        .filter_map(|c| c.get("ports").and_then(Value::as_sequence))
+        .flatten()
+        .filter_map(|p| p.get("containerPort").and_then(Value::as_u64))
+        .filter_map(|n| u16::try_from(n).ok())
+        .collect()
 }
 
 fn same_ports(a: &Change, b: &Change) -> bool {

@@ -185,7 +185,11 @@ fn chosen_port(
         .iter()
         .filter(|s| resolve(ports, &s.target) == Some(chosen))
         .collect();
-    if let Some(reason) = ports::never(chosen, &targeting) {
+    let name = ports
+        .iter()
+        .find(|p| p.number == chosen)
+        .and_then(|p| p.name.as_deref());
+    if let Some(reason) = ports::never(chosen, name, &targeting) {
         return Ok(Err(reason));
     }
     if let Some(p) = ports.iter().find(|p| p.number == chosen && !p.tcp) {
@@ -239,7 +243,7 @@ fn candidates(ports: &[AppPort], services: &[ServicePort]) -> Vec<Candidate> {
         match s.says() {
             Says::Http => c.evidence = c.evidence.take().or_else(|| Some(s.label())),
             Says::Tls | Says::NotHttp => {
-                c.against = c.against.take().or_else(|| ports::never(n, &[s]));
+                c.against = c.against.take().or_else(|| ports::never(n, None, &[s]));
             }
             Says::Nothing => {}
         }
@@ -247,6 +251,13 @@ fn candidates(ports: &[AppPort], services: &[ServicePort]) -> Vec<Candidate> {
     for c in &mut out {
         if let Some(what) = ports::well_known(c.number) {
             c.against = Some(format!("port {} is {what}'s, not HTTP", c.number));
+        }
+        let tls = ports::TLS_PORTS.iter().find(|(p, _)| *p == c.number);
+        if let (Some((_, what)), None) = (tls, &c.evidence) {
+            c.against = Some(format!(
+                "port {} is {what}'s: the proxy cannot read requests in TLS",
+                c.number
+            ));
         }
     }
     out

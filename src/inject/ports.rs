@@ -73,6 +73,16 @@ pub const NOT_HTTP_PORTS: [(u16, &str); 41] = [
     (61616, "ActiveMQ"),
 ];
 
+/// Port numbers of HTTP over TLS: the proxy cannot read what passes, so
+/// these are never taken either (unless a Service or the port's name says
+/// it speaks HTTP in clear text there, which the choice then follows).
+pub const TLS_PORTS: [(u16, &str); 4] = [
+    (443, "HTTPS"),
+    (6443, "the Kubernetes API (TLS)"),
+    (8443, "HTTPS"),
+    (9443, "HTTPS (webhooks)"),
+];
+
 /// Port-name prefixes that are evidence of HTTP.
 const HTTP_NAMES: [&str; 4] = ["http", "grpc", "h2c", "web"];
 /// Port-name prefixes of TLS (checked before [`HTTP_NAMES`]: `https` starts with `http`).
@@ -181,10 +191,31 @@ pub struct Candidate {
 }
 
 /// Why a port may not be taken even when the operator names it: a
-/// well-known non-HTTP number, or a Service that says it is something else.
-pub fn never(number: u16, targeting: &[&ServicePort]) -> Option<String> {
+/// well-known non-HTTP number, a container port name or a Service that says
+/// it is something else (or TLS), or a TLS port number nothing says is clear text.
+pub fn never(number: u16, name: Option<&str>, targeting: &[&ServicePort]) -> Option<String> {
     if let Some(what) = well_known(number) {
         return Some(format!("port {number} is {what}'s, not HTTP"));
+    }
+    match name.map(name_says) {
+        Some(Says::NotHttp) => {
+            return Some(format!(
+                "port {number} is not HTTP (container port {:?})",
+                name.unwrap_or_default()
+            ))
+        }
+        Some(Says::Tls) => return Some(format!(
+            "port {number} speaks TLS (container port {:?}): the proxy cannot read its requests",
+            name.unwrap_or_default()
+        )),
+        _ => {}
+    }
+    let clear =
+        name.map(name_says) == Some(Says::Http) || targeting.iter().any(|s| s.says() == Says::Http);
+    if let (Some((_, what)), false) = (TLS_PORTS.iter().find(|(p, _)| *p == number), clear) {
+        return Some(format!(
+            "port {number} is {what}'s: the proxy cannot read requests in TLS"
+        ));
     }
     targeting.iter().find_map(|s| match s.says() {
         Says::NotHttp => Some(format!("port {number} is not HTTP ({})", s.label())),
@@ -294,9 +325,16 @@ mod tests {
         for n in [
             5432, 3306, 9092, 5672, 11211, 2181, 9042, 4222, 1883, 389, 25, 9300,
         ] {
-            assert!(never(n, &[&http]).is_some(), "{n}");
+            assert!(never(n, None, &[&http]).is_some(), "{n}");
         }
-        assert!(never(8080, &[&http]).is_none());
+        assert!(never(8080, None, &[&http]).is_none());
+        assert!(never(8443, Some("https"), &[]).is_some());
+        assert!(never(8080, Some("tcp-x"), &[]).is_some());
+        assert!(never(443, None, &[]).is_some());
+        assert!(
+            never(443, None, &[&http]).is_none(),
+            "a Service says clear HTTP"
+        );
     }
 
     #[test]

@@ -219,69 +219,126 @@ pub fn foreign_pods<'a>(
     out
 }
 
-/// Whether a NetworkPolicy's `podSelector` may select pods with `labels`: an
-/// empty one selects every pod of its namespace; `matchExpressions` are not
-/// evaluated and taken to select (opening a port a pod does not listen on
-/// changes nothing).
-fn policy_selects(policy: &Value, labels: Option<&Mapping>) -> bool {
-    let Some(sel) = policy.get("spec").and_then(|s| s.get("podSelector")) else {
-        return false;
-    };
+/// Whether a NetworkPolicy's `podSelector` selects pods with `labels` (an
+/// empty one selects every pod of its namespace); `None` when it cannot be
+/// told (`matchExpressions`, which are not evaluated).
+fn policy_selects(policy: &Value, labels: Option<&Mapping>) -> Option<bool> {
+    let sel = policy.get("spec").and_then(|s| s.get("podSelector"))?;
     if sel.get("matchExpressions").is_some() {
-        return true;
+        return None;
     }
     let match_labels = sel.get("matchLabels").and_then(Value::as_mapping);
-    match match_labels {
+    Some(match match_labels {
         None => true,
         Some(m) if m.is_empty() => true,
         Some(m) => labels.is_some_and(|l| m.iter().all(|(k, v)| l.get(k) == Some(v))),
-    }
+    })
 }
 
-/// Lets an existing NetworkPolicy's ingress rules that allow the application's
-/// port by number allow the proxy's port too: the Services now send their
-/// traffic there. (A rule that names the port allows the proxy already: it took
-/// the name.) True when the policy changed.
-pub fn open_proxy_port(
-    policy: &mut Value,
-    ns: Option<&str>,
-    labels: Option<&Mapping>,
-    app_port: u16,
-    proxy_port: u16,
-) -> bool {
-    if !same_namespace(namespace(policy), ns) || !policy_selects(policy, labels) {
-        return false;
+/// A workload of the input as a NetworkPolicy sees it.
+pub struct PolicyTarget<'a> {
+    pub what: &'a str,
+    pub namespace: Option<&'a str>,
+    pub labels: Option<&'a Mapping>,
+    /// (app port, proxy port) when it runs the sidecar.
+    pub ports: Option<(u16, u16)>,
+    /// The container ports it declares.
+    pub declared: Vec<u16>,
+}
+
+/// Whether a `ports` entry of a rule allows TCP port `n` (by number or range).
+fn allows(entry: &Value, n: u16) -> bool {
+    let tcp = entry
+        .get("protocol")
+        .and_then(Value::as_str)
+        .is_none_or(|p| p == "TCP");
+    let start = entry.get("port").and_then(Value::as_u64);
+    let end = entry.get("endPort").and_then(Value::as_u64).or(start);
+    tcp && start
+        .zip(end)
+        .is_some_and(|(s, e)| (s..=e).contains(&u64::from(n)))
+}
+
+/// What became of one NetworkPolicy.
+#[derive(Default)]
+pub struct PolicyChange {
+    /// (workload, app port, proxy port) now allowed.
+    pub opened: Vec<(String, u16, u16)>,
+    /// Why a rule that allowed an injected app's port was not opened.
+    pub refused: Vec<String>,
+}
+
+/// Lets the ingress rules of an existing NetworkPolicy that allow an injected
+/// app's port (by number or range) allow its proxy's port too: the Services
+/// now send that traffic there. (A rule that names the port allows the proxy
+/// already: it took the name.) Only when that opens nothing more: every pod
+/// the policy selects that listens on the proxy's port must be one whose app
+/// port the same rule allowed; otherwise the rule is left as it was and the
+/// reason given. A policy whose selector cannot be evaluated is left alone.
+pub fn open_proxy_ports(policy: &mut Value, targets: &[PolicyTarget]) -> PolicyChange {
+    let mut change = PolicyChange::default();
+    let ns = namespace(policy).map(str::to_owned);
+    let mut selected = Vec::new();
+    for t in targets
+        .iter()
+        .filter(|t| same_namespace(ns.as_deref(), t.namespace))
+    {
+        match policy_selects(policy, t.labels) {
+            Some(true) => selected.push(t),
+            Some(false) => {}
+            None => {
+                if t.ports.is_some() {
+                    change.refused.push(format!(
+                        "its podSelector has matchExpressions, which inject does not evaluate: \
+                         allow the proxy's port of {} yourself if it selects it",
+                        t.what
+                    ));
+                }
+                return change;
+            }
+        }
     }
     let rules = policy
         .get_mut("spec")
         .and_then(|s| s.get_mut("ingress"))
         .and_then(Value::as_sequence_mut);
-    let mut changed = false;
     for rule in rules.into_iter().flatten() {
-        let Some(ports) = rule.get_mut("ports").and_then(Value::as_sequence_mut) else {
+        let Some(entries) = rule.get_mut("ports").and_then(Value::as_sequence_mut) else {
             continue; // no ports: every port is allowed
         };
-        let number = |p: &Value| p.get("port").and_then(Value::as_u64);
-        let allows_app = ports.iter().any(|p| {
-            number(p) == Some(u64::from(app_port))
-                && p.get("endPort").is_none()
-                && p.get("protocol")
-                    .and_then(Value::as_str)
-                    .is_none_or(|p| p == "TCP")
-        });
-        let allows_proxy = ports.iter().any(|p| {
-            let n = number(p);
-            let end = p.get("endPort").and_then(Value::as_u64).or(n);
-            n.zip(end)
-                .is_some_and(|(n, end)| (n..=end).contains(&u64::from(proxy_port)))
-        });
-        if allows_app && !allows_proxy {
+        let mut add: Vec<u16> = Vec::new();
+        for t in &selected {
+            let Some((app, proxy)) = t.ports else {
+                continue;
+            };
+            if !entries.iter().any(|e| allows(e, app)) || entries.iter().any(|e| allows(e, proxy)) {
+                continue;
+            }
+            // Every selected pod that would answer on `proxy`: its app port allowed here too.
+            let wider = selected.iter().find(|o| match o.ports {
+                Some((oa, op)) => op == proxy && !entries.iter().any(|e| allows(e, oa)),
+                None => o.declared.contains(&proxy),
+            });
+            match wider {
+                Some(o) => change.refused.push(format!(
+                    "a rule allows port {app} of {}, but opening its proxy's port {proxy} would \
+                     let the same sources reach {} on {proxy} too: allow it yourself where you mean to",
+                    t.what, o.what
+                )),
+                None => {
+                    if !add.contains(&proxy) {
+                        add.push(proxy);
+                    }
+                    change.opened.push((t.what.to_owned(), app, proxy));
+                }
+            }
+        }
+        for proxy in add {
             let mut port = Mapping::new();
             port.insert("protocol".into(), "TCP".into());
-            port.insert("port".into(), Value::from(proxy_port));
-            ports.push(port.into());
-            changed = true;
+            port.insert("port".into(), Value::from(proxy));
+            entries.push(port.into());
         }
     }
-    changed
+    change
 }
