@@ -8,6 +8,9 @@
 
 mod support;
 
+#[path = "conformance/fake.rs"]
+mod fake;
+
 // The Flask app runs from the frameworks' venv (tests/frameworks/setup.sh, Python part).
 #[allow(dead_code)]
 #[path = "frameworks/upstreams.rs"]
@@ -49,6 +52,13 @@ impl Run {
             .collect()
     }
 
+    /// The row was marked as judged from the answers alone.
+    fn by_answers(&self, id: &str) -> bool {
+        let rows = self.report["rows"].as_array().cloned().unwrap_or_default();
+        rows.iter()
+            .any(|r| r["id"] == id && r["by_answers"] == serde_json::Value::Bool(true))
+    }
+
     /// Every row passes but those in `failing` (which fail) and `unobserved`.
     fn assert_rows(&self, failing: &[&str], unobserved: &[&str]) {
         let results = self.results();
@@ -68,6 +78,11 @@ impl Run {
 
 /// Runs `idemproxy conformance ARGS --report FILE` and reads the report.
 async fn conformance(args: &[&str]) -> Run {
+    conformance_within(args, RUN_DEADLINE).await
+}
+
+/// [`conformance`], failing the test if the run takes over `deadline`.
+async fn conformance_within(args: &[&str], deadline: Duration) -> Run {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let report = dir.path().join("report.json");
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
@@ -81,9 +96,9 @@ async fn conformance(args: &[&str]) -> Run {
         .kill_on_drop(true)
         .spawn()
         .expect("run idemproxy conformance");
-    let out = tokio::time::timeout(RUN_DEADLINE, child.wait_with_output())
+    let out = tokio::time::timeout(deadline, child.wait_with_output())
         .await
-        .unwrap_or_else(|_| panic!("idemproxy conformance {args:?} took over {RUN_DEADLINE:?}"))
+        .unwrap_or_else(|_| panic!("idemproxy conformance {args:?} took over {deadline:?}"))
         .expect("its output");
     let text = std::fs::read_to_string(&report).unwrap_or_default();
     Run {
@@ -147,6 +162,11 @@ async fn idemproxy_in_front_of_the_demo_upstream_meets_every_row() {
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
     run.assert_rows(&[], &[]);
     assert_eq!(run.report["exit_code"], 0);
+    assert!(
+        !run.stdout.contains("by answers"),
+        "counted: {}",
+        run.stdout
+    );
     assert!(run.stdout.contains("| `concurrent-runs-once` | MUST |"));
 }
 
@@ -285,6 +305,25 @@ async fn the_tutorial_flask_sqlite_implementation_meets_every_row() {
     let run = flask.check().await;
     assert_eq!(run.code, Some(0), "{}\n{}", run.stdout, run.stderr);
     run.assert_rows(&[], &[]);
+    // No counter: the rows about executions say they were judged from the answers.
+    for id in [
+        "retry-runs-once",
+        "concurrent-runs-once",
+        "new-key-new-operation",
+    ] {
+        assert!(
+            run.stdout.contains(&format!("`{id}` |")) && run.by_answers(id),
+            "{id}:\n{}",
+            run.stdout
+        );
+    }
+    assert!(
+        run.stdout.contains("| pass (by answers) |"),
+        "{}",
+        run.stdout
+    );
+    let last = run.stdout.trim_end().lines().last().unwrap_or_default();
+    assert!(last.contains("give --executions URL"), "{}", run.stdout);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -353,4 +392,59 @@ async fn arguments_it_cannot_use_are_exit_2_before_anything_is_sent() {
             run.stderr
         );
     }
+}
+
+/// Every concurrent duplicate runs; one stores its answer, the rest fail on the
+/// key's UNIQUE constraint with a 500. One 2xx among them is no proof of one execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executions_hidden_behind_500s_are_not_a_pass() {
+    let flask = Flask::start(Some("race-500")).await;
+    let run = flask.check().await;
+    let results = run.results();
+    assert_eq!(
+        results["concurrent-runs-once"], "not_observed",
+        "{}\n{}",
+        run.stdout, run.stderr
+    );
+    assert!(
+        run.stdout.contains("a failed answer may hide an execution"),
+        "{}",
+        run.stdout
+    );
+    // The app's counter shows what the answers could not: it ran every time.
+    let counter = format!("http://127.0.0.1:{}/__executions", flask.port);
+    let counted = conformance(&[&flask.url(), "--executions", &counter]).await;
+    assert_eq!(
+        counted.results()["concurrent-runs-once"],
+        "fail",
+        "{}",
+        counted.stdout
+    );
+    assert_eq!(counted.code, Some(1), "{}", counted.stdout);
+}
+
+/// The first request answered, every later one with an endless stream of
+/// `100 Continue`: each of the run's twenty-odd requests ends at its deadline
+/// at the latest, and nothing more being observed, the run with exit 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_100_continue_ends_within_the_timeout() {
+    let url = fake::start(fake::Fake::Flood).await;
+    let run = conformance_within(&[&url, "--timeout", "1s"], Duration::from_secs(45)).await;
+    assert_eq!(run.code, Some(2), "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("informational"), "{}", run.stdout);
+}
+
+/// The first request answered, then nothing: no MUST row can be observed, and
+/// that is no conformance (exit 2), though a table is printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_must_row_observed_is_exit_2() {
+    let url = fake::start(fake::Fake::FirstOnly).await;
+    let run = conformance(&[&url, "--timeout", "2s"]).await;
+    assert_eq!(run.code, Some(2), "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(run.report["exit_code"], 2);
+    assert!(
+        run.stdout.contains("no MUST row could be observed"),
+        "{}",
+        run.stdout
+    );
 }

@@ -7,6 +7,8 @@
 
 #[path = "openapi/helpers.rs"]
 mod helpers;
+#[path = "openapi/hostile.rs"]
+mod hostile;
 mod support;
 
 use std::collections::BTreeSet;

@@ -215,20 +215,51 @@ async fn connect_and_send(
     send_on(stream, request).await.map_err(failed)
 }
 
+/// The most informational (1xx) answers taken before the final one: an endless
+/// stream of `100 Continue` is no answer.
+pub const MAX_INFORMATIONAL: usize = 16;
+
+/// The connection's task, ended when the exchange ends, however it ends (a
+/// deadline drops the exchange; a task left running would keep reading).
+struct Driver(tokio::task::JoinHandle<()>);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// HTTP/1.1 on a connected stream: the request, then the whole answer.
-async fn send_on<S>(io: S, request: Request<Full<Bytes>>) -> Result<Answered, String>
+async fn send_on<S>(io: S, mut request: Request<Full<Bytes>>) -> Result<Answered, String>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
         .await
         .map_err(|e| e.to_string())?;
-    let driver = tokio::spawn(connection);
+    // hyper skips 1xx answers itself; counting them ends a flood of them.
+    let flood = Arc::new(tokio::sync::Notify::new());
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (notify, count) = (flood.clone(), seen);
+    hyper::ext::on_informational(&mut request, move |_| {
+        if count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == MAX_INFORMATIONAL {
+            notify.notify_one();
+        }
+    });
+    let _driver = Driver(tokio::spawn(async move {
+        let _ = connection.await;
+    }));
+    let too_many = async {
+        flood.notified().await;
+        Err(format!(
+            "over {MAX_INFORMATIONAL} informational (1xx) answers"
+        ))
+    };
     let result = async {
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| e.to_string())?;
+        let response = tokio::select! {
+            answer = sender.send_request(request) => answer.map_err(|e| e.to_string())?,
+            failed = too_many => return failed,
+        };
         let (parts, incoming) = response.into_parts();
         let body = Limited::new(incoming, MAX_ANSWER_BYTES)
             .collect()
@@ -238,7 +269,6 @@ where
         Ok((parts.status, parts.headers, body))
     }
     .await;
-    driver.abort();
     result
 }
 

@@ -38,6 +38,10 @@ pub struct Row {
     pub result: Finding,
     /// What was seen: statuses, timings, counts; for "not observed", why.
     pub evidence: String,
+    /// Executions were judged from the answers alone (no `--executions`):
+    /// an endpoint whose answers depend only on the key would get the same
+    /// result while running every request.
+    pub by_answers: bool,
 }
 
 impl Row {
@@ -48,7 +52,14 @@ impl Row {
             requirement: check.requirement,
             result,
             evidence: evidence.into(),
+            by_answers: false,
         }
+    }
+
+    /// The row, marked as judged from the answers alone.
+    pub fn by_answers(mut self) -> Row {
+        self.by_answers = true;
+        self
     }
 }
 
@@ -63,7 +74,8 @@ pub struct Report {
     pub executions: Option<String>,
     pub rows: Vec<Row>,
     pub summary: Summary,
-    /// 0: every MUST row met (or not observed); 1: a MUST row failed.
+    /// 0: every MUST row met (or not observed); 1: a MUST row failed;
+    /// 2: no MUST row could be observed (the endpoint could not be exercised).
     pub exit_code: u8,
 }
 
@@ -95,7 +107,14 @@ impl Report {
                 }
             }
         }
-        let exit_code = u8::from(summary.must_failed > 0);
+        let musts = rows.iter().filter(|r| r.level == Level::Must).count();
+        let exit_code = if summary.must_failed > 0 {
+            1
+        } else if musts > 0 && summary.must_not_observed == musts {
+            2
+        } else {
+            0
+        };
         Report {
             tool: "idemproxy conformance",
             version: env!("CARGO_PKG_VERSION"),
@@ -113,10 +132,13 @@ impl Report {
         let mut out = String::from("| id | level | requirement | result | evidence |\n");
         out.push_str("|---|---|---|---|---|\n");
         for row in &self.rows {
-            let result = match row.result {
+            let mut result = match row.result {
                 Finding::Fail => "**FAIL**".to_string(),
                 ref r => r.to_string(),
             };
+            if row.by_answers {
+                result.push_str(" (by answers)");
+            }
             out.push_str(&format!(
                 "| `{}` | {} | {} | {} | {} |\n",
                 row.id,
@@ -129,6 +151,10 @@ impl Report {
         out.push('\n');
         out.push_str(&self.verdict());
         out.push('\n');
+        if self.executions.is_none() {
+            out.push_str(BY_ANSWERS);
+            out.push('\n');
+        }
         out
     }
 
@@ -137,6 +163,9 @@ impl Report {
         let s = &self.summary;
         let head = if s.must_failed > 0 {
             format!("{} MUST row(s) failed (exit 1)", s.must_failed)
+        } else if self.exit_code == 2 {
+            "no MUST row could be observed: the endpoint could not be exercised (exit 2)"
+                .to_string()
         } else {
             "every MUST row observed was met (exit 0)".to_string()
         };
@@ -154,6 +183,11 @@ impl Report {
         line
     }
 }
+
+/// The last line of a run without `--executions`.
+const BY_ANSWERS: &str = "No --executions: executions were judged from the answers alone (rows \
+     marked \"by answers\"), which an endpoint that runs every request but answers by the key \
+     alone also passes; give --executions URL (a count of the operation's runs) to count them.";
 
 /// Text made safe for a Markdown table cell: no line breaks, `|` escaped.
 fn cell(text: &str) -> String {
@@ -182,6 +216,38 @@ mod tests {
         assert_eq!(report.exit_code, 1);
         assert!(report.table().contains("| `reuse-refused` | MUST |"));
         assert!(report.verdict().contains("1 MUST row(s) failed (exit 1)"));
+    }
+
+    #[test]
+    fn no_must_row_observed_is_exit_2() {
+        let rows: Vec<Row> = checks::ALL
+            .iter()
+            .map(|c| Row::new(c, Finding::NotObserved, "no answer"))
+            .collect();
+        let report = Report::new("http://x/".into(), "POST".into(), None, rows);
+        assert_eq!(report.exit_code, 2);
+        assert!(
+            report.verdict().contains("(exit 2)"),
+            "{}",
+            report.verdict()
+        );
+        assert!(report.table().contains("give --executions URL"));
+    }
+
+    #[test]
+    fn rows_judged_by_answers_say_so() {
+        let rows = vec![Row::new(&checks::RETRY_RUNS_ONCE, Finding::Pass, "same").by_answers()];
+        let report = Report::new("http://x/".into(), "POST".into(), None, rows);
+        assert!(report.table().contains("| pass (by answers) |"));
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["rows"][0]["by_answers"], true);
+        let counted = Report::new(
+            "http://x/".into(),
+            "POST".into(),
+            Some("http://c/".into()),
+            vec![],
+        );
+        assert!(!counted.table().contains("give --executions"));
     }
 
     #[test]

@@ -99,10 +99,10 @@ impl Document {
     pub fn read(path: &Path) -> Result<Document, OpenapiError> {
         let (what, text) = if path.as_os_str() == "-" {
             let what = "standard input".to_string();
-            let text = std::io::read_to_string(std::io::stdin());
-            (what, text)
+            (what, read_capped(std::io::stdin()))
         } else {
-            (path.display().to_string(), std::fs::read_to_string(path))
+            let text = std::fs::File::open(path).and_then(read_capped);
+            (path.display().to_string(), text)
         };
         let text = text.map_err(|source| OpenapiError::Read {
             what: what.clone(),
@@ -111,27 +111,24 @@ impl Document {
         Document::parse(&text, &what)
     }
 
-    /// JSON when the text starts with `{`, YAML otherwise; then the version.
+    /// JSON when the text starts with `{` or `[`, YAML otherwise; then the version.
+    /// Text over [`MAX_BYTES`], or YAML nested deeper than [`MAX_DEPTH`], is refused
+    /// before it is parsed.
     pub fn parse(text: &str, what: &str) -> Result<Document, OpenapiError> {
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let syntax = |message: String| OpenapiError::Syntax {
             what: what.to_string(),
             message,
         };
-        let yaml = || {
-            let mut root = serde_norway::from_str::<Value>(text)?;
-            // `<<: *anchor` merges, as YAML 1.1 readers (and OpenAPI tools) take them.
-            root.apply_merge()?;
-            Ok::<_, serde_norway::Error>(root)
-        };
-        let (format, root) = if text.trim_start().starts_with('{') {
-            match serde_json::from_str::<Value>(text) {
-                Ok(root) => (Format::Json, root),
-                // A YAML flow mapping is not always JSON; a JSON error says more.
-                Err(e) => (Format::Yaml, yaml().map_err(|_| syntax(e.to_string()))?),
-            }
+        if text.len() > MAX_BYTES {
+            return Err(syntax(too_large()));
+        }
+        let (format, root) = if text.trim_start().starts_with(['{', '[']) {
+            // JSON, read by serde_json alone (its nesting limit, in linear time).
+            let root = serde_json::from_str::<Value>(text).map_err(|e| syntax(e.to_string()))?;
+            (Format::Json, root)
         } else {
-            (Format::Yaml, yaml().map_err(|e| syntax(e.to_string()))?)
+            (Format::Yaml, yaml(text).map_err(syntax)?)
         };
         if !root.is_mapping() {
             return Err(syntax("the document is not a mapping (an object)".into()));
@@ -233,6 +230,74 @@ impl Document {
         }
         Some(value)
     }
+}
+
+/// The most a document may hold: the largest real descriptions are about 13 MB.
+pub const MAX_BYTES: usize = 64 << 20;
+
+/// The deepest a YAML document may nest, by a scan of its flow brackets and
+/// indentation before the parser sees it: the YAML parser takes time growing
+/// with the square of the depth, and its reader refuses more than 128 levels
+/// anyway. Real descriptions nest about 20 levels.
+pub const MAX_DEPTH: usize = 1_000;
+
+fn too_large() -> String {
+    format!("over {} MiB: not read", MAX_BYTES >> 20)
+}
+
+/// At most [`MAX_BYTES`] and one more byte of `source`, as text.
+fn read_capped(source: impl std::io::Read) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    source
+        .take(MAX_BYTES as u64 + 1)
+        .read_to_string(&mut text)?;
+    if text.len() > MAX_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            too_large(),
+        ));
+    }
+    Ok(text)
+}
+
+/// A YAML document, once [`nesting`] says it is not too deep to parse.
+fn yaml(text: &str) -> Result<Value, String> {
+    let depth = nesting(text);
+    if depth > MAX_DEPTH {
+        return Err(format!(
+            "nested {depth} levels deep or more, over the {MAX_DEPTH} read"
+        ));
+    }
+    let mut root = serde_norway::from_str::<Value>(text).map_err(|e| e.to_string())?;
+    // `<<: *anchor` merges, as YAML 1.1 readers (and OpenAPI tools) take them.
+    root.apply_merge().map_err(|e| e.to_string())?;
+    Ok(root)
+}
+
+/// An upper bound of a YAML text's nesting, in one pass: the open flow
+/// brackets (`[`, `{`; a close never below none) plus a line's indentation,
+/// with the `- ` and `? ` indicators that nest on one line. Brackets in
+/// scalars count too, which only ever overstates it.
+pub fn nesting(text: &str) -> usize {
+    let mut flow = 0usize;
+    let mut deepest = 0usize;
+    for line in text.lines() {
+        let body = line.trim_start_matches([' ', '\t', '-', '?']);
+        let indent = line.len() - body.len();
+        deepest = deepest.max(flow + indent);
+        for b in body.bytes() {
+            match b {
+                b'[' | b'{' => {
+                    flow += 1;
+                    deepest = deepest.max(flow + indent);
+                }
+                b']' | b'}' => flow = flow.saturating_sub(1),
+                _ => {}
+            }
+        }
+    }
+    deepest
 }
 
 /// The version a document declares: 3.0.x or 3.1.x; Swagger 2.0 and the rest are refused.

@@ -56,6 +56,9 @@ pub fn routes(doc: &Document, unsafe_methods: bool) -> Result<Routes, OpenapiErr
             continue;
         };
         selected += 1;
+        if op.path.chars().any(char::is_control) {
+            return Err(control_in_path(doc, op));
+        }
         let (path, shape) = match proxy_path(&op.path) {
             Ok(done) => done,
             Err(why) => {
@@ -95,6 +98,9 @@ pub fn routes(doc: &Document, unsafe_methods: bool) -> Result<Routes, OpenapiErr
     }
     if selected == 0 {
         return Err(nothing_selected(doc, all.len(), unsafe_methods));
+    }
+    if routes.is_empty() {
+        return Err(nothing_written(doc, selected, &notes));
     }
     // Most specific first: a stable sort keeps the document's order among equals.
     routes.sort_by_key(|r| r.shape.iter().map(Option::is_none).collect::<Vec<_>>());
@@ -149,6 +155,33 @@ fn nothing_selected(doc: &Document, operations: usize, unsafe_methods: bool) -> 
     OpenapiError::Nothing {
         what: doc.what.clone(),
         message,
+    }
+}
+
+/// A selected operation whose path holds a line break, a tab or another
+/// control character: no request line carries one, so no route could match
+/// it, and such a path must not reach the output's comments.
+fn control_in_path(doc: &Document, op: &Operation) -> OpenapiError {
+    OpenapiError::Invalid {
+        what: doc.what.clone(),
+        message: format!(
+            "{} {:?}: the path holds a control character (a line break, a tab...): no request \
+             can have that path",
+            op.method.to_ascii_uppercase(),
+            op.path
+        ),
+    }
+}
+
+/// Every selected operation was left out: there is nothing to write.
+fn nothing_written(doc: &Document, selected: usize, notes: &[String]) -> OpenapiError {
+    OpenapiError::Nothing {
+        what: doc.what.clone(),
+        message: format!(
+            "no route written: the {} selected were all left out ({})",
+            super::count(selected, "operation"),
+            notes.join("; ")
+        ),
     }
 }
 
@@ -344,8 +377,10 @@ fn to_toml(
         out.push('\n');
         for (op, id) in &r.operations {
             match id {
-                Some(id) => out.push_str(&format!("# {} ({})\n", op.label(), comment(id))),
-                None => out.push_str(&format!("# {}\n", op.label())),
+                Some(id) => {
+                    out.push_str(&format!("# {} ({})\n", comment(&op.label()), comment(id)))
+                }
+                None => out.push_str(&format!("# {}\n", comment(&op.label()))),
             }
         }
         let methods: Vec<String> = r.methods.iter().map(|m| quoted(m)).collect();
@@ -382,6 +417,31 @@ mod tests {
         assert_eq!(p.text, "/a%20b/%2A/%C3%A9");
         assert_eq!(proxy_path("/").unwrap().0.text, "/");
         assert_eq!(proxy_path("/v1/items/").unwrap().0.text, "/v1/items");
+    }
+
+    /// A line break in anything a comment holds ends the comment: the rest
+    /// would be read as TOML (a `[store]` of the document's choosing).
+    #[test]
+    fn comments_hold_no_line_breaks() {
+        let json = r#"{"openapi": "3.0.0", "info": {"title": "t\n[store]"}, "paths": {}}"#;
+        let doc = Document::parse(json, "doc\n[server]").unwrap();
+        let hostile = "\n[store]\nbackend = \"redis\"\nurl = \"redis://evil:6379\"\n#";
+        let op = Operation {
+            path: format!("/a{hostile}"),
+            method: "post".into(),
+        };
+        let route = RouteOut {
+            name: "a".into(),
+            methods: vec!["POST".into()],
+            path: "/a".into(),
+            key: KeyMode::Required,
+            operations: vec![(op.clone(), Some(format!("id{hostile}"))), (op, None)],
+            shape: vec![Some("a".into())],
+        };
+        let text = to_toml(&doc, 1, 1, false, &[route]);
+        let table: toml::Table = text.parse().unwrap();
+        assert_eq!(table.keys().collect::<Vec<_>>(), ["routes"], "{text}");
+        assert_eq!(table["routes"].as_array().unwrap().len(), 1);
     }
 
     #[test]

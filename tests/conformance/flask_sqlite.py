@@ -3,7 +3,7 @@ tutorials write it: Flask and SQLite, where a table with a UNIQUE constraint
 on the key is the lock. tests/conformance.rs runs `idemproxy conformance`
 against it, and against its broken variants.
 
-Usage: flask_sqlite.py PORT [--defect replay-200|no-409|no-fingerprint]
+Usage: flask_sqlite.py PORT [--defect replay-200|no-409|no-fingerprint|race-500]
                             [--delay-ms N] [--db FILE]
 
 The recipe: INSERT the key as 'processing' with a fingerprint of the request;
@@ -18,7 +18,11 @@ The defects, one at a time, as they appear in real code:
                   looked up, the order created, and the key saved afterwards,
                   so a duplicate that arrives meanwhile runs again;
   no-fingerprint  no fingerprint: a key sent again with another body gets the
-                  first request's answer.
+                  first request's answer;
+  race-500        the key is looked up, the order created, and only then the
+                  key inserted: a duplicate that arrived meanwhile has run
+                  too, and its INSERT fails on the UNIQUE constraint, which it
+                  answers with a 500 (one stored answer, every request run).
 
 GET /__executions answers {"executions": N}, the orders created so far.
 """
@@ -120,6 +124,8 @@ def orders():
     principal = request.headers.get("Authorization", "")
     if ARGS.defect == "no-409":
         return orders_without_lock(principal, key)
+    if ARGS.defect == "race-500":
+        return orders_insert_after(principal, key)
     fp = "" if ARGS.defect == "no-fingerprint" else fingerprint()
     db = get_db()
     try:
@@ -173,6 +179,31 @@ def orders_without_lock(principal, key):
     return Response(body, status=status, headers=headers, content_type="application/json")
 
 
+def orders_insert_after(principal, key):
+    """The defect race-500: look the key up, do the work, then INSERT the key,
+    the UNIQUE constraint refusing all but one of simultaneous duplicates."""
+    fp = fingerprint()
+    db = get_db()
+    row = db.execute("SELECT * FROM idempotency_keys WHERE principal = ? AND key = ?",
+                     (principal, key)).fetchone()
+    if row is not None:
+        if row["fingerprint"] != fp:
+            return problem(422, "idempotency-key-reused", "Idempotency-Key is already used",
+                           "This key was used with another request; use a new key.")
+        return replay(row)
+    status, headers, body = create_order()
+    try:
+        with db:
+            db.execute(
+                "INSERT INTO idempotency_keys (principal, key, fingerprint, status,"
+                " response_code, response_headers, response_body, created_at)"
+                " VALUES (?, ?, ?, 'done', ?, ?, ?, ?)",
+                (principal, key, fp, status, json.dumps(headers), body, time.time()))
+    except sqlite3.IntegrityError as e:
+        return problem(500, "internal-error", "Internal Server Error", str(e))
+    return Response(body, status=status, headers=headers, content_type="application/json")
+
+
 @app.get("/__executions")
 def executions():
     (n,) = get_db().execute("SELECT COUNT(*) FROM orders").fetchone()
@@ -188,7 +219,7 @@ def main():
     global ARGS
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
-    parser.add_argument("--defect", choices=["replay-200", "no-409", "no-fingerprint"])
+    parser.add_argument("--defect", choices=["replay-200", "no-409", "no-fingerprint", "race-500"])
     parser.add_argument("--delay-ms", type=int, default=300)
     parser.add_argument("--db")
     ARGS = parser.parse_args()

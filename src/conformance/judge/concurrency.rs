@@ -42,7 +42,11 @@ pub(super) fn in_flight_409(obs: &Observations) -> Row {
     };
     if twice {
         let why = "both ran: the duplicate was executed again";
-        return Row::new(check, Finding::Fail, format!("{seen}: {why}"));
+        let row = Row::new(check, Finding::Fail, format!("{seen}: {why}"));
+        return match obs.in_flight.executions {
+            Some(_) => row,
+            None => row.by_answers(),
+        };
     }
     held_or_too_fast(obs, first, dup, seen)
 }
@@ -96,21 +100,34 @@ pub(super) fn concurrent_runs_once(obs: &Observations, telling: &Telling) -> Row
             results.push(e);
         }
     }
+    // A request that failed may have run before it failed (a unique-constraint
+    // error after the work): only a counter can show it did not.
+    let failed = answers
+        .iter()
+        .filter(|a| a.as_ref().map_or(true, |e| e.status.is_server_error()))
+        .count();
     match (results.len(), telling) {
         (0, _) => {
             let why = "no request succeeded";
             Row::new(check, Finding::NotObserved, format!("{statuses}; {why}"))
         }
+        (1, _) if failed > 0 => {
+            let why = format!(
+                "{failed} of them failed (a 5xx or no answer), and a failed answer may hide an \
+                 execution (give --executions)"
+            );
+            Row::new(check, Finding::NotObserved, format!("{statuses}; {why}"))
+        }
         (1, Telling::Yes) => {
             let why = "one result among them";
-            Row::new(check, Finding::Pass, format!("{statuses}: {why}"))
+            Row::new(check, Finding::Pass, format!("{statuses}: {why}")).by_answers()
         }
         (1, Telling::No(why)) => {
             Row::new(check, Finding::NotObserved, format!("{statuses}; {why}"))
         }
         (n, _) => {
             let why = format!("{n} different 2xx answers to one request: it ran {n} times");
-            Row::new(check, Finding::Fail, format!("{statuses}: {why}"))
+            Row::new(check, Finding::Fail, format!("{statuses}: {why}")).by_answers()
         }
     }
 }

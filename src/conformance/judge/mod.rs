@@ -6,7 +6,9 @@
 //! holds for the endpoint when two keys with one body get different answers;
 //! when they get byte-identical ones, the kit cannot tell a replay from a
 //! second execution, and every row that rests on that is "not observed"
-//! rather than a pass.
+//! rather than a pass. Rows judged so are marked `by_answers`: an endpoint
+//! whose answers depend only on the key (it runs every request, and answers
+//! each with a digest of its key) passes them, which only a counter can tell.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -130,14 +132,15 @@ fn retry_runs_once(obs: &Observations, telling: &Telling) -> Row {
     if r.status.is_success() {
         if !same_result(&obs.first.body, &r.body) {
             let why = "a 2xx with another body: the operation ran again";
-            return Row::new(check, Finding::Fail, format!("{seen}: {why}"));
+            return Row::new(check, Finding::Fail, format!("{seen}: {why}")).by_answers();
         }
         return match telling {
             Telling::Yes => Row::new(
                 check,
                 Finding::Pass,
                 format!("{seen}: the first's body, and another key's answer differs"),
-            ),
+            )
+            .by_answers(),
             Telling::No(why) => Row::new(check, Finding::NotObserved, format!("{seen}; {why}")),
         };
     }
@@ -268,6 +271,7 @@ fn new_key_new_operation(obs: &Observations) -> Row {
         Finding::Pass,
         format!("{seen}: an answer of its own"),
     )
+    .by_answers()
 }
 
 /// A request that must be refused with a 4xx: run (2xx) or failed otherwise is a failure.
@@ -406,7 +410,7 @@ fn principal_scope(obs: &Observations, telling: &Telling) -> Row {
         None if same_result(&first.body, &other.body) => match telling {
             Telling::Yes => {
                 let why = "the first principal's answer, given to the other";
-                Row::new(check, Finding::Fail, format!("{seen}: {why}"))
+                Row::new(check, Finding::Fail, format!("{seen}: {why}")).by_answers()
             }
             Telling::No(why) => Row::new(check, Finding::NotObserved, format!("{seen}; {why}")),
         },
@@ -414,7 +418,8 @@ fn principal_scope(obs: &Observations, telling: &Telling) -> Row {
             check,
             Finding::Pass,
             format!("{seen}: an answer of its own"),
-        ),
+        )
+        .by_answers(),
     }
 }
 
