@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
@@ -33,16 +32,14 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use serde::de::IgnoredAny;
-use serde::Deserialize;
-use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use super::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
 use super::Settings;
 use crate::config::TlsFiles;
 use crate::tls::{Certificates, Tls, TlsError};
+
+mod review;
 
 /// The largest review read. The API server takes request bodies of at most
 /// 3 MiB (its `--max-request-bytes` default) and etcd stores objects of at most
@@ -377,7 +374,7 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
             );
         }
     };
-    match review(shared, &body, scope) {
+    match review::review(shared, &body, scope) {
         Ok(answer) => {
             let mut r = text(StatusCode::OK, answer.to_string());
             r.headers_mut().insert(
@@ -396,228 +393,4 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
 
 fn count(shared: &Shared, outcome: &'static str) {
     shared.reviews.get_or_create(&ReviewLabel { outcome }).inc();
-}
-
-/// The fields of an AdmissionReview the injector reads; serde skips the
-/// others without keeping them. `O` is the Pod: a `Value`, or nothing at all.
-#[derive(Deserialize)]
-struct Review<O> {
-    #[serde(rename = "apiVersion")]
-    api_version: Option<String>,
-    request: Option<ReviewRequest<O>>,
-}
-
-#[derive(Deserialize)]
-struct ReviewRequest<O> {
-    uid: Option<String>,
-    kind: Option<Kind>,
-    operation: Option<String>,
-    namespace: Option<String>,
-    object: Option<O>,
-}
-
-#[derive(Deserialize)]
-struct Kind {
-    kind: Option<String>,
-}
-
-/// An upper bound on the JSON values and keys in `body`: the `{`, `[`, `,`
-/// and `:` outside strings, plus one. No allocation, one pass.
-fn json_nodes(body: &[u8]) -> usize {
-    let (mut n, mut in_string, mut escaped) = (1, false, false);
-    for &b in body {
-        if in_string {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b'{' | b'[' | b',' | b':' => n += 1,
-                _ => {}
-            }
-        }
-    }
-    n
-}
-
-/// A warning for `kubectl` (one line, printable, short).
-fn warning(message: &str) -> String {
-    let mut w = String::from("idemproxy: the sidecar was not added: ");
-    for c in message.chars() {
-        if w.chars().count() >= MAX_WARNING_CHARS {
-            w.push('…');
-            break;
-        }
-        w.push(if c.is_control() { ' ' } else { c });
-    }
-    w
-}
-
-/// The AdmissionReview answer; `Err` only when there is no review to answer (no uid).
-fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<serde_json::Value, String> {
-    let nodes = json_nodes(body);
-    let (api_version, uid, decision) = if nodes > MAX_REVIEW_NODES {
-        let review: Review<IgnoredAny> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let uid = request
-            .uid
-            .ok_or("not an AdmissionReview: no request.uid")?;
-        tracing::warn!(
-            namespace = request.namespace.as_deref().unwrap_or(""),
-            nodes,
-            limit = MAX_REVIEW_NODES,
-            "review too large to read; allowed unchanged"
-        );
-        let message = format!(
-            "the review holds more than {MAX_REVIEW_NODES} JSON values, more than the injector reads"
-        );
-        (
-            review.api_version,
-            uid,
-            Decision {
-                outcome: "too_large",
-                patch: None,
-                warning: Some(warning(&message)),
-            },
-        )
-    } else {
-        let review: Review<serde_json::Value> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let uid = request
-            .uid
-            .clone()
-            .ok_or("not an AdmissionReview: no request.uid")?;
-        let decision = decide(shared, &request, scope);
-        (review.api_version, uid, decision)
-    };
-    count(shared, decision.outcome);
-    let mut response = json!({ "uid": uid, "allowed": true });
-    if let Some(patch) = decision.patch {
-        response["patchType"] = "JSONPatch".into();
-        response["patch"] = base64::engine::general_purpose::STANDARD
-            .encode(patch)
-            .into();
-    }
-    if let Some(w) = decision.warning {
-        response["warnings"] = json!([w]);
-    }
-    Ok(json!({
-        "apiVersion": api_version.as_deref().unwrap_or("admission.k8s.io/v1"),
-        "kind": "AdmissionReview",
-        "response": response,
-    }))
-}
-
-/// What the injector makes of one review.
-struct Decision {
-    /// The `idemproxy_injector_reviews_total` label.
-    outcome: &'static str,
-    patch: Option<Vec<u8>>,
-    /// For a Pod that asked for the sidecar and did not get it.
-    warning: Option<String>,
-}
-
-impl Decision {
-    fn quiet(outcome: &'static str) -> Decision {
-        Decision {
-            outcome,
-            patch: None,
-            warning: None,
-        }
-    }
-
-    fn warned(outcome: &'static str, message: &str) -> Decision {
-        Decision {
-            outcome,
-            patch: None,
-            warning: Some(warning(message)),
-        }
-    }
-}
-
-/// Injects the review's Pod if it is selected; the patch, and a warning when
-/// a Pod that asked for the sidecar cannot have it.
-fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Scope) -> Decision {
-    let object = request.object.as_ref();
-    let meta_str = |key: &str| {
-        object
-            .and_then(|o| o.get("metadata"))
-            .and_then(|m| m.get(key))
-            .and_then(serde_json::Value::as_str)
-    };
-    let pod_name = meta_str("name")
-        .or(meta_str("generateName"))
-        .unwrap_or("")
-        .to_owned();
-    let namespace = request.namespace.clone().unwrap_or_default();
-    let kind = request.kind.as_ref().and_then(|k| k.kind.as_deref());
-    if kind != Some("Pod") || request.operation.as_deref() != Some("CREATE") {
-        return Decision::quiet("not_selected");
-    }
-    let Some(object) = object else {
-        tracing::warn!(%namespace, "admission review without an object; allowed unchanged");
-        return Decision::quiet("failed");
-    };
-    let annotation = object
-        .get("metadata")
-        .and_then(|m| m.get("annotations"))
-        .and_then(|a| a.get(INJECT_ANNOTATION))
-        .and_then(serde_json::Value::as_str);
-    if scope == Scope::Annotated && annotation != Some("enabled") {
-        return Decision::quiet("not_selected");
-    }
-    let mut pod: serde_norway::Value = match serde_norway::to_value(object) {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot read the pod; allowed unchanged");
-            return Decision::warned("failed", &format!("cannot read the pod: {e}"));
-        }
-    };
-    match inject_pod(&mut pod, None, &[], &shared.settings) {
-        Ok(Outcome::Injected(change)) => {
-            let after = match serde_json::to_value(&pod) {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the pod; allowed unchanged");
-                    return Decision::warned("failed", &format!("cannot write the pod: {e}"));
-                }
-            };
-            let patch = json_patch::diff(object, &after);
-            match serde_json::to_vec(&patch) {
-                Ok(bytes) => {
-                    tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
-                    Decision {
-                        outcome: "injected",
-                        patch: Some(bytes),
-                        warning: None,
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the patch; allowed unchanged");
-                    Decision::warned("failed", &format!("cannot write the patch: {e}"))
-                }
-            }
-        }
-        Ok(Outcome::AlreadyInjected) => Decision::quiet("already_injected"),
-        Ok(Outcome::Skipped(reason)) => {
-            tracing::info!(%namespace, pod = %pod_name, %reason, "pod left as it was");
-            // A Pod that asked by its annotation is told; one that only sits in
-            // an injected namespace (a Redis, say) is not.
-            if annotation == Some("enabled") {
-                Decision::warned("skipped", &reason)
-            } else {
-                Decision::quiet("skipped")
-            }
-        }
-        Err(e) => {
-            tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot inject; allowed unchanged");
-            Decision::warned("failed", &e.to_string())
-        }
-    }
 }
