@@ -516,6 +516,35 @@ async fn reviews_meant_to_exhaust_its_memory_stay_within_the_limit() {
     assert_eq!(apply(&pod, &response), inject(&pod));
 }
 
+/// A Pod whose field-by-field patch would be 130 MB from a 200 KB review:
+/// two init containers under one 100 KB key, their 1 000 values each
+/// differing, and the sidecar shifting them, so that each value's path
+/// repeats the key (it made the injector hold 312 MiB). The patch is about
+/// the Pod's size instead, and says the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_patch_is_never_much_larger_than_the_pod() {
+    let injector = Injector::start().await;
+    let pid = injector.child.as_ref().unwrap().id();
+    let mut pod = frontend_pod(json!({"idemproxy.dev/inject": "enabled"}));
+    let key = "k".repeat(100_000);
+    let values = |first: u32| -> Vec<u32> { (0..1000).map(|i| (first + i) % 2).collect() };
+    pod["spec"]["initContainers"] = json!([
+        {"name": "a", "image": "busybox:1.36", &key: values(0)},
+        {"name": "b", "image": "busybox:1.36", &key: values(1)}
+    ]);
+    let review = admission_review(&pod).to_string();
+    let response = injector.review("/mutate", &pod).await;
+    let patch = response["patch"].as_str().expect("a patch").len();
+    eprintln!(
+        "review {} bytes, patch {patch} bytes (base64), peak RSS {} KiB",
+        review.len(),
+        peak_rss(pid) >> 10
+    );
+    assert!(patch < 2 * review.len(), "{patch}");
+    assert_eq!(apply(&pod, &response), inject(&pod));
+    assert!(peak_rss(pid) < 64 << 20, "{} KiB", peak_rss(pid) >> 10);
+}
+
 /// A connection that sends no request is closed after the idle timeout (10 s),
 /// HTTP/2 included: a client cannot hold connections open for nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,7 +39,10 @@ use super::Settings;
 use crate::config::TlsFiles;
 use crate::tls::{Certificates, Tls, TlsError};
 
+mod patch;
 mod review;
+
+pub use patch::MAX_PATCH_BYTES;
 
 /// The largest review read. The API server takes request bodies of at most
 /// 3 MiB (its `--max-request-bytes` default) and etcd stores objects of at most
@@ -376,7 +379,7 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
     };
     match review::review(shared, &body, scope) {
         Ok(answer) => {
-            let mut r = text(StatusCode::OK, answer.to_string());
+            let mut r = text(StatusCode::OK, answer);
             r.headers_mut().insert(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),

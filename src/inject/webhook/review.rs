@@ -1,13 +1,17 @@
 //! One AdmissionReview read and answered: the fields it needs, the Pod
 //! injected, the patch and the warning.
 
-use base64::Engine as _;
 use serde::de::IgnoredAny;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 
+use super::patch::{self, TooLarge, MAX_PATCH_BYTES};
 use super::{count, Scope, Shared, MAX_REVIEW_NODES, MAX_WARNING_CHARS};
 use crate::inject::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
+
+/// The longest `request.uid` answered (the API server's are UUIDs, 36 bytes).
+pub const MAX_UID_BYTES: usize = 128;
+/// The longest `apiVersion` answered (`admission.k8s.io/v1` is 20 bytes).
+pub const MAX_API_VERSION_BYTES: usize = 64;
 
 /// The fields of an AdmissionReview the injector reads; serde skips the
 /// others without keeping them. `O` is the Pod: a `Value`, or nothing at all.
@@ -68,20 +72,15 @@ fn warning(message: &str) -> String {
     w
 }
 
-/// The AdmissionReview answer; `Err` only when there is no review to answer (no uid).
-pub(super) fn review(
-    shared: &Shared,
-    body: &[u8],
-    scope: Scope,
-) -> Result<serde_json::Value, String> {
+/// The AdmissionReview answer, serialised; `Err` only when there is no
+/// review to answer (no uid, or a uid or apiVersion too long to be one).
+pub(super) fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<Vec<u8>, String> {
     let nodes = json_nodes(body);
     let (api_version, uid, decision) = if nodes > MAX_REVIEW_NODES {
         let review: Review<IgnoredAny> =
             serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
         let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let uid = request
-            .uid
-            .ok_or("not an AdmissionReview: no request.uid")?;
+        let (api_version, uid) = echoed(review.api_version, request.uid)?;
         tracing::warn!(
             namespace = request.namespace.as_deref().unwrap_or(""),
             nodes,
@@ -92,7 +91,7 @@ pub(super) fn review(
             "the review holds more than {MAX_REVIEW_NODES} JSON values, more than the injector reads"
         );
         (
-            review.api_version,
+            api_version,
             uid,
             Decision {
                 outcome: "too_large",
@@ -104,29 +103,84 @@ pub(super) fn review(
         let review: Review<serde_json::Value> =
             serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
         let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let uid = request
-            .uid
-            .clone()
-            .ok_or("not an AdmissionReview: no request.uid")?;
+        let (api_version, uid) = echoed(review.api_version, request.uid.clone())?;
         let decision = decide(shared, &request, scope);
-        (review.api_version, uid, decision)
+        (api_version, uid, decision)
     };
     count(shared, decision.outcome);
-    let mut response = json!({ "uid": uid, "allowed": true });
-    if let Some(patch) = decision.patch {
-        response["patchType"] = "JSONPatch".into();
-        response["patch"] = base64::engine::general_purpose::STANDARD
-            .encode(patch)
-            .into();
+    let answer = Answer {
+        api_version: &api_version,
+        kind: "AdmissionReview",
+        response: AnswerResponse {
+            uid: &uid,
+            allowed: true,
+            patch_type: decision.patch.as_ref().map(|_| "JSONPatch"),
+            patch: decision.patch.as_deref().map(Base64),
+            warnings: decision.warning.as_deref().map(|w| [w]),
+        },
+    };
+    let size = decision
+        .patch
+        .as_ref()
+        .map_or(0, |p| p.len().div_ceil(3) * 4);
+    let mut out = Vec::with_capacity(size + 512);
+    serde_json::to_writer(&mut out, &answer)
+        .map_err(|e| format!("cannot write the answer: {e}"))?;
+    Ok(out)
+}
+
+/// The apiVersion and uid the answer repeats, checked for length: an answer
+/// is not made larger by what the review chose to put there.
+fn echoed(api_version: Option<String>, uid: Option<String>) -> Result<(String, String), String> {
+    let uid = uid.ok_or("not an AdmissionReview: no request.uid")?;
+    if uid.len() > MAX_UID_BYTES {
+        return Err(format!(
+            "not an AdmissionReview: a request.uid of {} bytes (a UID has 36)",
+            uid.len()
+        ));
     }
-    if let Some(w) = decision.warning {
-        response["warnings"] = json!([w]);
+    let api_version = api_version.unwrap_or_else(|| "admission.k8s.io/v1".into());
+    if api_version.len() > MAX_API_VERSION_BYTES {
+        return Err(format!(
+            "not an AdmissionReview: an apiVersion of {} bytes",
+            api_version.len()
+        ));
     }
-    Ok(json!({
-        "apiVersion": api_version.as_deref().unwrap_or("admission.k8s.io/v1"),
-        "kind": "AdmissionReview",
-        "response": response,
-    }))
+    Ok((api_version, uid))
+}
+
+/// The AdmissionReview answered, serialised as it is written: the patch is
+/// encoded into the answer, not into a string of its own first.
+#[derive(Serialize)]
+struct Answer<'a> {
+    #[serde(rename = "apiVersion")]
+    api_version: &'a str,
+    kind: &'static str,
+    response: AnswerResponse<'a>,
+}
+
+#[derive(Serialize)]
+struct AnswerResponse<'a> {
+    uid: &'a str,
+    allowed: bool,
+    #[serde(rename = "patchType", skip_serializing_if = "Option::is_none")]
+    patch_type: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<Base64<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warnings: Option<[&'a str; 1]>,
+}
+
+/// Bytes as standard base64, written straight into the answer.
+struct Base64<'a>(&'a [u8]);
+
+impl Serialize for Base64<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&base64::display::Base64Display::new(
+            self.0,
+            &base64::engine::general_purpose::STANDARD,
+        ))
+    }
 }
 
 /// What the injector makes of one review.
@@ -203,8 +257,7 @@ fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Sc
                     return Decision::warned("failed", &format!("cannot write the pod: {e}"));
                 }
             };
-            let patch = json_patch::diff(object, &after);
-            match serde_json::to_vec(&patch) {
+            match patch::patch(object, &after) {
                 Ok(bytes) => {
                     tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
                     Decision {
@@ -213,9 +266,12 @@ fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Sc
                         warning: None,
                     }
                 }
-                Err(e) => {
-                    tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the patch; allowed unchanged");
-                    Decision::warned("failed", &format!("cannot write the patch: {e}"))
+                Err(TooLarge(bytes)) => {
+                    tracing::warn!(%namespace, pod = %pod_name, bytes, limit = MAX_PATCH_BYTES, "the patch would be too large; allowed unchanged");
+                    Decision::warned(
+                        "too_large",
+                        &format!("the patch would be over {MAX_PATCH_BYTES} bytes"),
+                    )
                 }
             }
         }
