@@ -73,7 +73,7 @@ pub const MAX_REVIEW_NODES: usize = 150_000;
 /// their bodies are whole; the others wait for [`QUEUE_WAIT`].
 pub const MAX_REVIEWS: usize = 4;
 /// Of which large reviews (a body over [`SMALL_REVIEW_BYTES`]) may take this
-/// many: the work on one near the value limit holds tens of MiB, and
+/// many: the work on one near the value limit holds up to about 28 MiB, and
 /// an ordinary Pod's review waits behind at most this many.
 pub const MAX_LARGE_REVIEWS: usize = 1;
 /// A review of at most this many bytes is small: an ordinary Pod's is 3 to

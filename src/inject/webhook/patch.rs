@@ -111,6 +111,30 @@ pub(super) fn patch(before: &Value, after: &Value) -> Result<Vec<u8>, TooLarge> 
     }
 }
 
+/// The coarse patch of a Pod whose spec alone changed: `spec` (any tree
+/// that serialises as JSON) replaces it.
+pub(super) fn replace_spec(spec: &impl Serialize) -> Result<Vec<u8>, TooLarge> {
+    #[derive(Serialize)]
+    struct Replace<'a, S> {
+        op: &'static str,
+        path: &'static str,
+        value: &'a S,
+    }
+    let ops = [Replace {
+        op: "replace",
+        path: "/spec",
+        value: spec,
+    }];
+    let mut count = Count(0);
+    serde_json::to_writer(&mut count, &ops).map_err(|_| TooLarge(0))?;
+    if count.0 > MAX_PATCH_BYTES {
+        return Err(TooLarge(count.0));
+    }
+    let mut out = Vec::with_capacity(count.0);
+    serde_json::to_writer(&mut out, &ops).map_err(|_| TooLarge(0))?;
+    Ok(out)
+}
+
 /// One operation per top-level field that differs (the whole document when either is not an object).
 fn top_level<'a>(before: &Value, after: &'a Value, ops: &mut Ops<'a>) {
     let (Value::Object(left), Value::Object(right)) = (before, after) else {

@@ -8,6 +8,10 @@ use super::patch::{self, TooLarge, MAX_PATCH_BYTES};
 use super::{count, Scope, Shared, MAX_REVIEW_NODES, MAX_WARNING_CHARS};
 use crate::inject::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
 
+/// A Pod of more JSON values than this is answered with its spec replaced
+/// whole, not field by field ([`decide`]).
+pub const FINE_PATCH_NODES: usize = 5_000;
+
 /// The longest `request.uid` answered (the API server's are UUIDs, 36 bytes).
 pub const MAX_UID_BYTES: usize = 128;
 /// The longest `apiVersion` answered (`admission.k8s.io/v1` is 20 bytes).
@@ -77,10 +81,7 @@ fn warning(message: &str) -> String {
 pub(super) fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<Vec<u8>, String> {
     let nodes = json_nodes(body);
     let (api_version, uid, decision) = if nodes > MAX_REVIEW_NODES {
-        let review: Review<IgnoredAny> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let (api_version, uid) = echoed(review.api_version, request.uid)?;
+        let (api_version, uid, request) = read::<IgnoredAny>(body)?;
         tracing::warn!(
             namespace = request.namespace.as_deref().unwrap_or(""),
             nodes,
@@ -90,22 +91,23 @@ pub(super) fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<Vec<u
         let message = format!(
             "the review holds more than {MAX_REVIEW_NODES} JSON values, more than the injector reads"
         );
+        (api_version, uid, Decision::warned("too_large", &message))
+    } else if nodes > FINE_PATCH_NODES {
+        let (api_version, uid, request) = read::<serde_norway::Value>(body)?;
+        let (request, object) = request.split();
         (
             api_version,
             uid,
-            Decision {
-                outcome: "too_large",
-                patch: None,
-                warning: Some(warning(&message)),
-            },
+            decide(shared, &request, object.map(Pod::Large), scope),
         )
     } else {
-        let review: Review<serde_json::Value> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let (api_version, uid) = echoed(review.api_version, request.uid.clone())?;
-        let decision = decide(shared, &request, scope);
-        (api_version, uid, decision)
+        let (api_version, uid, request) = read::<serde_json::Value>(body)?;
+        let (request, object) = request.split();
+        (
+            api_version,
+            uid,
+            decide(shared, &request, object.map(Pod::Small), scope),
+        )
     };
     count(shared, decision.outcome);
     let answer = Answer {
@@ -127,6 +129,64 @@ pub(super) fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<Vec<u
     serde_json::to_writer(&mut out, &answer)
         .map_err(|e| format!("cannot write the answer: {e}"))?;
     Ok(out)
+}
+
+/// The review in `body`, its Pod read as an `O`; the apiVersion and uid
+/// the answer repeats.
+fn read<O: serde::de::DeserializeOwned>(
+    body: &[u8],
+) -> Result<(String, String, ReviewRequest<O>), String> {
+    let review: Review<O> =
+        serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
+    let mut request = review.request.ok_or("not an AdmissionReview: no request")?;
+    let (api_version, uid) = echoed(review.api_version, request.uid.take())?;
+    Ok((api_version, uid, request))
+}
+
+impl<O> ReviewRequest<O> {
+    /// The request without its Pod, and the Pod.
+    fn split(mut self) -> (ReviewRequest<()>, Option<O>) {
+        let object = self.object.take();
+        let rest = ReviewRequest {
+            uid: None,
+            kind: self.kind,
+            operation: self.operation,
+            namespace: self.namespace,
+            object: None,
+        };
+        (rest, object)
+    }
+}
+
+/// The Pod of a review, as read: a small one as JSON, to be diffed field by
+/// field against what it becomes; a large one (more than
+/// [`FINE_PATCH_NODES`] values) as the YAML tree the injection works on, so
+/// that one tree of it is held at a time (about 500 bytes a value), and its
+/// spec is replaced whole.
+enum Pod {
+    Small(serde_json::Value),
+    Large(serde_norway::Value),
+}
+
+impl Pod {
+    fn metadata_str(&self, keys: &[&str]) -> Option<String> {
+        match self {
+            Pod::Small(v) => {
+                let mut v = v.get("metadata")?;
+                for k in keys {
+                    v = v.get(k)?;
+                }
+                v.as_str().map(str::to_owned)
+            }
+            Pod::Large(v) => {
+                let mut v = v.get("metadata")?;
+                for k in keys {
+                    v = v.get(k)?;
+                }
+                v.as_str().map(str::to_owned)
+            }
+        }
+    }
 }
 
 /// The apiVersion and uid the answer repeats, checked for length: an answer
@@ -212,18 +272,16 @@ impl Decision {
 
 /// Injects the review's Pod if it is selected; the patch, and a warning when
 /// a Pod that asked for the sidecar cannot have it.
-fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Scope) -> Decision {
-    let object = request.object.as_ref();
-    let meta_str = |key: &str| {
-        object
-            .and_then(|o| o.get("metadata"))
-            .and_then(|m| m.get(key))
-            .and_then(serde_json::Value::as_str)
-    };
-    let pod_name = meta_str("name")
-        .or(meta_str("generateName"))
-        .unwrap_or("")
-        .to_owned();
+fn decide(
+    shared: &Shared,
+    request: &ReviewRequest<()>,
+    object: Option<Pod>,
+    scope: Scope,
+) -> Decision {
+    let name = |key| object.as_ref()?.metadata_str(&[key]);
+    let pod_name = name("name")
+        .or_else(|| name("generateName"))
+        .unwrap_or_default();
     let namespace = request.namespace.clone().unwrap_or_default();
     let kind = request.kind.as_ref().and_then(|k| k.kind.as_deref());
     if kind != Some("Pod") || request.operation.as_deref() != Some("CREATE") {
@@ -233,54 +291,46 @@ fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Sc
         tracing::warn!(%namespace, "admission review without an object; allowed unchanged");
         return Decision::quiet("failed");
     };
-    let annotation = object
-        .get("metadata")
-        .and_then(|m| m.get("annotations"))
-        .and_then(|a| a.get(INJECT_ANNOTATION))
-        .and_then(serde_json::Value::as_str);
-    if scope == Scope::Annotated && annotation != Some("enabled") {
+    let annotation = object.metadata_str(&["annotations", INJECT_ANNOTATION]);
+    if scope == Scope::Annotated && annotation.as_deref() != Some("enabled") {
         return Decision::quiet("not_selected");
     }
-    let mut pod: serde_norway::Value = match serde_norway::to_value(object) {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot read the pod; allowed unchanged");
-            return Decision::warned("failed", &format!("cannot read the pod: {e}"));
-        }
+    let (before, mut pod) = match object {
+        Pod::Large(pod) => (None, pod),
+        Pod::Small(object) => match serde_norway::to_value(&object) {
+            Ok(pod) => (Some(object), pod),
+            Err(e) => {
+                tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot read the pod; allowed unchanged");
+                return Decision::warned("failed", &format!("cannot read the pod: {e}"));
+            }
+        },
     };
     match inject_pod(&mut pod, None, &[], &shared.settings) {
-        Ok(Outcome::Injected(change)) => {
-            let after = match serde_json::to_value(&pod) {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the pod; allowed unchanged");
-                    return Decision::warned("failed", &format!("cannot write the pod: {e}"));
-                }
-            };
-            match patch::patch(object, &after) {
-                Ok(bytes) => {
-                    tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
-                    Decision {
-                        outcome: "injected",
-                        patch: Some(bytes),
-                        warning: None,
-                    }
-                }
-                Err(TooLarge(bytes)) => {
-                    tracing::warn!(%namespace, pod = %pod_name, bytes, limit = MAX_PATCH_BYTES, "the patch would be too large; allowed unchanged");
-                    Decision::warned(
-                        "too_large",
-                        &format!("the patch would be over {MAX_PATCH_BYTES} bytes"),
-                    )
+        Ok(Outcome::Injected(change)) => match made_patch(before.as_ref(), pod) {
+            Ok(bytes) => {
+                tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
+                Decision {
+                    outcome: "injected",
+                    patch: Some(bytes),
+                    warning: None,
                 }
             }
-        }
+            Err(Unmade::TooLarge(bytes)) => {
+                tracing::warn!(%namespace, pod = %pod_name, bytes, limit = MAX_PATCH_BYTES, "the patch would be too large; allowed unchanged");
+                let message = format!("the patch would be over {MAX_PATCH_BYTES} bytes");
+                Decision::warned("too_large", &message)
+            }
+            Err(Unmade::Unwritable(e)) => {
+                tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the pod; allowed unchanged");
+                Decision::warned("failed", &format!("cannot write the pod: {e}"))
+            }
+        },
         Ok(Outcome::AlreadyInjected) => Decision::quiet("already_injected"),
         Ok(Outcome::Skipped(reason)) => {
             tracing::info!(%namespace, pod = %pod_name, %reason, "pod left as it was");
             // A Pod that asked by its annotation is told; one that only sits in
             // an injected namespace (a Redis, say) is not.
-            if annotation == Some("enabled") {
+            if annotation.as_deref() == Some("enabled") {
                 Decision::warned("skipped", &reason)
             } else {
                 Decision::quiet("skipped")
@@ -289,6 +339,35 @@ fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Sc
         Err(e) => {
             tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot inject; allowed unchanged");
             Decision::warned("failed", &e.to_string())
+        }
+    }
+}
+
+/// Why an injected Pod has no patch.
+enum Unmade {
+    TooLarge(usize),
+    Unwritable(String),
+}
+
+/// The patch from `before` to the injected `pod`, field by field; without
+/// `before` (a large Pod), the replacement of its spec, written straight
+/// from the YAML tree.
+fn made_patch(
+    before: Option<&serde_json::Value>,
+    mut pod: serde_norway::Value,
+) -> Result<Vec<u8>, Unmade> {
+    let too_large = |TooLarge(n)| Unmade::TooLarge(n);
+    match before {
+        Some(before) => {
+            // By value: the YAML tree's strings move into the JSON one.
+            let after = serde_json::Value::deserialize(pod)
+                .map_err(|e| Unmade::Unwritable(e.to_string()))?;
+            patch::patch(before, &after).map_err(too_large)
+        }
+        None => {
+            let spec = pod.get_mut("spec").map(std::mem::take).unwrap_or_default();
+            drop(pod);
+            patch::replace_spec(&spec).map_err(too_large)
         }
     }
 }
