@@ -772,6 +772,44 @@ async fn idle_bodies_do_not_take_the_review_slots() {
     assert!(injector.metric("malformed").await >= 24);
 }
 
+/// What idle bodies can hold of the body budget cannot turn an ordinary
+/// review away: two declaring 3 MiB (all the large ones may hold together)
+/// and 36 HTTP/2 connections of 4 streams declaring 16 KiB (the most a
+/// small one may), one byte each. Real reviews meanwhile find room, and
+/// are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordinary_review_finds_room_whatever_idle_bodies_hold() {
+    let injector = Injector::start().await;
+    let pod = frontend_pod(json!({"idemproxy.dev/inject": "enabled"}));
+    let large = futures_util::future::join_all((0..2).map(|_| idle_h1(&injector, 3 << 20))).await;
+    for (_, first, _) in &large {
+        assert!(first.starts_with("HTTP/1.1 100 Continue"), "{first}");
+    }
+    let mut small = Vec::new();
+    for _ in 0..36 {
+        let mut h2 = injector.h2(None).await;
+        let mut streams = Vec::new();
+        for _ in 0..4 {
+            let mut send = h2.send.clone().ready().await.expect("a stream");
+            let (response, mut body) = send
+                .send_request(injector.h2_review(16 << 10), false)
+                .unwrap();
+            body.send_data(Bytes::from_static(b"{"), false).unwrap();
+            streams.push((response, body));
+        }
+        h2.synced().await;
+        small.push((h2, streams));
+    }
+    for _ in 0..4 {
+        let asked = Instant::now();
+        let response = injector.review("/mutate", &pod).await;
+        assert!(asked.elapsed() < BODY_DEADLINE, "{:?}", asked.elapsed());
+        assert_eq!(apply(&pod, &response), inject(&pod));
+    }
+    assert_eq!(injector.metric("busy").await, 0);
+    drop((large, small));
+}
+
 /// The container's memory limit in `deploy/kubernetes/injector/deployment.yaml`, in bytes.
 fn memory_limit() -> u64 {
     let text = std::fs::read_to_string(

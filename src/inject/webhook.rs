@@ -12,18 +12,18 @@
 //! bounded, and slow clients cannot keep reviews from being answered:
 //!
 //! - a review's body (at most [`MAX_REVIEW_BYTES`]) is read first, within
-//!   [`BODY_DEADLINE`] of its headers, into room counted in the body budget
-//!   ([`BODY_BUDGET`]) as it comes ([`budget::read_body`]);
-//! - only then, room for its answer (as large as that body's answer can be)
+//!   [`BODY_DEADLINE`] of its headers, into room for its declared length
+//!   taken from the body budget ([`BODY_BUDGET`], [`budget::read_body`]);
+//! - only then, for a large review, room for the largest answer it can have
 //!   in the answer budget ([`ANSWER_BUDGET`]), and one of [`MAX_REVIEWS`]
 //!   slots for the work: reading at most [`MAX_REVIEW_NODES`] JSON values,
 //!   injecting, the patch ([`patch`]). A review that waits longer than
 //!   [`QUEUE_WAIT`] for either is answered 503: the API server then applies
 //!   the failure policy (Ignore: the pod is created without the sidecar), as
 //!   it would once its own timeout passed;
-//! - the answer holds its room until the client has taken it, and a
-//!   connection with an answer not taken within [`ANSWER_DEADLINE`] is
-//!   closed ([`conn`]);
+//! - an answer over one piece holds its room until the client has taken
+//!   it, and a connection with an answer not taken within
+//!   [`ANSWER_DEADLINE`] is closed ([`conn`]);
 //! - at most [`MAX_CONNECTIONS`] connections, [`MAX_STREAMS`] HTTP/2 streams
 //!   each, small flow-control windows, and a connection with nothing in
 //!   progress for [`IDLE_TIMEOUT`] is closed.
@@ -102,14 +102,18 @@ pub const BODY_DEADLINE: Duration = Duration::from_secs(5);
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
 /// The bodies being read or waiting for their turn, in bytes of buffer
 /// room. Large bodies (declaring more than [`SMALL_REVIEW_BYTES`], or
-/// nothing) hold at most [`LARGE_BODIES`] of it together: 2 MiB stays for
-/// small ones.
-pub const BODY_BUDGET: usize = 8 << 20;
+/// nothing) hold at most [`LARGE_BODIES`] of it together; the rest (4 MiB)
+/// is room for a small body on every stream there can be, so that a small
+/// review always finds room.
+pub const BODY_BUDGET: usize =
+    LARGE_BODIES + MAX_CONNECTIONS * MAX_STREAMS as usize * SMALL_REVIEW_BYTES;
 const LARGE_BODIES: usize = 6 << 20;
-/// The answers being made and sent, in bytes: a review takes room for the
-/// largest answer its body can have ([`answer_bound`]) before its work, and
-/// keeps what its answer needs until the client has taken it. Large answers
-/// (over [`SMALL_ANSWER`]) hold at most [`LARGE_ANSWERS`] together.
+/// The answers over one piece ([`PIECE_BYTES`]) being made and sent, in
+/// bytes: a large review takes room for the largest answer its body can
+/// have ([`answer_bound`]) before its work, any review room for an answer
+/// over a piece after it, kept until the client has taken it. Large answers
+/// (over [`SMALL_ANSWER`]) hold at most [`LARGE_ANSWERS`] together. An
+/// answer of one piece takes no room: every stream can hold one anyway.
 pub const ANSWER_BUDGET: usize = 8 << 20;
 const LARGE_ANSWERS: usize = 6 << 20;
 const SMALL_ANSWER: usize = answer_bound(SMALL_REVIEW_BYTES);
@@ -385,9 +389,12 @@ async fn turn(
     Some((place, slot))
 }
 
-/// A review: its body whole (within [`BODY_DEADLINE`] of the headers), then
-/// room for its answer and a slot (within [`QUEUE_WAIT`]), then the work;
-/// the answer keeps the room it needs until it has been sent.
+/// A review: its body whole (within [`BODY_DEADLINE`] of the headers); for
+/// a large one, room for the largest answer it can have; a slot (both
+/// within [`QUEUE_WAIT`]); the work. An answer over [`PIECE_BYTES`] keeps
+/// the room it needs until it has been sent. An ordinary review (a body
+/// and an answer of at most 16 KiB) needs no room from the answer budget,
+/// and always finds room in the body budget.
 async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Reply> {
     let started = Instant::now();
     let scope = match route(shared, &req) {
@@ -411,12 +418,13 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Reply> {
         Err(e) => return body_error(shared, e),
     };
     let until = Instant::now() + QUEUE_WAIT;
+    let large = body.bytes.len() > SMALL_REVIEW_BYTES;
+    // A large review's work is not done unless its answer can be held.
     let bound = answer_bound(body.bytes.len());
     let mut room = shared.answers.hold(bound);
-    if !shared.answers.grow(&mut room, bound, until).await {
+    if large && !shared.answers.grow(&mut room, bound, until).await {
         return busy(shared, "the answers being sent");
     }
-    let large = body.bytes.len() > SMALL_REVIEW_BYTES;
     let Some(_turn) = turn(shared, large, until).await else {
         return busy(shared, "the review slots");
     };
@@ -430,13 +438,14 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Reply> {
             return text(StatusCode::BAD_REQUEST, format!("{message}\n"));
         }
     };
-    if answer.len() > room.bytes() {
-        // answer_bound is wrong: never held unaccounted for.
-        tracing::error!(
-            bytes = answer.len(),
-            bound,
-            "an answer larger than its bound"
-        );
+    let held = if answer.len() <= PIECE_BYTES {
+        None // one piece: what a stream holds anyway
+    } else {
+        // A small review's larger answer: room now, or 503 (never a wait
+        // that keeps the answer unaccounted for); a large one's is there.
+        if large && answer.len() > bound {
+            tracing::error!(bytes = answer.len(), bound, "an answer over its bound");
+        }
         if !shared
             .answers
             .grow(&mut room, answer.len(), Instant::now())
@@ -444,10 +453,11 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Reply> {
         {
             return busy(shared, "the answers being sent");
         }
-    }
-    shared.answers.shrink(&mut room, answer.len());
+        shared.answers.shrink(&mut room, answer.len());
+        Some(room)
+    };
     let mut r = text(StatusCode::OK, answer);
-    r.body_mut().held = Some(room);
+    r.body_mut().held = held;
     r.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),

@@ -43,7 +43,8 @@ pub(super) struct Held {
 }
 
 impl Held {
-    pub(super) fn bytes(&self) -> usize {
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
         self.bytes
     }
 }
