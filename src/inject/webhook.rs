@@ -8,41 +8,56 @@
 //! refused: a pod is created without the sidecar rather than not at all.
 //!
 //! Anything that reaches the port can send a review (the API server's address
-//! cannot be told apart portably), so what one client can make it hold is
-//! bounded: a body of at most [`MAX_REVIEW_BYTES`] and [`MAX_REVIEW_NODES`]
-//! JSON values, read only once one of [`MAX_REVIEWS`] slots is free; at most
-//! [`MAX_CONNECTIONS`] connections, [`MAX_STREAMS`] HTTP/2 streams each, and a
-//! connection with no request for [`IDLE_TIMEOUT`] is closed. A review that
-//! waits longer than [`QUEUE_WAIT`] for a slot gets a 503: the API server then
-//! applies the failure policy (Ignore: the pod is created without the sidecar),
-//! which is what would happen anyway once its own timeout passed.
+//! cannot be told apart portably), so what clients can make it hold is
+//! bounded, and slow clients cannot keep reviews from being answered:
+//!
+//! - a review's body (at most [`MAX_REVIEW_BYTES`]) is read first, within
+//!   [`BODY_DEADLINE`] of its headers, into room for its declared length
+//!   taken from the body budget ([`BODY_BUDGET`], [`budget::read_body`]);
+//! - only then, for a large review, room for the largest answer it can have
+//!   in the answer budget ([`ANSWER_BUDGET`]), and one of [`MAX_REVIEWS`]
+//!   slots for the work: reading at most [`MAX_REVIEW_NODES`] JSON values,
+//!   injecting, the patch ([`patch`]). A review that waits longer than
+//!   [`QUEUE_WAIT`] for either is answered 503: the API server then applies
+//!   the failure policy (Ignore: the pod is created without the sidecar), as
+//!   it would once its own timeout passed;
+//! - an answer over one piece holds its room until the client has taken
+//!   it, and a connection with an answer not taken within
+//!   [`ANSWER_DEADLINE`] is closed ([`conn`]);
+//! - at most [`MAX_CONNECTIONS`] connections, [`MAX_STREAMS`] HTTP/2 streams
+//!   each, small flow-control windows, and a connection with nothing in
+//!   progress for [`IDLE_TIMEOUT`] is closed.
+//!
+//! The worst case of all of these together is in
+//! `deploy/kubernetes/injector/deployment.yaml`, against the container's limit.
 
-use std::convert::Infallible;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use serde::de::IgnoredAny;
-use serde::Deserialize;
-use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
+use tokio::time::Instant;
 
-use super::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
 use super::Settings;
 use crate::config::TlsFiles;
-use crate::tls::{Certificates, Tls, TlsError};
+use crate::tls::{Certificates, ClientIo, Tls, TlsError};
+
+mod budget;
+mod conn;
+mod patch;
+mod review;
+
+use budget::{BodyError, Budget};
+use conn::{serve_connection, Reply};
+pub use patch::MAX_PATCH_BYTES;
 
 /// The largest review read. The API server takes request bodies of at most
 /// 3 MiB (its `--max-request-bytes` default) and etcd stores objects of at most
@@ -54,26 +69,93 @@ pub const MAX_REVIEW_BYTES: usize = 3 << 20;
 /// review is answered "allowed, unchanged" without reading the Pod, so that
 /// 3 MiB of `[{},{},...]` cannot become hundreds of MiB of parsed values.
 pub const MAX_REVIEW_NODES: usize = 150_000;
-/// Reviews read and answered at once; the others wait for [`QUEUE_WAIT`].
+/// Reviews worked on at once (parsed, injected, patched, serialised), once
+/// their bodies are whole; the others wait for [`QUEUE_WAIT`].
 pub const MAX_REVIEWS: usize = 4;
-/// How long a review waits for a slot before it is answered 503.
+/// Of which large reviews (a body over [`SMALL_REVIEW_BYTES`]) may take this
+/// many: the work on one near the value limit holds up to about 28 MiB, and
+/// an ordinary Pod's review waits behind at most this many.
+pub const MAX_LARGE_REVIEWS: usize = 1;
+/// A review of at most this many bytes is small: an ordinary Pod's is 3 to
+/// 10 KiB. Small reviews have room kept for them in each budget.
+pub const SMALL_REVIEW_BYTES: usize = 16 << 10;
+/// How long a review whose body is whole waits for room for its answer and
+/// a slot before it is answered 503.
 pub const QUEUE_WAIT: Duration = Duration::from_secs(2);
 /// Connections served at once; one more is closed as soon as it is accepted.
-pub const MAX_CONNECTIONS: usize = 128;
+/// The API server opens one per replica, and another only past
+/// [`MAX_STREAMS`] reviews at once on each.
+pub const MAX_CONNECTIONS: usize = 64;
 /// HTTP/2 streams one connection may have open.
 pub const MAX_STREAMS: u32 = 4;
 /// A connection with no request in progress for this long is closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A TLS handshake and the request headers must each come within this.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
-/// The body must come within this once the review has a slot (the webhook's
-/// `timeoutSeconds` is 5: after that the API server has stopped waiting).
-const BODY_DEADLINE: Duration = Duration::from_secs(5);
+/// A review's body must be whole within this of its headers (the webhook's
+/// `timeoutSeconds` is 5: after that the API server has stopped waiting);
+/// else 408.
+pub const BODY_DEADLINE: Duration = Duration::from_secs(5);
+/// An answer must be taken by the client within this of its headers, else
+/// its connection is closed. The API server reads at once; its webhook
+/// timeout is at most 30 s, 5 s in `webhook.yaml`.
+pub const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
+/// The bodies being read or waiting for their turn, in bytes of buffer
+/// room. Large bodies (declaring more than [`SMALL_REVIEW_BYTES`], or
+/// nothing) hold at most [`LARGE_BODIES`] of it together; the rest (4 MiB)
+/// is room for a small body on every stream there can be, so that a small
+/// review always finds room.
+pub const BODY_BUDGET: usize =
+    LARGE_BODIES + MAX_CONNECTIONS * MAX_STREAMS as usize * SMALL_REVIEW_BYTES;
+const LARGE_BODIES: usize = 6 << 20;
+/// The answers over one piece ([`PIECE_BYTES`]) being made and sent, in
+/// bytes: a large review takes room for the largest answer its body can
+/// have ([`answer_bound`]) before its work, any review room for an answer
+/// over a piece after it, kept until the client has taken it. Large answers
+/// (over [`SMALL_ANSWER`]) hold at most [`LARGE_ANSWERS`] together. An
+/// answer of one piece takes no room: every stream can hold one anyway.
+pub const ANSWER_BUDGET: usize = 8 << 20;
+const LARGE_ANSWERS: usize = 6 << 20;
+const SMALL_ANSWER: usize = answer_bound(SMALL_REVIEW_BYTES);
+/// What the sidecar and its volume add to a Pod, at most (about 2 KiB).
+const SIDECAR_BYTES: usize = 16 << 10;
+/// An answer less its patch: apiVersion, uid and a warning, each bounded.
+const ANSWER_OVERHEAD: usize = 4 << 10;
 /// HTTP/2 flow-control windows: what a client may send before it is read.
 const STREAM_WINDOW: u32 = 64 << 10;
-const CONNECTION_WINDOW: u32 = 256 << 10;
+const CONNECTION_WINDOW: u32 = 64 << 10;
+/// An answer goes to hyper in pieces of this size, as the client takes them;
+/// no more than one piece waits in a stream's send buffer.
+const PIECE_BYTES: usize = 16 << 10;
+/// The largest request head (HTTP/1.1) or header list (HTTP/2).
+const MAX_HEADER_BYTES: usize = 16 << 10;
 /// Kubernetes truncates longer warnings.
 const MAX_WARNING_CHARS: usize = 200;
+
+const _: () = assert!(MAX_REVIEW_BYTES <= LARGE_BODIES);
+const _: () = assert!(answer_bound(MAX_REVIEW_BYTES) <= LARGE_ANSWERS);
+
+/// The largest answer a review of `body` bytes can have: its patch is no
+/// larger than the Pod's changed top-level fields written again, which is
+/// under 4 times what the review took to write them (`1e15,` comes back as
+/// `1000000000000000.0,`: 3.8 times), plus the sidecar, or a field-by-field
+/// patch of up to [`patch::FINE_ANYWAY`], and never over [`MAX_PATCH_BYTES`];
+/// base64 makes it 4/3 of that.
+const fn answer_bound(body: usize) -> usize {
+    let patch = body.saturating_mul(4).saturating_add(SIDECAR_BYTES);
+    // A field-by-field patch may be this large even when that is larger.
+    let patch = if patch > patch::FINE_ANYWAY {
+        patch
+    } else {
+        patch::FINE_ANYWAY
+    };
+    let patch = if patch < MAX_PATCH_BYTES {
+        patch
+    } else {
+        MAX_PATCH_BYTES
+    };
+    patch.div_ceil(3) * 4 + ANSWER_OVERHEAD
+}
 
 /// What happened to one review, for the `idemproxy_injector_reviews_total` counter.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -115,6 +197,10 @@ struct Shared {
     registry: Registry,
     /// [`MAX_REVIEWS`] slots.
     slots: Semaphore,
+    /// [`MAX_LARGE_REVIEWS`] places for large reviews.
+    large_slots: Semaphore,
+    bodies: Arc<Budget>,
+    answers: Arc<Budget>,
 }
 
 /// The webhook, bound and ready to serve.
@@ -153,6 +239,9 @@ impl Injector {
                 reviews,
                 registry,
                 slots: Semaphore::new(MAX_REVIEWS),
+                large_slots: Semaphore::new(MAX_LARGE_REVIEWS),
+                bodies: Budget::new(BODY_BUDGET, LARGE_BODIES, SMALL_REVIEW_BYTES),
+                answers: Budget::new(ANSWER_BUDGET, LARGE_ANSWERS, SMALL_ANSWER),
             }),
         })
     }
@@ -193,132 +282,37 @@ impl Injector {
             tokio::spawn(async move {
                 let _permit = permit;
                 let until = tokio::time::Instant::now() + HANDSHAKE_DEADLINE;
-                let Some(io) = tls.accept(io, until).await else {
+                let Some(mut io) = tls.accept(io, until).await else {
                     return;
                 };
+                if let ClientIo::Tls(stream) = &mut io {
+                    // A client that reads nothing leaves a piece of an
+                    // answer in TLS records, not 64 KiB (rustls' default).
+                    stream.get_mut().1.set_buffer_limit(Some(PIECE_BYTES));
+                }
                 serve_connection(io, shared).await;
             });
         }
     }
 }
 
-/// Requests in progress on one connection, and when the last one ended.
-struct Activity {
-    started: tokio::time::Instant,
-    in_flight: AtomicUsize,
-    /// Milliseconds from `started` to the end of the last request.
-    last_end_ms: AtomicU64,
-}
-
-impl Activity {
-    fn idle_since(&self) -> tokio::time::Instant {
-        self.started + Duration::from_millis(self.last_end_ms.load(Ordering::Acquire))
-    }
-}
-
-/// Counts a request in progress until dropped (answered, or abandoned by the client).
-struct InFlight(Arc<Activity>);
-
-impl InFlight {
-    fn new(activity: Arc<Activity>) -> InFlight {
-        activity.in_flight.fetch_add(1, Ordering::AcqRel);
-        InFlight(activity)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let ms = u64::try_from(self.0.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.0.last_end_ms.store(ms, Ordering::Release);
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// HTTP/1.1 or HTTP/2 on one TLS connection, closed once idle for [`IDLE_TIMEOUT`].
-async fn serve_connection<I>(io: I, shared: Arc<Shared>)
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let activity = Arc::new(Activity {
-        started: tokio::time::Instant::now(),
-        in_flight: AtomicUsize::new(0),
-        last_end_ms: AtomicU64::new(0),
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Reply> {
+    let mut r = Response::new(Reply {
+        bytes: body.into(),
+        held: None,
     });
-    let service = {
-        let activity = activity.clone();
-        hyper::service::service_fn(move |req| {
-            let (shared, busy) = (shared.clone(), InFlight::new(activity.clone()));
-            async move {
-                let response = handle(&shared, req).await;
-                drop(busy);
-                Ok::<_, Infallible>(response)
-            }
-        })
-    };
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    // Without a timer hyper's header timeout is silently off.
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HANDSHAKE_DEADLINE);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(MAX_STREAMS)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_send_buf_size(64 << 10)
-        .max_header_list_size(16 << 10);
-    let connection = builder.serve_connection(TokioIo::new(io), service);
-    tokio::pin!(connection);
-    let idle = async {
-        loop {
-            let deadline = activity.idle_since() + IDLE_TIMEOUT;
-            tokio::time::sleep_until(deadline).await;
-            if activity.in_flight.load(Ordering::Acquire) == 0
-                && activity.idle_since() + IDLE_TIMEOUT <= tokio::time::Instant::now()
-            {
-                return;
-            }
-            if activity.in_flight.load(Ordering::Acquire) > 0 {
-                // Checked again once that request has had time to end.
-                tokio::time::sleep(IDLE_TIMEOUT).await;
-            }
-        }
-    };
-    let ended = tokio::select! {
-        r = connection.as_mut() => Some(r),
-        () = idle => None,
-    };
-    let result = match ended {
-        Some(r) => r,
-        None => {
-            tracing::debug!("idle connection closed");
-            connection.as_mut().graceful_shutdown();
-            match tokio::time::timeout(HANDSHAKE_DEADLINE, connection.as_mut()).await {
-                Ok(r) => r,
-                Err(_) => return,
-            }
-        }
-    };
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "connection ended");
-    }
-}
-
-fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(body.into()));
     *r.status_mut() = status;
     r
 }
 
-async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
-    let scope = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/healthz") => return text(StatusCode::OK, "ok\n"),
+/// The answer to anything but a review; `Err` with the review's scope.
+fn route(shared: &Shared, req: &Request<Incoming>) -> Result<Response<Reply>, Scope> {
+    Ok(match (req.method(), req.uri().path()) {
+        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
         (&Method::GET, "/metrics") => {
             let mut out = String::new();
             if prometheus_client::encoding::text::encode(&mut out, &shared.registry).is_err() {
-                return text(StatusCode::INTERNAL_SERVER_ERROR, "");
+                return Ok(text(StatusCode::INTERNAL_SERVER_ERROR, ""));
             }
             let mut r = text(StatusCode::OK, out);
             r.headers_mut().insert(
@@ -327,297 +321,150 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 ),
             );
-            return r;
-        }
-        (&Method::POST, "/mutate") => Scope::Annotated,
-        (&Method::POST, "/mutate/namespace") => Scope::Namespace,
-        (_, "/mutate" | "/mutate/namespace" | "/healthz" | "/metrics") => {
-            return text(StatusCode::METHOD_NOT_ALLOWED, "")
-        }
-        _ => return text(StatusCode::NOT_FOUND, ""),
-    };
-    // A slot before the body is read: a review waiting for one holds no more
-    // than the flow-control window of its stream.
-    let _slot = match tokio::time::timeout(QUEUE_WAIT, shared.slots.acquire()).await {
-        Ok(Ok(permit)) => permit,
-        _ => {
-            count(shared, "busy");
-            tracing::warn!(
-                limit = MAX_REVIEWS,
-                "too many reviews at once; answered 503 (the pod is created without the sidecar)"
-            );
-            let mut r = text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many reviews at once\n",
-            );
-            r.headers_mut().insert(
-                http::header::RETRY_AFTER,
-                http::HeaderValue::from_static("1"),
-            );
-            return r;
-        }
-    };
-    let collect = Limited::new(req.into_body(), MAX_REVIEW_BYTES).collect();
-    let body = match tokio::time::timeout(BODY_DEADLINE, collect).await {
-        Ok(Ok(b)) => b.to_bytes(),
-        Ok(Err(e)) => {
-            count(shared, "malformed");
-            let status = if e.is::<http_body_util::LengthLimitError>() {
-                StatusCode::PAYLOAD_TOO_LARGE
-            } else {
-                StatusCode::BAD_REQUEST
-            };
-            return text(status, format!("cannot read the body: {e}\n"));
-        }
-        Err(_) => {
-            count(shared, "malformed");
-            return text(
-                StatusCode::REQUEST_TIMEOUT,
-                "the body did not come in time\n",
-            );
-        }
-    };
-    match review(shared, &body, scope) {
-        Ok(answer) => {
-            let mut r = text(StatusCode::OK, answer.to_string());
-            r.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("application/json"),
-            );
             r
         }
+        (&Method::POST, "/mutate") => return Err(Scope::Annotated),
+        (&Method::POST, "/mutate/namespace") => return Err(Scope::Namespace),
+        (_, "/mutate" | "/mutate/namespace" | "/healthz" | "/metrics") => {
+            text(StatusCode::METHOD_NOT_ALLOWED, "")
+        }
+        _ => text(StatusCode::NOT_FOUND, ""),
+    })
+}
+
+/// 503: no room or no slot in time (`what` ran out).
+fn busy(shared: &Shared, what: &'static str) -> Response<Reply> {
+    count(shared, "busy");
+    tracing::warn!(
+        full = what,
+        "too many reviews at once; answered 503 (the pod is created without the sidecar)"
+    );
+    let mut r = text(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "too many reviews at once\n",
+    );
+    r.headers_mut().insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("1"),
+    );
+    r
+}
+
+fn body_error(shared: &Shared, e: BodyError) -> Response<Reply> {
+    let (status, message) = match e {
+        BodyError::Busy => return busy(shared, "the bodies being read"),
+        BodyError::TooLarge => (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is over {MAX_REVIEW_BYTES} bytes\n"),
+        ),
+        BodyError::Late => (
+            StatusCode::REQUEST_TIMEOUT,
+            "the body did not come in time\n".to_owned(),
+        ),
+        BodyError::Broken(e) => (
+            StatusCode::BAD_REQUEST,
+            format!("cannot read the body: {e}\n"),
+        ),
+    };
+    count(shared, "malformed");
+    text(status, message)
+}
+
+/// A slot for a review's work, waiting until `until`; a large review also
+/// takes one of the [`MAX_LARGE_REVIEWS`] places first, so that the
+/// reviews of ordinary Pods queue behind at most that many large ones.
+async fn turn(
+    shared: &Shared,
+    large: bool,
+    until: Instant,
+) -> Option<(Option<SemaphorePermit<'_>>, SemaphorePermit<'_>)> {
+    let place = if large {
+        let place = shared.large_slots.acquire();
+        Some(tokio::time::timeout_at(until, place).await.ok()?.ok()?)
+    } else {
+        None
+    };
+    let slot = shared.slots.acquire();
+    let slot = tokio::time::timeout_at(until, slot).await.ok()?.ok()?;
+    Some((place, slot))
+}
+
+/// A review: its body whole (within [`BODY_DEADLINE`] of the headers); for
+/// a large one, room for the largest answer it can have; a slot (both
+/// within [`QUEUE_WAIT`]); the work. An answer over [`PIECE_BYTES`] keeps
+/// the room it needs until it has been sent. An ordinary review (a body
+/// and an answer of at most 16 KiB) needs no room from the answer budget,
+/// and always finds room in the body budget.
+async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Reply> {
+    let started = Instant::now();
+    let scope = match route(shared, &req) {
+        Ok(response) => return response,
+        Err(scope) => scope,
+    };
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let read = budget::read_body(
+        req.into_body(),
+        declared,
+        MAX_REVIEW_BYTES,
+        &shared.bodies,
+        QUEUE_WAIT,
+        started + BODY_DEADLINE,
+    );
+    let body = match read.await {
+        Ok(body) => body,
+        Err(e) => return body_error(shared, e),
+    };
+    let until = Instant::now() + QUEUE_WAIT;
+    let large = body.bytes.len() > SMALL_REVIEW_BYTES;
+    // A large review's work is not done unless its answer can be held.
+    let bound = answer_bound(body.bytes.len());
+    let mut room = shared.answers.hold(bound);
+    if large && !shared.answers.grow(&mut room, bound, until).await {
+        return busy(shared, "the answers being sent");
+    }
+    let Some(_turn) = turn(shared, large, until).await else {
+        return busy(shared, "the review slots");
+    };
+    let answer = review::review(shared, &body.bytes, scope);
+    drop((_turn, body));
+    let answer = match answer {
+        Ok(answer) => answer,
         Err(message) => {
             count(shared, "malformed");
             tracing::warn!(%message, "malformed admission review");
-            text(StatusCode::BAD_REQUEST, format!("{message}\n"))
+            return text(StatusCode::BAD_REQUEST, format!("{message}\n"));
         }
-    }
+    };
+    let held = if answer.len() <= PIECE_BYTES {
+        None // one piece: what a stream holds anyway
+    } else {
+        // A small review's larger answer: room now, or 503 (never a wait
+        // that keeps the answer unaccounted for); a large one's is there.
+        if large && answer.len() > bound {
+            tracing::error!(bytes = answer.len(), bound, "an answer over its bound");
+        }
+        if !shared
+            .answers
+            .grow(&mut room, answer.len(), Instant::now())
+            .await
+        {
+            return busy(shared, "the answers being sent");
+        }
+        shared.answers.shrink(&mut room, answer.len());
+        Some(room)
+    };
+    let mut r = text(StatusCode::OK, answer);
+    r.body_mut().held = held;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
 }
 
 fn count(shared: &Shared, outcome: &'static str) {
     shared.reviews.get_or_create(&ReviewLabel { outcome }).inc();
-}
-
-/// The fields of an AdmissionReview the injector reads; serde skips the
-/// others without keeping them. `O` is the Pod: a `Value`, or nothing at all.
-#[derive(Deserialize)]
-struct Review<O> {
-    #[serde(rename = "apiVersion")]
-    api_version: Option<String>,
-    request: Option<ReviewRequest<O>>,
-}
-
-#[derive(Deserialize)]
-struct ReviewRequest<O> {
-    uid: Option<String>,
-    kind: Option<Kind>,
-    operation: Option<String>,
-    namespace: Option<String>,
-    object: Option<O>,
-}
-
-#[derive(Deserialize)]
-struct Kind {
-    kind: Option<String>,
-}
-
-/// An upper bound on the JSON values and keys in `body`: the `{`, `[`, `,`
-/// and `:` outside strings, plus one. No allocation, one pass.
-fn json_nodes(body: &[u8]) -> usize {
-    let (mut n, mut in_string, mut escaped) = (1, false, false);
-    for &b in body {
-        if in_string {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b'{' | b'[' | b',' | b':' => n += 1,
-                _ => {}
-            }
-        }
-    }
-    n
-}
-
-/// A warning for `kubectl` (one line, printable, short).
-fn warning(message: &str) -> String {
-    let mut w = String::from("idemproxy: the sidecar was not added: ");
-    for c in message.chars() {
-        if w.chars().count() >= MAX_WARNING_CHARS {
-            w.push('…');
-            break;
-        }
-        w.push(if c.is_control() { ' ' } else { c });
-    }
-    w
-}
-
-/// The AdmissionReview answer; `Err` only when there is no review to answer (no uid).
-fn review(shared: &Shared, body: &[u8], scope: Scope) -> Result<serde_json::Value, String> {
-    let nodes = json_nodes(body);
-    let (api_version, uid, decision) = if nodes > MAX_REVIEW_NODES {
-        let review: Review<IgnoredAny> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let uid = request
-            .uid
-            .ok_or("not an AdmissionReview: no request.uid")?;
-        tracing::warn!(
-            namespace = request.namespace.as_deref().unwrap_or(""),
-            nodes,
-            limit = MAX_REVIEW_NODES,
-            "review too large to read; allowed unchanged"
-        );
-        let message = format!(
-            "the review holds more than {MAX_REVIEW_NODES} JSON values, more than the injector reads"
-        );
-        (
-            review.api_version,
-            uid,
-            Decision {
-                outcome: "too_large",
-                patch: None,
-                warning: Some(warning(&message)),
-            },
-        )
-    } else {
-        let review: Review<serde_json::Value> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request = review.request.ok_or("not an AdmissionReview: no request")?;
-        let uid = request
-            .uid
-            .clone()
-            .ok_or("not an AdmissionReview: no request.uid")?;
-        let decision = decide(shared, &request, scope);
-        (review.api_version, uid, decision)
-    };
-    count(shared, decision.outcome);
-    let mut response = json!({ "uid": uid, "allowed": true });
-    if let Some(patch) = decision.patch {
-        response["patchType"] = "JSONPatch".into();
-        response["patch"] = base64::engine::general_purpose::STANDARD
-            .encode(patch)
-            .into();
-    }
-    if let Some(w) = decision.warning {
-        response["warnings"] = json!([w]);
-    }
-    Ok(json!({
-        "apiVersion": api_version.as_deref().unwrap_or("admission.k8s.io/v1"),
-        "kind": "AdmissionReview",
-        "response": response,
-    }))
-}
-
-/// What the injector makes of one review.
-struct Decision {
-    /// The `idemproxy_injector_reviews_total` label.
-    outcome: &'static str,
-    patch: Option<Vec<u8>>,
-    /// For a Pod that asked for the sidecar and did not get it.
-    warning: Option<String>,
-}
-
-impl Decision {
-    fn quiet(outcome: &'static str) -> Decision {
-        Decision {
-            outcome,
-            patch: None,
-            warning: None,
-        }
-    }
-
-    fn warned(outcome: &'static str, message: &str) -> Decision {
-        Decision {
-            outcome,
-            patch: None,
-            warning: Some(warning(message)),
-        }
-    }
-}
-
-/// Injects the review's Pod if it is selected; the patch, and a warning when
-/// a Pod that asked for the sidecar cannot have it.
-fn decide(shared: &Shared, request: &ReviewRequest<serde_json::Value>, scope: Scope) -> Decision {
-    let object = request.object.as_ref();
-    let meta_str = |key: &str| {
-        object
-            .and_then(|o| o.get("metadata"))
-            .and_then(|m| m.get(key))
-            .and_then(serde_json::Value::as_str)
-    };
-    let pod_name = meta_str("name")
-        .or(meta_str("generateName"))
-        .unwrap_or("")
-        .to_owned();
-    let namespace = request.namespace.clone().unwrap_or_default();
-    let kind = request.kind.as_ref().and_then(|k| k.kind.as_deref());
-    if kind != Some("Pod") || request.operation.as_deref() != Some("CREATE") {
-        return Decision::quiet("not_selected");
-    }
-    let Some(object) = object else {
-        tracing::warn!(%namespace, "admission review without an object; allowed unchanged");
-        return Decision::quiet("failed");
-    };
-    let annotation = object
-        .get("metadata")
-        .and_then(|m| m.get("annotations"))
-        .and_then(|a| a.get(INJECT_ANNOTATION))
-        .and_then(serde_json::Value::as_str);
-    if scope == Scope::Annotated && annotation != Some("enabled") {
-        return Decision::quiet("not_selected");
-    }
-    let mut pod: serde_norway::Value = match serde_norway::to_value(object) {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot read the pod; allowed unchanged");
-            return Decision::warned("failed", &format!("cannot read the pod: {e}"));
-        }
-    };
-    match inject_pod(&mut pod, None, &[], &shared.settings) {
-        Ok(Outcome::Injected(change)) => {
-            let after = match serde_json::to_value(&pod) {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the pod; allowed unchanged");
-                    return Decision::warned("failed", &format!("cannot write the pod: {e}"));
-                }
-            };
-            let patch = json_patch::diff(object, &after);
-            match serde_json::to_vec(&patch) {
-                Ok(bytes) => {
-                    tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
-                    Decision {
-                        outcome: "injected",
-                        patch: Some(bytes),
-                        warning: None,
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot write the patch; allowed unchanged");
-                    Decision::warned("failed", &format!("cannot write the patch: {e}"))
-                }
-            }
-        }
-        Ok(Outcome::AlreadyInjected) => Decision::quiet("already_injected"),
-        Ok(Outcome::Skipped(reason)) => {
-            tracing::info!(%namespace, pod = %pod_name, %reason, "pod left as it was");
-            // A Pod that asked by its annotation is told; one that only sits in
-            // an injected namespace (a Redis, say) is not.
-            if annotation == Some("enabled") {
-                Decision::warned("skipped", &reason)
-            } else {
-                Decision::quiet("skipped")
-            }
-        }
-        Err(e) => {
-            tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot inject; allowed unchanged");
-            Decision::warned("failed", &e.to_string())
-        }
-    }
 }
