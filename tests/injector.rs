@@ -1051,3 +1051,39 @@ async fn sighup_swaps_the_certificate() {
     let response = injector.review("/mutate", &pod).await;
     assert_eq!(apply(&pod, &response), inject(&pod));
 }
+
+/// A pod the sidecar would make invalid (a container already named
+/// `idemproxy`, a Windows pod) is allowed unchanged with a warning, also
+/// when it was sent only because its namespace is selected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_the_sidecar_would_make_invalid_is_allowed_unchanged_with_a_warning() {
+    let injector = Injector::start().await;
+    let mut windows = frontend_pod(json!({}));
+    windows["spec"]["os"] = json!({"name": "windows"});
+    let mut named = frontend_pod(json!({}));
+    named["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "idemproxy", "image": "someone/else:1"}));
+    for (pod, why) in [
+        (windows, "windows pod"),
+        (named, "already has a container named"),
+    ] {
+        for path in ["/mutate/namespace", "/mutate"] {
+            let mut pod = pod.clone();
+            if path == "/mutate" {
+                pod["metadata"]["annotations"] = json!({"idemproxy.dev/inject": "enabled"});
+            }
+            let response = injector.review(path, &pod).await;
+            assert!(response.get("patch").is_none(), "{path}: {response}");
+            assert_eq!(response["allowed"], true, "{response}");
+            let warnings = response["warnings"].as_array().expect("a warning");
+            assert!(
+                warnings
+                    .iter()
+                    .any(|w| w.as_str().is_some_and(|w| w.contains(why))),
+                "{path}: {response}"
+            );
+        }
+    }
+}

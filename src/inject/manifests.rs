@@ -250,7 +250,7 @@ impl Run {
                 ));
                 Some(change)
             }
-            Outcome::Skipped(reason) => {
+            Outcome::Skipped(reason) | Outcome::Refused(reason) => {
                 self.notes
                     .push(format!("document {n} ({what}): left as it was: {reason}"));
                 None

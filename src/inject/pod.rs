@@ -23,6 +23,10 @@ pub enum Outcome {
     Injected(Change),
     /// Left as it was, with the reason (for a note on standard error).
     Skipped(String),
+    /// Left as it was because the sidecar would make it an invalid pod (a
+    /// container already named `idemproxy`, a Windows pod): always said, by
+    /// a note or, at the webhook, an AdmissionReview warning.
+    Refused(String),
     AlreadyInjected,
 }
 
@@ -116,14 +120,14 @@ fn left_alone(spec: &Value, inject: Option<&str>) -> Option<Outcome> {
         return Some(if ours {
             Outcome::AlreadyInjected
         } else {
-            Outcome::Skipped(format!(
+            Outcome::Refused(format!(
                 "it already has an init container named {SIDECAR:?} that is not the idemproxy \
                  sidecar (container names must be unique in a pod)"
             ))
         });
     }
     if sidecar_like("containers").is_some() || sidecar_like("ephemeralContainers").is_some() {
-        return Some(Outcome::Skipped(format!(
+        return Some(Outcome::Refused(format!(
             "it already has a container named {SIDECAR:?} (container names must be unique in a pod)"
         )));
     }
@@ -142,7 +146,7 @@ fn left_alone(spec: &Value, inject: Option<&str>) -> Option<Outcome> {
         .and_then(|o| o.get("name"))
         .and_then(Value::as_str);
     if os.is_some_and(|os| os != "linux") {
-        return Some(Outcome::Skipped(format!(
+        return Some(Outcome::Refused(format!(
             "a {} pod (spec.os.name): the sidecar is a Linux container",
             os.unwrap_or_default()
         )));

@@ -204,10 +204,12 @@ pub fn never(number: u16, name: Option<&str>, targeting: &[&ServicePort]) -> Opt
                 name.unwrap_or_default()
             ))
         }
-        Some(Says::Tls) => return Some(format!(
+        Some(Says::Tls) => {
+            return Some(format!(
             "port {number} speaks TLS (container port {:?}): the proxy cannot read its requests",
             name.unwrap_or_default()
-        )),
+        ))
+        }
         _ => {}
     }
     let clear =

@@ -326,6 +326,11 @@ fn decide(
             }
         },
         Ok(Outcome::AlreadyInjected) => Decision::quiet("already_injected"),
+        Ok(Outcome::Refused(reason)) => {
+            // The sidecar would make the pod invalid: said whoever asked.
+            tracing::warn!(%namespace, pod = %pod_name, %reason, "pod left as it was");
+            Decision::warned("skipped", &reason)
+        }
         Ok(Outcome::Skipped(reason)) => {
             tracing::info!(%namespace, pod = %pod_name, %reason, "pod left as it was");
             // A Pod that asked by its annotation is told; one that only sits in
