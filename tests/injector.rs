@@ -1087,3 +1087,26 @@ async fn a_pod_the_sidecar_would_make_invalid_is_allowed_unchanged_with_a_warnin
         }
     }
 }
+
+/// Sockets that never start TLS (or finish it and say nothing) cannot keep
+/// the API server out: with every connection place taken by them, a new
+/// connection takes the place of the oldest one with no request in
+/// progress, and a real review is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sockets_that_never_start_tls_do_not_keep_reviews_out() {
+    let injector = Injector::start().await;
+    let pod = frontend_pod(json!({}));
+    let mut idle = Vec::new();
+    for _ in 0..2 * idemproxy::inject::webhook::MAX_CONNECTIONS {
+        idle.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", injector.port))
+                .await
+                .expect("connect"),
+        );
+    }
+    for _ in 0..3 {
+        let response = injector.review("/mutate/namespace", &pod).await;
+        assert_eq!(apply(&pod, &response), inject(&pod), "{response}");
+    }
+    drop(idle);
+}

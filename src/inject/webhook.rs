@@ -53,9 +53,11 @@ use crate::tls::{Certificates, ClientIo, Tls, TlsError};
 mod budget;
 mod conn;
 mod patch;
+mod places;
 mod review;
 
 use budget::{BodyError, Budget};
+
 use conn::{serve_connection, Reply};
 pub use patch::MAX_PATCH_BYTES;
 
@@ -258,7 +260,7 @@ impl Injector {
     /// Serves until `shutdown` completes; connections in progress are dropped then.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let tls = Arc::new(self.tls);
-        let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let places = places::Places::new(MAX_CONNECTIONS);
         tracing::info!(addr = ?self.listener.local_addr().ok(), "injector listening");
         tokio::pin!(shutdown);
         loop {
@@ -274,23 +276,31 @@ impl Injector {
                     continue;
                 }
             };
-            let Ok(permit) = connections.clone().try_acquire_owned() else {
-                tracing::warn!(%peer, limit = MAX_CONNECTIONS, "too many connections; closed");
+            let Some(place) = places.take() else {
+                tracing::warn!(%peer, limit = MAX_CONNECTIONS, "every connection is serving a review; closed");
                 continue;
             };
             let (tls, shared) = (tls.clone(), self.shared.clone());
             tokio::spawn(async move {
-                let _permit = permit;
-                let until = tokio::time::Instant::now() + HANDSHAKE_DEADLINE;
-                let Some(mut io) = tls.accept(io, until).await else {
-                    return;
+                let mark = place.mark.clone();
+                let serve = async {
+                    let until = tokio::time::Instant::now() + HANDSHAKE_DEADLINE;
+                    let Some(mut io) = tls.accept(io, until).await else {
+                        return;
+                    };
+                    if let ClientIo::Tls(stream) = &mut io {
+                        // A client that reads nothing leaves a piece of an
+                        // answer in TLS records, not 64 KiB (rustls' default).
+                        stream.get_mut().1.set_buffer_limit(Some(PIECE_BYTES));
+                    }
+                    serve_connection(io, shared, mark.clone()).await;
                 };
-                if let ClientIo::Tls(stream) = &mut io {
-                    // A client that reads nothing leaves a piece of an
-                    // answer in TLS records, not 64 KiB (rustls' default).
-                    stream.get_mut().1.set_buffer_limit(Some(PIECE_BYTES));
+                tokio::select! {
+                    () = serve => {}
+                    () = place.mark.evicted() => {
+                        tracing::debug!("connection gave its place to a new one");
+                    }
                 }
-                serve_connection(io, shared).await;
             });
         }
     }

@@ -35,6 +35,8 @@ pub(super) struct Reply {
 /// The exchanges in progress on one connection, and when the last one ended.
 struct Activity {
     state: Mutex<State>,
+    /// The connection's place, which counts its requests in progress.
+    mark: Arc<super::places::Mark>,
     /// Woken whenever an exchange starts answering or ends.
     changed: Notify,
 }
@@ -105,6 +107,7 @@ struct Exchange {
 impl Exchange {
     fn start(activity: &Arc<Activity>) -> Exchange {
         activity.lock().in_flight += 1;
+        activity.mark.start();
         Exchange {
             activity: activity.clone(),
             answer: None,
@@ -126,6 +129,7 @@ impl Exchange {
 
 impl Drop for Exchange {
     fn drop(&mut self) {
+        self.activity.mark.end();
         let mut state = self.activity.lock();
         state.in_flight -= 1;
         state.last_end = Instant::now();
@@ -176,7 +180,7 @@ impl http_body::Body for Answer {
 }
 
 /// HTTP/1.1 or HTTP/2 on one TLS connection, until the client leaves or [`Close`].
-pub(super) async fn serve_connection<I>(io: I, shared: Arc<Shared>)
+pub(super) async fn serve_connection<I>(io: I, shared: Arc<Shared>, mark: Arc<super::places::Mark>)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -188,6 +192,7 @@ where
             next_id: 0,
         }),
         changed: Notify::new(),
+        mark,
     });
     let service = {
         let activity = activity.clone();

@@ -279,10 +279,20 @@ fn decide(
     scope: Scope,
 ) -> Decision {
     let name = |key| object.as_ref()?.metadata_str(&[key]);
-    let pod_name = name("name")
+    // For the log: no longer than Kubernetes allows a name to be.
+    let pod_name: String = name("name")
         .or_else(|| name("generateName"))
-        .unwrap_or_default();
-    let namespace = request.namespace.clone().unwrap_or_default();
+        .unwrap_or_default()
+        .chars()
+        .take(253)
+        .collect();
+    let namespace: String = request
+        .namespace
+        .clone()
+        .unwrap_or_default()
+        .chars()
+        .take(63)
+        .collect();
     let kind = request.kind.as_ref().and_then(|k| k.kind.as_deref());
     if kind != Some("Pod") || request.operation.as_deref() != Some("CREATE") {
         return Decision::quiet("not_selected");
@@ -300,7 +310,8 @@ fn decide(
         Pod::Small(object) => match serde_norway::to_value(&object) {
             Ok(pod) => (Some(object), pod),
             Err(e) => {
-                tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot read the pod; allowed unchanged");
+                let error = warning(&e.to_string());
+                tracing::warn!(%namespace, pod = %pod_name, %error, "cannot read the pod; allowed unchanged");
                 return Decision::warned("failed", &format!("cannot read the pod: {e}"));
             }
         },
@@ -342,7 +353,9 @@ fn decide(
             }
         }
         Err(e) => {
-            tracing::warn!(%namespace, pod = %pod_name, error = %e, "cannot inject; allowed unchanged");
+            // The message can quote the pod (an annotation's value): the log gets what the warning gets.
+            let error = warning(&e.to_string());
+            tracing::warn!(%namespace, pod = %pod_name, %error, "cannot inject; allowed unchanged");
             Decision::warned("failed", &e.to_string())
         }
     }
