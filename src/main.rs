@@ -139,6 +139,14 @@ struct InjectorArgs {
     log_format: LogFormat,
 }
 
+// The allocator, when a feature chooses one other than glibc's (Cargo.toml, `alloc-*`).
+#[cfg(feature = "alloc-mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+#[cfg(feature = "alloc-jemalloc")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Exit status for invalid usage or configuration.
 const EXIT_CONFIG: u8 = 2;
 /// Exit status for any other failure to start.
