@@ -54,7 +54,7 @@ for a run of some phases only; `--json PATH` to choose).
     bench/allocators.py [--reps 3] [--only rss,hostile,throughput] [--duration 5]
                         [--burst-seconds 10] [--large-mib 1] [--settle 10]
                     [--hostile-only abpcdefghi] [--hostile-reps N]
-                        [--bins DIR] [--variant NAME=PATH[@VAR=VALUE,...]]...
+                        [--bins DIR] [--variant NAME=PATH[@VAR=VALUE]...]...
 
 Needs: nginx (nginx-light), wrk, redis-server, taskset, python3.
 """
@@ -407,9 +407,8 @@ def parse_variants(args):
     out = []
     for spec in args.variant:
         name, _, rest = spec.partition("=")
-        path, _, env = rest.partition("@")
-        out.append({"name": name, "bin": path,
-                    "env": dict(kv.split("=", 1) for kv in env.split(",") if kv)})
+        path, *env = rest.split("@")
+        out.append({"name": name, "bin": path, "env": dict(kv.split("=", 1) for kv in env)})
     return out
 
 
@@ -425,7 +424,7 @@ def main():
     ap.add_argument("--hostile-only", default="abpcdefghi", help="hostile.py's scenarios (its --only)")
     ap.add_argument("--bins", default=os.path.join(ROOT, "target", "alloc-bins"))
     ap.add_argument("--variant", action="append",
-                    help="NAME=PATH[@VAR=VALUE,...], repeatable; replaces the default four; the first is the base")
+                    help="NAME=PATH[@VAR=VALUE]..., repeatable; replaces the default four; the first is the base")
     ap.add_argument("--json")
     args = ap.parse_args()
     phases = [p for p in args.only.split(",") if p]
