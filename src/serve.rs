@@ -386,9 +386,8 @@ fn trim() {}
 /// against `max_buffered` + 32 MiB = 96; requests per second unchanged
 /// (thread caches take the small allocations without the arena's lock).
 /// Measured beside mimalloc and jemalloc too (`bench/allocators.py`, the
-/// `alloc-*` features): only glibc kept 1,000 idle connections within
-/// 20 MiB after a burst of load, and one arena its hostile peaks
-/// (docs/performance.md#memory).
+/// `alloc-*` features); why this stays the default:
+/// docs/performance.md#memory.
 /// Call it first in `main`, before any other thread runs.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
