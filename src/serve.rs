@@ -350,6 +350,9 @@ pub async fn give_back_freed_memory() {
     }
 }
 
+#[cfg(all(feature = "alloc-mimalloc", feature = "alloc-jemalloc"))]
+compile_error!("the alloc-* features choose one global allocator: enable at most one");
+
 /// The binary's global allocator is not glibc's (a Cargo feature `alloc-*`
 /// chose another): glibc's settings and trimming are then left alone.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
