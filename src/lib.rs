@@ -28,7 +28,9 @@
 //! configured (`tls`); each worker thread runs a runtime of its own and
 //! serves whole connections (`workers`).
 // `deny`, not `forbid`: two calls into glibc (`serve::trim`, `malloc_trim`;
-// `serve::one_arena`, `mallopt`) are allowed by name; nothing else may use `unsafe`.
+// `serve::one_arena`, `mallopt`) and jemalloc's settings by their exported
+// name (`serve::JEMALLOC_CONF`, with `alloc-jemalloc`) are allowed by name;
+// nothing else may use `unsafe`.
 #![deny(unsafe_code)]
 
 // The map. `pub`: what the binary, the tests, the fuzz targets and the

@@ -241,6 +241,14 @@ fn conformance_timeout(text: &str) -> Result<std::time::Duration, String> {
     HumanDuration::parse(text).map(|d| d.0)
 }
 
+// The allocator, when a feature chooses one other than glibc's (Cargo.toml, `alloc-*`).
+#[cfg(feature = "alloc-mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+#[cfg(feature = "alloc-jemalloc")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Exit status for invalid usage or configuration.
 const EXIT_CONFIG: u8 = 2;
 /// Exit status for any other failure to start.

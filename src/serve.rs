@@ -350,12 +350,23 @@ pub async fn give_back_freed_memory() {
     }
 }
 
+#[cfg(all(feature = "alloc-mimalloc", feature = "alloc-jemalloc"))]
+compile_error!("the alloc-* features choose one global allocator: enable at most one");
+
+/// The binary's global allocator is not glibc's (a Cargo feature `alloc-*`
+/// chose another): glibc's settings and trimming are then left alone.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const OTHER_ALLOCATOR: bool = cfg!(any(feature = "alloc-mimalloc", feature = "alloc-jemalloc"));
+
 /// glibc's `malloc_trim(0)`: the free pages of every arena back to the
 /// system (`MADV_DONTNEED`), live allocations untouched. Measured at 0.3 to
 /// 2.5 ms after 1,000 connections were parked at once.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn trim() {
+    if OTHER_ALLOCATOR {
+        return;
+    }
     extern "C" {
         fn malloc_trim(pad: usize) -> std::ffi::c_int;
     }
@@ -377,11 +388,14 @@ fn trim() {}
 /// peak RSS 126 MiB with the default, 109 with two arenas, 93 with one,
 /// against `max_buffered` + 32 MiB = 96; requests per second unchanged
 /// (thread caches take the small allocations without the arena's lock).
+/// Measured beside mimalloc and jemalloc too (`bench/allocators.py`, the
+/// `alloc-*` features); why this stays the default:
+/// docs/performance.md#memory.
 /// Call it first in `main`, before any other thread runs.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 pub fn one_arena() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
+    if OTHER_ALLOCATOR || std::env::var_os("MALLOC_ARENA_MAX").is_some() {
         return;
     }
     extern "C" {
@@ -398,6 +412,19 @@ pub fn one_arena() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn one_arena() {}
+
+/// jemalloc's settings when the `alloc-jemalloc` feature chooses it (read
+/// by jemalloc as it starts; `_RJEM_MALLOC_CONF` in the environment still
+/// overrides them): one arena, and a background thread that gives freed
+/// pages back within a second. Measured (`bench/allocators.py`): with its
+/// defaults jemalloc held 28–33 MiB with 1,000 idle connections after a
+/// burst, with these 17.5–18.6 MiB, at 0.92–0.94× glibc's CPU per request;
+/// giving pages back at once (`dirty_decay_ms:0`) cost 1.7–2× the CPU.
+#[cfg(feature = "alloc-jemalloc")]
+#[allow(unsafe_code)]
+#[export_name = "_rjem_malloc_conf"]
+pub static JEMALLOC_CONF: &[u8; 70] =
+    b"narenas:1,background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
 
 /// Whether a request began (`began`) by `until`.
 async fn first_request(began: &Notify, until: Instant) -> bool {
