@@ -418,21 +418,7 @@ fn run_inject(args: InjectArgs) -> ExitCode {
         select,
     };
     match inject::inject_manifests(&input, &settings, &options) {
-        Ok(done) => {
-            for note in &done.notes {
-                eprintln!("idemproxy inject: {note}");
-            }
-            use std::io::Write;
-            let mut out = std::io::stdout().lock();
-            if let Err(e) = out
-                .write_all(done.output.as_bytes())
-                .and_then(|()| out.flush())
-            {
-                eprintln!("idemproxy inject: cannot write the output: {e}");
-                return ExitCode::from(EXIT_START);
-            }
-            ExitCode::SUCCESS
-        }
+        Ok(done) => emit("inject", &done.notes, &done.output),
         Err(e) => {
             eprintln!("idemproxy inject: {e}");
             ExitCode::from(EXIT_CONFIG)
@@ -457,16 +443,19 @@ fn run_openapi(args: OpenapiArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    for note in &done.notes {
-        eprintln!("idemproxy openapi: {note}");
+    emit("openapi", &done.notes, &done.text)
+}
+
+/// A tool's notes on stderr, then its whole output on stdout: exit 0, or 1
+/// when the output cannot be written.
+fn emit(tool: &str, notes: &[String], output: &str) -> ExitCode {
+    for note in notes {
+        eprintln!("idemproxy {tool}: {note}");
     }
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    if let Err(e) = out
-        .write_all(done.text.as_bytes())
-        .and_then(|()| out.flush())
-    {
-        eprintln!("idemproxy openapi: cannot write the output: {e}");
+    if let Err(e) = out.write_all(output.as_bytes()).and_then(|()| out.flush()) {
+        eprintln!("idemproxy {tool}: cannot write the output: {e}");
         return ExitCode::from(EXIT_START);
     }
     ExitCode::SUCCESS

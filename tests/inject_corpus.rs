@@ -680,14 +680,7 @@ fn the_webhook_walkthrough_makes_every_object_the_pod_needs() {
         String::from_utf8_lossy(&out.stderr)
     );
     // One command points every image reference at the image you pushed.
-    let copy = tempfile::tempdir().unwrap();
-    let status = std::process::Command::new("cp")
-        .args(["-r", "deploy"])
-        .arg(copy.path())
-        .current_dir(root)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let copy = copy_of_deploy();
     let out = std::process::Command::new("bash")
         .arg(copy.path().join("deploy/build-image.sh"))
         .args(["--no-build", "registry.example.com/team/idemproxy:9.9.9"])
@@ -791,15 +784,7 @@ fn tls_and_named_non_http_container_ports_are_never_taken() {
 /// or YAML would read as syntax is refused before a file is touched.
 #[test]
 fn build_image_refuses_what_is_not_an_image_reference() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let copy = tempfile::tempdir().unwrap();
-    let status = std::process::Command::new("cp")
-        .args(["-r", "deploy"])
-        .arg(copy.path())
-        .current_dir(root)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let copy = copy_of_deploy();
     let marker = copy.path().join("pwned");
     let before =
         std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
@@ -835,4 +820,17 @@ fn build_image_refuses_what_is_not_an_image_reference() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A copy of `deploy/` in a temporary directory, for `deploy/build-image.sh` to rewrite.
+fn copy_of_deploy() -> tempfile::TempDir {
+    let copy = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new("cp")
+        .args(["-r", "deploy"])
+        .arg(copy.path())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    copy
 }
