@@ -247,7 +247,10 @@ async fn the_completion_is_followed_by_wait_and_a_shortfall_is_counted() {
     let upstream = TestUpstream::start().await;
     let text = ConfigBuilder::new(&upstream.url())
         .redis_url(&format!("redis://127.0.0.1:{mp}/0"))
-        .store("wait_replicas = 1\nwait_timeout = \"100ms\"")
+        // Long enough for a replica on a loaded machine to acknowledge (a
+        // `WAIT` that falls short of it would refuse the first key with 503);
+        // the shortfall below costs this much once.
+        .store("wait_replicas = 1\nwait_timeout = \"2s\"")
         .routes(ROUTES)
         .build();
     let proxy = Proxy::start(&text).await;
