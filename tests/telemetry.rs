@@ -940,6 +940,84 @@ async fn an_unsampled_parent_is_followed_and_nothing_is_sent() {
     assert!(up.sampled());
 }
 
+/// `client_context = "link"`: a client that asks for sampling does not get
+/// it (the ratio decides); a sampled request is a trace of the proxy's own,
+/// its SERVER span linked to the client's span, and the upstream gets the
+/// proxy's trace without the client's `tracestate`. `"ignore"`: the same,
+/// without the link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_context_link_and_ignore_keep_sampling_with_the_operator() {
+    for (mode, ratio) in [("link", "0.0"), ("link", "1.0"), ("ignore", "1.0")] {
+        let otlp = OtlpReceiver::start().await;
+        let config = format!("sample_ratio = {ratio}\nclient_context = \"{mode}\"\n");
+        let env = traced_env(Backend::Memory, &otlp, &config).await;
+        let call = otel_call(
+            "POST",
+            &env.url("/v1/payments"),
+            Some("k-link"),
+            "a",
+            &["tracestate: vendor=opaque"],
+            Parent::Sampled,
+        )
+        .await;
+        assert_eq!(call.status, 201, "{mode}: {call:?}");
+        assert!(call.sampled);
+        let up = upstream_traceparent(&env.upstream, 1);
+        assert_ne!(up.trace_id, call.trace_id, "{mode}: a trace of the proxy's own");
+        let seen = &env.upstream.seen()[0];
+        assert!(!seen.headers.contains_key("tracestate"), "{mode}: {seen:?}");
+        if ratio == "0.0" {
+            assert!(!up.sampled(), "{mode}: the client cannot turn tracing on");
+            // A request the ratio samples shows that nothing else will come.
+            let env_on = traced_env(Backend::Memory, &otlp, "sample_ratio = 1.0\n").await;
+            let root = otel_call("GET", &env_on.url("/x"), None, "", &[], Parent::None).await;
+            let spans = otlp
+                .wait_for_spans("the other proxy's spans", DEADLINE, |all| {
+                    all.iter().any(|s| s.kind == "SERVER")
+                })
+                .await;
+            assert!(
+                spans.iter().all(|s| s.trace_id != call.trace_id && s.trace_id != up.trace_id),
+                "{mode}: {}",
+                spans.outline()
+            );
+            assert_eq!(root.status, 201);
+            continue;
+        }
+        assert!(up.sampled());
+        let (spans, server) = wait_for_request_in(&otlp, &up.trace_id, &PROTECTED_SPANS).await;
+        assert_only_trace(&spans, &up.trace_id);
+        assert!(server.is_root(), "{mode}: {server:?}");
+        assert_eq!(server.trace_state, "", "{mode}");
+        match mode {
+            "link" => {
+                assert_eq!(server.links.len(), 1, "{mode}: {server:?}");
+                assert_eq!(server.links[0].trace_id, call.trace_id);
+                assert_eq!(server.links[0].span_id, call.span_id);
+                assert_eq!(server.links[0].trace_state, "vendor=opaque");
+            }
+            _ => assert!(server.links.is_empty(), "{mode}: {server:?}"),
+        }
+    }
+}
+
+/// The spans of the request whose SERVER span is in `trace_id`: `names`, all there.
+async fn wait_for_request_in(
+    otlp: &OtlpReceiver,
+    trace_id: &str,
+    names: &[&str],
+) -> (Vec<Span>, Span) {
+    let spans = otlp
+        .wait_for_spans("the request's spans", DEADLINE, |all| {
+            let mine: Vec<&Span> = all.iter().filter(|s| s.trace_id == trace_id).collect();
+            names.iter().all(|n| mine.iter().any(|s| s.name.starts_with(n)))
+        })
+        .await;
+    let mine: Vec<Span> = spans.into_iter().filter(|s| s.trace_id == trace_id).collect();
+    let server = mine.iter().find(|s| s.kind == "SERVER").unwrap().clone();
+    (mine, server)
+}
+
 // ---------------------------------------------------------------------------
 // Configuration: the file, then the OTEL_* environment.
 
@@ -975,6 +1053,8 @@ async fn otel_environment_variables_fill_in_what_the_file_leaves_out() {
             "OTEL_RESOURCE_ATTRIBUTES",
             "deployment.environment=otel-test,team=payments",
         )
+        .proxy_env("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=k%3D1,x-tenant=t")
+        .proxy_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=shop")
         .binary()
         .start()
         .await;
@@ -1009,6 +1089,9 @@ async fn otel_environment_variables_fill_in_what_the_file_leaves_out() {
     assert_eq!(server.resource_str("team"), Some("payments"));
     // The environment's endpoint is a base: the signal's path is added (OTLP/HTTP).
     assert_eq!(server.export_path, "/v1/traces");
+    // The export's headers, percent-decoded; the traces variable wins.
+    assert_eq!(server.export_headers["x-api-key"], "k=1");
+    assert_eq!(server.export_headers["x-tenant"], "shop");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1024,6 +1107,7 @@ async fn the_file_wins_over_the_environment() {
         .proxy_env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .proxy_env("OTEL_SERVICE_NAME", "from-env")
         .proxy_env("OTEL_TRACES_SAMPLER_ARG", "0.0")
+        .proxy_env("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=grpc")
         .binary()
         .start()
         .await;
@@ -1045,6 +1129,8 @@ async fn the_file_wins_over_the_environment() {
         )
         .await;
     assert_eq!(server.resource_str("service.name"), Some("from-file"));
+    // The export's headers go as gRPC metadata too.
+    assert_eq!(server.export_headers["x-api-key"], "grpc");
 }
 
 // ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ use toml::Spanned;
 use super::grammar::{ConfHeader, ConfKeyFrom, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore, RawTelemetry};
 use super::{
-    Backend, Config, ConfigError, Flag, Origin, OtlpProtocol, Overrides, RedisMode, Runtime,
+    Backend, ClientContext, Config, ConfigError, Flag, Origin, OtlpProtocol, Overrides, RedisMode, Runtime,
     ServerConfig, Source, SslMode, StoreConfig, TelemetryConfig, TlsFiles, UpstreamProtocol,
     UpstreamUrl,
 };
@@ -38,6 +38,9 @@ pub(super) const OTEL_EXPORTER_OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOIN
 pub(super) const OTEL_EXPORTER_OTLP_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
 pub(super) const OTEL_SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
 pub(super) const OTEL_TRACES_SAMPLER_ARG: &str = "OTEL_TRACES_SAMPLER_ARG";
+const OTEL_RESOURCE_ATTRIBUTES: &str = "OTEL_RESOURCE_ATTRIBUTES";
+const OTEL_EXPORTER_OTLP_HEADERS: &str = "OTEL_EXPORTER_OTLP_HEADERS";
+const OTEL_EXPORTER_OTLP_TRACES_HEADERS: &str = "OTEL_EXPORTER_OTLP_TRACES_HEADERS";
 
 /// A `[telemetry]` value from the file (at its span) or from a variable.
 enum Told<T> {
@@ -48,7 +51,8 @@ enum Told<T> {
 /// `[telemetry]`: each key from the file, else from its standard variable
 /// (`env` reads one; empty counts as unset), else its default. A wrong value
 /// is an error at its place in the file, or naming its variable.
-/// (`OTEL_RESOURCE_ATTRIBUTES` is read by the SDK when tracing starts.)
+/// `OTEL_RESOURCE_ATTRIBUTES` and the export headers' variables have no key
+/// in the file.
 pub(super) fn telemetry(
     raw: RawTelemetry,
     src: &Source,
@@ -121,7 +125,75 @@ pub(super) fn telemetry(
             }
         }
     }
+    if let Some(v) = raw.client_context {
+        t.client_context = ClientContext::parse(v.get_ref()).ok_or_else(|| {
+            let m = format!(
+                "invalid client_context \"{}\": expected \"follow\", \"link\" or \"ignore\"",
+                v.get_ref()
+            );
+            src.entry(&v.span(), "telemetry.client_context", m)
+        })?;
+    }
+    let listed = |var: &'static str| -> Result<Vec<(String, String)>, ConfigError> {
+        match env(var) {
+            Some(text) => key_values(&text).map_err(|message| ConfigError::Env { var, message }),
+            None => Ok(Vec::new()),
+        }
+    };
+    t.resource_attributes = listed(OTEL_RESOURCE_ATTRIBUTES)?;
+    for var in [OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_TRACES_HEADERS] {
+        for (name, value) in listed(var)? {
+            let bad = |what: &str| ConfigError::Env {
+                var,
+                message: format!("invalid header {what} in \"{name}\""),
+            };
+            let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| bad("name"))?;
+            let value = http::HeaderValue::from_str(&value).map_err(|_| bad("value"))?;
+            t.headers.retain(|(n, _)| *n != name);
+            t.headers.push((name, value));
+        }
+    }
     Ok(t)
+}
+
+/// A list in the form of `OTEL_RESOURCE_ATTRIBUTES` and
+/// `OTEL_EXPORTER_OTLP_HEADERS`: `key=value` pairs separated by commas,
+/// blanks around each trimmed, values percent-decoded (a later key wins).
+fn key_values(text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(format!("\"{item}\" is not key=value"));
+        };
+        let key = key.trim();
+        if key.is_empty() || key.chars().any(|c| c.is_control() || c == '%') {
+            return Err(format!("\"{item}\": invalid key"));
+        }
+        let value = percent_decoded(value.trim())
+            .ok_or_else(|| format!("\"{item}\": invalid percent-encoding"))?;
+        pairs.retain(|(k, _)| k != key);
+        pairs.push((key.to_string(), value));
+    }
+    Ok(pairs)
+}
+
+/// `%XX` sequences decoded; the result must be UTF-8 without control characters.
+fn percent_decoded(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    let text = String::from_utf8(out).ok()?;
+    (!text.chars().any(char::is_control)).then_some(text)
 }
 
 /// An OTLP endpoint: an `http://` URL with a host. (This build speaks to

@@ -92,8 +92,49 @@ pub struct TelemetryConfig {
     pub otlp_protocol: OtlpProtocol,
     /// The `service.name` resource attribute.
     pub service_name: String,
-    /// Root spans sampled at this ratio; a client's sampled flag is followed.
+    /// Root spans sampled at this ratio.
     pub sample_ratio: f64,
+    /// What a client's `traceparent` decides.
+    pub client_context: ClientContext,
+    /// Resource attributes from `OTEL_RESOURCE_ATTRIBUTES`, in order.
+    pub resource_attributes: Vec<(String, String)>,
+    /// Headers sent with every export (`OTEL_EXPORTER_OTLP_HEADERS`, then
+    /// `OTEL_EXPORTER_OTLP_TRACES_HEADERS`, which wins for a name in both).
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
+}
+
+/// What a client's W3C trace context decides (`[telemetry] client_context`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ClientContext {
+    /// The request's spans join the client's trace; its sampled flag is followed.
+    #[default]
+    Follow,
+    /// A new trace, sampled at `sample_ratio`, its SERVER span linked to the client's.
+    Link,
+    /// A new trace, sampled at `sample_ratio`; the client's context is not read.
+    Ignore,
+}
+
+impl ClientContext {
+    pub fn parse(text: &str) -> Option<ClientContext> {
+        match text {
+            "follow" => Some(ClientContext::Follow),
+            "link" => Some(ClientContext::Link),
+            "ignore" => Some(ClientContext::Ignore),
+            _ => None,
+        }
+    }
+}
+
+/// The spelling the configuration file uses.
+impl fmt::Display for ClientContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ClientContext::Follow => "follow",
+            ClientContext::Link => "link",
+            ClientContext::Ignore => "ignore",
+        })
+    }
 }
 
 impl Default for TelemetryConfig {
@@ -103,6 +144,9 @@ impl Default for TelemetryConfig {
             otlp_protocol: OtlpProtocol::Grpc,
             service_name: "idemproxy".to_string(),
             sample_ratio: 1.0,
+            client_context: ClientContext::Follow,
+            resource_attributes: Vec::new(),
+            headers: Vec::new(),
         }
     }
 }
@@ -581,7 +625,7 @@ mod tests {
 mod telemetry_tests {
     use super::build::telemetry;
     use super::raw::RawFile;
-    use super::{ConfigError, OtlpProtocol, Source, TelemetryConfig};
+    use super::{ClientContext, ConfigError, OtlpProtocol, Source, TelemetryConfig};
 
     /// `[telemetry]` from `text`, with `vars` as the whole environment.
     fn load(text: &str, vars: &[(&str, &str)]) -> Result<TelemetryConfig, ConfigError> {
@@ -652,6 +696,49 @@ mod telemetry_tests {
         assert_eq!(t.otlp_endpoint, None);
     }
 
+    /// `client_context`; the resource's attributes and the export's
+    /// headers as the OpenTelemetry variables list them (percent-decoded; the
+    /// traces variable wins for a header in both).
+    #[test]
+    fn client_context_resource_attributes_and_export_headers() {
+        assert_eq!(load("", &[]).unwrap().client_context, ClientContext::Follow);
+        for (text, mode) in [
+            ("follow", ClientContext::Follow),
+            ("link", ClientContext::Link),
+            ("ignore", ClientContext::Ignore),
+        ] {
+            let t = load(&format!("[telemetry]\nclient_context = \"{text}\"\n"), &[]).unwrap();
+            assert_eq!(t.client_context, mode);
+            assert_eq!(mode.to_string(), text);
+        }
+        let vars = [
+            (
+                "OTEL_RESOURCE_ATTRIBUTES",
+                "deployment.environment=prod, service.version = 1.4.2,team=a%2Cb",
+            ),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=k1,x-tenant=t"),
+            ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "api-key=k2"),
+        ];
+        let t = load("", &vars).unwrap();
+        let pairs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        assert_eq!(
+            t.resource_attributes,
+            pairs(&[
+                ("deployment.environment", "prod"),
+                ("service.version", "1.4.2"),
+                ("team", "a,b")
+            ])
+        );
+        let headers: Vec<(String, String)> = t
+            .headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+            .collect();
+        assert_eq!(headers, pairs(&[("x-tenant", "t"), ("api-key", "k2")]));
+    }
+
     #[test]
     fn bad_values_are_errors_at_their_place() {
         let cases = [
@@ -672,6 +759,7 @@ mod telemetry_tests {
             ("service_name = \"\"", "telemetry.service_name"),
             ("sample_ratio = 1.5", "telemetry.sample_ratio"),
             ("sample_ratio = -0.1", "telemetry.sample_ratio"),
+            ("client_context = \"trust\"", "telemetry.client_context"),
         ];
         for (line, key) in cases {
             let text = format!("[telemetry]\n{line}\n");
@@ -698,6 +786,10 @@ mod telemetry_tests {
             ("OTEL_TRACES_SAMPLER_ARG", "2"),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift"),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "env"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "a=%zz"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "bad name=1"),
+            ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x=a%0Ab"),
         ] {
             match load("", &[(var, value)]) {
                 Err(ConfigError::Env { var: v, .. }) => assert_eq!(v, var),

@@ -91,6 +91,7 @@ pub(super) struct RawTelemetry {
     pub otlp_protocol: Option<Spanned<String>>,
     pub service_name: Option<Spanned<String>>,
     pub sample_ratio: Option<Spanned<f64>>,
+    pub client_context: Option<Spanned<String>>,
 }
 
 /// A `[[routes]]` entry or the `[defaults]` table.

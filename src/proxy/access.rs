@@ -20,7 +20,6 @@ use crate::metrics::Counted;
 use crate::permit::Permit;
 use crate::routes::Route;
 use crate::store::RecordKey;
-use crate::telemetry;
 
 /// What every request has from its start to its log line.
 pub(super) struct Begun {
@@ -63,7 +62,7 @@ impl Begun {
         route: Option<&Route>,
     ) -> Ctx<'c> {
         let trace = app.telemetry.as_ref().map(|t| {
-            let route = route.map(|r| (r.name.as_str(), r.path.to_string()));
+            let route = route.map(|r| (r.name.as_str(), r.path.as_str()));
             t.server_span(req, route, caller.scheme, caller.addr)
         });
         Ctx {
@@ -104,9 +103,9 @@ impl Begun {
         }
         let status = handled.response.status().as_u16();
         let record_id = handled.record_id.as_ref().map(RecordKey::id);
-        let ids = ctx.trace.as_ref().and_then(|cx| {
-            let ids = telemetry::log_ids(cx);
-            telemetry::end_server(cx, status, handled.outcome.as_str(), record_id);
+        let ids = ctx.trace.as_ref().and_then(|server| {
+            let ids = server.log_ids();
+            server.end(status, handled.outcome.as_str(), record_id);
             ids
         });
         let (trace_id, span_id) = ids.unzip();

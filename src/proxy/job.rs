@@ -92,7 +92,7 @@ impl Drop for Claim {
 /// the completion's span; the upstream exchange's CLIENT span; the trace
 /// context its record keeps.
 pub struct JobTrace {
-    pub server: opentelemetry::Context,
+    pub server: telemetry::Parent,
     pub client: Option<telemetry::ClientSpan>,
     pub record: Option<TraceRef>,
 }
@@ -190,7 +190,7 @@ impl Job {
     fn log_ids(&self) -> (Option<String>, Option<String>) {
         self.trace
             .as_ref()
-            .and_then(|t| telemetry::log_ids(&t.server))
+            .and_then(|t| t.server.log_ids())
             .unzip()
     }
 
@@ -429,9 +429,8 @@ impl Job {
             let attributes = || {
                 telemetry::record_attributes(self.route_name.as_str(), self.claim.store_key.id())
             };
-            let kind = opentelemetry::trace::SpanKind::Internal;
             let tracer = self.claim.app.telemetry.as_ref()?;
-            Some(tracer.child(&t.server, "idempotency.complete", kind, attributes))
+            tracer.child(&t.server, "idempotency.complete", attributes)
         });
         let (room, (body_stored, body, trailers)) = self.room_for_copy(body_stored, body, trailers);
         let finished = Finished {

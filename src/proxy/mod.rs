@@ -20,7 +20,6 @@ use bytes::Bytes;
 use http::header::{HeaderValue, CONNECTION};
 use http::{HeaderMap, HeaderName, Request, Response};
 use hyper::body::Incoming;
-use opentelemetry::trace::SpanKind;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
@@ -81,7 +80,7 @@ struct Ctx<'a> {
     /// When the request's handling began (its body is due `body_read_timeout` after).
     start: Instant,
     /// The request's SERVER span (tracing on), else `None`: then no span is made.
-    trace: Option<opentelemetry::Context>,
+    trace: Option<telemetry::ServerSpan>,
 }
 
 impl Ctx<'_> {
@@ -89,40 +88,42 @@ impl Ctx<'_> {
         Handled::new(p.response_to(&self.request_id, self.grpc), p.outcome())
     }
 
-    /// A child of the request's SERVER span, when tracing is on; it ends
-    /// when the context returned is dropped.
+    /// An INTERNAL child of the request's SERVER span, when it is sampled;
+    /// it ends when dropped.
     fn span(
         &self,
         name: &'static str,
-        kind: opentelemetry::trace::SpanKind,
-        attributes: impl FnOnce() -> Vec<opentelemetry::KeyValue>,
-    ) -> Option<opentelemetry::Context> {
-        let cx = self.trace.as_ref()?;
-        let t = self.app.telemetry.as_ref()?;
-        Some(t.child(cx, name, kind, attributes))
+        attributes: impl FnOnce() -> Vec<(&'static str, telemetry::Value)>,
+    ) -> Option<telemetry::Child> {
+        let server = self.trace.as_ref()?;
+        self.app.telemetry.as_ref()?.child(server.parent(), name, attributes)
     }
 
-    /// The CLIENT span of an upstream exchange, its context put in `request`.
+    /// The upstream exchange's trace context put in `request` (tracing on),
+    /// and its CLIENT span when the request is sampled.
     fn client_span(&self, request: &mut Request<Body>) -> Option<telemetry::ClientSpan> {
-        let cx = self.trace.as_ref()?;
-        Some(self.app.telemetry.as_ref()?.client_span(cx, request))
+        let server = self.trace.as_ref()?;
+        self.app.telemetry.as_ref()?.client_span(server, request)
     }
 
     /// The trace and span ids of the request's SERVER span for a log line,
     /// while it records (else both `None`: no field).
     fn log_ids(&self) -> (Option<String>, Option<String>) {
-        self.trace.as_ref().and_then(telemetry::log_ids).unzip()
+        self.trace
+            .as_ref()
+            .and_then(telemetry::ServerSpan::log_ids)
+            .unzip()
     }
 
     /// The execution's trace context, to be kept with its records.
     fn trace_ref(&self) -> Option<TraceRef> {
-        self.trace.as_ref().and_then(telemetry::trace_ref)
+        self.trace.as_ref().and_then(telemetry::ServerSpan::trace_ref)
     }
 
     /// A replay, a 409 or a 422: the SERVER span links to the execution.
     fn link_original(&self, original: Option<TraceRef>) {
-        if let (Some(cx), Some(original)) = (&self.trace, original) {
-            telemetry::link_original(cx, original);
+        if let (Some(server), Some(original)) = (&self.trace, original) {
+            server.link_original(original);
         }
     }
 }
@@ -606,7 +607,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
     let created_ms = now_ms();
     // The reserve's span (and, while a duplicate waits, the wait's, beside it): ended
     // when this returns. The SERVER span's ids go with the reservation.
-    let span = ctx.span("idempotency.reserve", SpanKind::Internal, || {
+    let span = ctx.span("idempotency.reserve", || {
         telemetry::record_attributes(route.name.as_str(), id.key.id())
     });
     let mut waiting = None;
@@ -712,7 +713,7 @@ async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved
             if patience.waits && waiting.is_none() && span.is_some() {
                 // A sibling of the reserve's span under the SERVER span, as
                 // the guide's span reference draws it.
-                waiting = ctx.span("idempotency.wait", SpanKind::Internal, Vec::new);
+                waiting = ctx.span("idempotency.wait", Vec::new);
             }
             if patience.wait().await {
                 continue;
@@ -1142,10 +1143,13 @@ async fn forward_reserved(
             return ctx.problem(&Problem::UpstreamUnreachable);
         }
     };
-    let trace = ctx.trace.as_ref().map(|server| {
+    // The upstream's `traceparent` for every traced request; the rest only
+    // for a sampled one (an unsampled one builds nothing).
+    let client = ctx.client_span(&mut request);
+    let trace = client.zip(ctx.trace.as_ref()).map(|(client, server)| {
         Box::new(JobTrace {
-            server: server.clone(),
-            client: ctx.client_span(&mut request),
+            server: server.parent().clone(),
+            client: Some(client),
             record: ctx.trace_ref(),
         })
     });

@@ -94,8 +94,9 @@ def status(s):
     return {"code": code, "message": s.message}
 
 
-def record(request, export_path):
-    """Writes each span of an ExportTraceServiceRequest as one line."""
+def record(request, export_path, headers):
+    """Writes each span of an ExportTraceServiceRequest as one line, with the
+    headers (gRPC metadata) its export came with, names lowercased."""
     n = 0
     for rs in request.resource_spans:
         resource = attributes(rs.resource.attributes)
@@ -113,6 +114,8 @@ def record(request, export_path):
                             {
                                 "trace_id": link.trace_id.hex(),
                                 "span_id": link.span_id.hex(),
+                                "trace_state": link.trace_state,
+                                "flags": link.flags,
                                 "attributes": attributes(link.attributes),
                             }
                             for link in span.links
@@ -125,6 +128,7 @@ def record(request, export_path):
                         "start_time_unix_nano": span.start_time_unix_nano,
                         "end_time_unix_nano": span.end_time_unix_nano,
                         "export_path": export_path,
+                        "export_headers": headers,
                     }
                 )
                 n += 1
@@ -133,7 +137,8 @@ def record(request, export_path):
 
 class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
-        record(request, GRPC_METHOD)
+        metadata = {k.lower(): v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        record(request, GRPC_METHOD, metadata)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -195,7 +200,7 @@ class OtlpHttp(BaseHTTPRequestHandler):
             sys.stderr.write(f"POST {self.path}: {e}\n")
             self.answer(400, str(e).encode(), "text/plain")
             return
-        record(request, self.path)
+        record(request, self.path, {k.lower(): v for k, v in self.headers.items()})
         response = trace_service_pb2.ExportTraceServiceResponse()
         self.answer(200, response.SerializeToString(), "application/x-protobuf")
 

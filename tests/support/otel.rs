@@ -44,6 +44,9 @@ pub struct Span {
     pub end_time_unix_nano: u64,
     /// Where the export came: the HTTP path (OTLP/HTTP) or the gRPC method.
     pub export_path: String,
+    /// The headers (gRPC metadata) the export came with, names lowercased.
+    #[serde(default)]
+    pub export_headers: serde_json::Map<String, Value>,
     /// The whole line, for looking through every value at once.
     #[serde(skip)]
     pub raw: Value,
@@ -53,6 +56,8 @@ pub struct Span {
 pub struct SpanLink {
     pub trace_id: String,
     pub span_id: String,
+    #[serde(default)]
+    pub trace_state: String,
     pub attributes: serde_json::Map<String, Value>,
 }
 

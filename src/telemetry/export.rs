@@ -1,0 +1,331 @@
+//! The export queue and the export thread.
+//!
+//! A finished span is put in a plain locked `Vec` without waiting (a span the
+//! queue has no room for is dropped and counted); the export thread is woken
+//! once a batch is queued, or takes what is there on its tick. It encodes the
+//! batch into a buffer it reuses ([`Encoder`]) and posts it to the collector,
+//! over OTLP/gRPC (HTTP/2 without TLS) or OTLP/HTTP with protobuf bodies, on
+//! a runtime of its own that lives as long as the process.
+//!
+//! Measured against the OpenTelemetry SDK's `BatchSpanProcessor`, its spans
+//! and its OTLP exporter (docs/telemetry.md#cost): the request path only
+//! moves a small record into the queue, and the encoding writes straight
+//! from it, with the resource encoded once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, Request, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use prometheus_client::metrics::counter::Counter;
+use tokio::sync::mpsc;
+
+use super::otlp::Encoder;
+use super::span::Record;
+use crate::config::OtlpProtocol;
+
+/// Spans sent to the collector at once, at most.
+pub const BATCH: usize = 512;
+/// A batch not full is sent after this.
+const DELAY: Duration = Duration::from_secs(1);
+/// One export, at most (then its spans are dropped and counted).
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most of a collector's answer read (a partial success names what it refused).
+const MAX_ANSWER: usize = 64 * 1024;
+
+/// What the request path and the export thread share.
+#[derive(Debug)]
+pub struct Shared {
+    spans: Mutex<Held>,
+    /// A batch is ready, or the queue is closed.
+    wake: tokio::sync::Notify,
+    closed: AtomicBool,
+    capacity: usize,
+    dropped: Counter,
+}
+
+/// The spans queued, and how many taken are still being exported.
+#[derive(Debug, Default)]
+struct Held {
+    queued: Vec<Record>,
+    exporting: usize,
+}
+
+impl Shared {
+    pub fn new(capacity: usize, dropped: Counter) -> Arc<Shared> {
+        Arc::new(Shared {
+            spans: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            closed: AtomicBool::new(false),
+            capacity,
+            dropped,
+        })
+    }
+
+    fn held(&self) -> MutexGuard<'_, Held> {
+        self.spans.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a finished span, or drops and counts it when there is no room
+    /// (spans taken and not yet exported count against the capacity too).
+    pub fn push(&self, span: Record) {
+        let queued = {
+            let mut held = self.held();
+            if held.queued.len() + held.exporting >= self.capacity {
+                None
+            } else {
+                held.queued.push(span);
+                Some(held.queued.len())
+            }
+        };
+        match queued {
+            None => {
+                self.dropped.inc();
+            }
+            Some(BATCH) => self.wake.notify_one(),
+            Some(_) => {}
+        }
+    }
+
+    /// Everything queued, counted as being exported until [`Shared::exported`].
+    pub fn take(&self) -> Vec<Record> {
+        let mut held = self.held();
+        let spans = std::mem::take(&mut held.queued);
+        held.exporting += spans.len();
+        spans
+    }
+
+    /// `n` spans taken are gone (sent or dropped): room for as many.
+    pub fn exported(&self, n: usize) {
+        let mut held = self.held();
+        held.exporting = held.exporting.saturating_sub(n);
+    }
+
+    /// No more spans come: the export thread sends the last and ends.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    #[cfg(test)]
+    pub async fn woken(&self) -> bool {
+        tokio::time::timeout(Duration::ZERO, self.wake.notified())
+            .await
+            .is_ok()
+    }
+}
+
+/// Where batches go.
+pub struct Destination {
+    pub protocol: OtlpProtocol,
+    pub endpoint: String,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// A flush request: answered once what was queued before it is sent.
+pub type Flush = std::sync::mpsc::SyncSender<()>;
+
+/// Starts the export thread; an error when it or its sender cannot be made.
+pub fn start(
+    to: Destination,
+    encoder: Encoder,
+    queue: Arc<Shared>,
+    flushes: mpsc::UnboundedReceiver<Flush>,
+) -> Result<(), String> {
+    let (ready, built) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("otel-export".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let sender = match Sender::new(to) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready.send(Ok(()));
+                export_loop(sender, encoder, queue, flushes).await;
+            });
+        })
+        .map_err(|e| e.to_string())?;
+    built.recv().map_err(|e| e.to_string())?
+}
+
+/// Posts encoded batches to the collector.
+struct Sender {
+    client: Client<HttpConnector, Full<Bytes>>,
+    uri: Uri,
+    grpc: bool,
+    headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl Sender {
+    fn new(to: Destination) -> Result<Sender, String> {
+        let grpc = to.protocol == OtlpProtocol::Grpc;
+        let uri: Uri = if grpc {
+            let base: Uri = to.endpoint.parse().map_err(|e| format!("{e}"))?;
+            let authority = base.authority().ok_or("the endpoint has no host")?;
+            format!(
+                "http://{authority}/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+            )
+            .parse()
+            .map_err(|e| format!("{e}"))?
+        } else {
+            super::http_traces_url(&to.endpoint)
+                .parse()
+                .map_err(|e| format!("{e}"))?
+        };
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(EXPORT_TIMEOUT));
+        let client = Client::builder(TokioExecutor::new())
+            .http2_only(grpc)
+            .build(connector);
+        Ok(Sender {
+            client,
+            uri,
+            grpc,
+            headers: to.headers,
+        })
+    }
+
+    /// The first bytes of a batch's body: gRPC's message prefix, filled in by [`Sender::send`].
+    fn prefix(&self) -> &'static [u8] {
+        if self.grpc {
+            &[0; 5]
+        } else {
+            &[]
+        }
+    }
+
+    /// Posts `body` (after [`Sender::prefix`]); `Ok` when the collector took it.
+    async fn send(&self, body: &mut [u8]) -> Result<(), String> {
+        let content_type = if self.grpc {
+            let len = u32::try_from(body.len() - 5).map_err(|_| "batch too large")?;
+            body[1..5].copy_from_slice(&len.to_be_bytes());
+            "application/grpc"
+        } else {
+            "application/x-protobuf"
+        };
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(self.uri.clone())
+            .header(http::header::CONTENT_TYPE, content_type);
+        if self.grpc {
+            req = req.header(http::header::TE, "trailers");
+        }
+        for (name, value) in &self.headers {
+            req = req.header(name, value);
+        }
+        let req = req
+            .body(Full::new(Bytes::copy_from_slice(body)))
+            .map_err(|e| e.to_string())?;
+        let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let early = resp.headers().get("grpc-status").cloned();
+        let answer = Limited::new(resp.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("the collector answered {status}"));
+        }
+        if self.grpc {
+            let grpc_status = early.or_else(|| answer.trailers()?.get("grpc-status").cloned());
+            match grpc_status.as_ref().map(HeaderValue::as_bytes) {
+                Some(b"0") => {}
+                Some(code) => {
+                    return Err(format!(
+                        "the collector answered grpc-status {}",
+                        String::from_utf8_lossy(code)
+                    ))
+                }
+                None => return Err("the collector's answer has no grpc-status".into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn export_loop(
+    sender: Sender,
+    mut encoder: Encoder,
+    queue: Arc<Shared>,
+    mut flushes: mpsc::UnboundedReceiver<Flush>,
+) {
+    let mut failing = false;
+    let mut tick = tokio::time::interval(DELAY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut no_flushes = false;
+    let mut buf = Vec::new();
+    loop {
+        let mut done = None;
+        tokio::select! {
+            () = queue.wake.notified() => {}
+            flush = flushes.recv(), if !no_flushes => {
+                no_flushes = flush.is_none();
+                done = flush;
+            }
+            _ = tick.tick() => {}
+        }
+        // Everything queued so far goes now (a flush's spans with it).
+        let closed = queue.is_closed();
+        let batch = queue.take();
+        for spans in batch.chunks(BATCH) {
+            buf.clear();
+            buf.extend_from_slice(sender.prefix());
+            encoder.encode(spans, &mut buf);
+            let sent = tokio::time::timeout(EXPORT_TIMEOUT, sender.send(&mut buf)).await;
+            let error = match sent {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e),
+                Err(_) => Some("no answer within 5s".to_string()),
+            };
+            if error.is_some() {
+                queue.dropped.inc_by(spans.len() as u64);
+            }
+            queue.exported(spans.len());
+            match (&error, failing) {
+                (Some(e), false) => tracing::warn!(
+                    spans = spans.len(),
+                    error = %e,
+                    "span export failed; spans are dropped until the collector takes them"
+                ),
+                (None, true) => tracing::info!("span export works again"),
+                _ => {}
+            }
+            failing = error.is_some();
+        }
+        // Big batches' buffers are not kept: a burst does not pin its peak.
+        if buf.capacity() > 4 << 20 {
+            buf = Vec::new();
+        }
+        drop(batch);
+        if let Some(done) = done {
+            let _ = done.send(());
+        }
+        if closed {
+            return;
+        }
+    }
+}
