@@ -735,8 +735,23 @@ def main():
     for v in violations:
         print(v)
     if violations:
-        print(f"{len(violations)} violation{'' if len(violations) == 1 else 's'}")
+        print(f"{len(violations)} violation{'' if len(violations) == 1 else 's'}; distinct:")
+        for v, n in summary(violations):
+            print(f"  {n:4} x {v}")
     sys.exit(1 if violations else 0)
+
+
+def summary(violations):
+    """Each distinct violation, the span's name left out, with how often: the
+    same rule broken by every request of a kind reads as one line."""
+    counts = {}
+    for v in violations:
+        if v.startswith("span ") and "): " in v:
+            name, _, rest = v.partition("): ")
+            kind = name.rsplit("(", 1)[-1]
+            v = f"{kind}: {rest}"
+        counts[v] = counts.get(v, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 if __name__ == "__main__":
