@@ -73,8 +73,9 @@ fi
 # 2. The Python peers: grpcio with a retry policy, urllib3 with its Retry; for
 # the tracing tests an OTLP receiver (opentelemetry-proto's TraceService on
 # grpcio), a client instrumented with the OpenTelemetry SDK and the SDK's own
-# OTLP exporters; for tests/inject.rs and tests/injector.rs kubernetes-validate
-# (strict, 1.29 and 1.37) and jsonpatch; for tests/openapi.rs
+# OTLP exporters, and the semantic conventions' registry the spans are checked
+# against (tests/peers/semconv_check.py); for tests/inject.rs and
+# tests/injector.rs kubernetes-validate (strict, 1.29 and 1.37) and jsonpatch; for tests/openapi.rs
 # openapi-spec-validator (the annotated documents, 3.0 and 3.1). What an older venv lacks is installed
 # into it; the tests find its interpreter through IDEMPROXY_TEST_PYTHON.
 target="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -82,10 +83,10 @@ mkdir -p "$target"
 target="$(cd "$target" && pwd)"
 peers="$target/peers-venv"
 peer_pkgs=('grpcio~=1.85' 'urllib3~=2.8' 'protobuf' 'opentelemetry-api~=1.45'
-  'opentelemetry-sdk~=1.45' 'opentelemetry-proto~=1.45'
+  'opentelemetry-sdk~=1.45' 'opentelemetry-proto~=1.45' 'opentelemetry-semantic-conventions~=0.66b0'
   'opentelemetry-exporter-otlp-proto-grpc~=1.45' 'opentelemetry-exporter-otlp-proto-http~=1.45'
   'kubernetes-validate' 'jsonpatch' 'openapi-spec-validator~=0.9')
-peer_modules='grpc, urllib3, google.protobuf, opentelemetry.sdk.trace, opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc, opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter, kubernetes_validate, jsonpatch, openapi_spec_validator'
+peer_modules='grpc, urllib3, google.protobuf, opentelemetry.sdk.trace, opentelemetry.semconv.attributes.http_attributes, opentelemetry.semconv._incubating.attributes, opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc, opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter, kubernetes_validate, jsonpatch, openapi_spec_validator'
 if ! "$peers/bin/python" -c 'import sys' >/dev/null 2>&1; then
   say "making the venv $peers"
   python3 -m venv --clear "$peers"

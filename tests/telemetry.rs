@@ -1222,3 +1222,399 @@ async fn a_collector_that_never_answers_never_slows_or_fails_a_request() {
     requests_go_on_while_spans_cannot_be_sent(&endpoint).await;
     drop(silent);
 }
+
+// ---------------------------------------------------------------------------
+// Every kind of span against the semantic conventions' published registry:
+// tests/peers/semconv_check.py reads the names, stability and enums from the
+// `opentelemetry-semantic-conventions` package, not from a list of ours.
+
+/// Runs tests/peers/semconv_check.py with `args`: its exit code and what it printed.
+async fn run_semconv_check(args: &[&str]) -> (Option<i32>, String) {
+    let python = peer_python();
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/peers/semconv_check.py");
+    let child = tokio::process::Command::new(&python)
+        .arg(&script)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {} ({e})", python.display()));
+    let out = tokio::time::timeout(DEADLINE, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("semconv_check.py did not finish within {DEADLINE:?}"))
+        .expect("semconv_check.py's output");
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), printed)
+}
+
+/// Checks `spans` (written as the JSON lines the receiver wrote) against the
+/// registry: what the checker printed, when it found nothing wrong.
+async fn assert_spans_follow_the_conventions(spans: &[Span]) -> String {
+    use std::io::Write;
+    let mut lines = tempfile::NamedTempFile::new().expect("temp file");
+    for s in spans {
+        writeln!(lines, "{}", s.raw).expect("write spans");
+    }
+    lines.flush().expect("flush spans");
+    let (code, printed) = run_semconv_check(&[lines.path().to_str().unwrap()]).await;
+    assert_ne!(
+        code,
+        Some(3),
+        "opentelemetry-semantic-conventions is missing (tests/run.sh installs it):\n{printed}"
+    );
+    assert_eq!(
+        code,
+        Some(0),
+        "the spans break the semantic conventions:\n{printed}"
+    );
+    // Exit 0 and nothing said but the first line: which package, how many spans.
+    let said: Vec<&str> = printed.lines().collect();
+    assert!(
+        said.len() == 1 && said[0].contains(&format!(", {} spans checked", spans.len())),
+        "every span checked, none found wrong:\n{printed}"
+    );
+    printed
+}
+
+#[tokio::test]
+async fn the_semconv_checker_catches_spans_that_break_the_conventions() {
+    let (code, printed) = run_semconv_check(&["--self-test"]).await;
+    assert_eq!(code, Some(0), "{printed}");
+    assert!(printed.contains(" passed, 0 failed"), "{printed}");
+}
+
+/// A protected route for a method outside RFC 9110, and one whose duplicates wait.
+const SEMCONV_ROUTES: &str = r#"
+[[routes]]
+name = "purge"
+methods = ["PURGE"]
+path = "/v1/purge"
+
+[[routes]]
+name = "waiting"
+path = "/v1/waiting"
+concurrent = "wait"
+wait_timeout = "300ms"
+"#;
+
+/// One request of the conventions test, and the spans it must have made: a
+/// SERVER span under the client's span `parent`, answering `status`, with
+/// children of these kinds (and names, where given): one CLIENT span when
+/// they name one, else none.
+struct Exchange {
+    what: &'static str,
+    parent: String,
+    status: u16,
+    children: &'static [(&'static str, Option<&'static str>)],
+}
+
+const EXECUTION: &[(&str, Option<&str>)] = &[
+    ("INTERNAL", Some("idempotency.reserve")),
+    ("CLIENT", None),
+    ("INTERNAL", Some("idempotency.complete")),
+];
+const ANSWERED_FROM_THE_STORE: &[(&str, Option<&str>)] =
+    &[("INTERNAL", Some("idempotency.reserve"))];
+const WAITED: &[(&str, Option<&str>)] = &[("INTERNAL", Some("idempotency.wait"))];
+const FORWARDED: &[(&str, Option<&str>)] = &[("CLIENT", None)];
+const RESERVED_AND_FORWARDED: &[(&str, Option<&str>)] =
+    &[("INTERNAL", Some("idempotency.reserve")), ("CLIENT", None)];
+
+impl Exchange {
+    fn of(
+        what: &'static str,
+        call: &OtelCall,
+        children: &'static [(&'static str, Option<&'static str>)],
+    ) -> Exchange {
+        Exchange {
+            what,
+            parent: call.span_id.clone(),
+            status: call.status,
+            children,
+        }
+    }
+
+    /// Whether the request went upstream: one CLIENT span.
+    fn upstream(&self) -> bool {
+        self.children.iter().any(|(kind, _)| *kind == "CLIENT")
+    }
+
+    /// Waits for its spans; fails the test when they are not what it made.
+    async fn wait(&self, otlp: &OtlpReceiver) {
+        let spans = otlp
+            .wait_for_spans(
+                &format!(
+                    "{}: the SERVER span under {} and its children {:?}",
+                    self.what, self.parent, self.children
+                ),
+                DEADLINE,
+                |all| {
+                    all.server_under(&self.parent).is_some_and(|server| {
+                        let kids = all.children_of(server);
+                        self.children.iter().all(|(kind, name)| {
+                            kids.iter()
+                                .any(|k| k.kind == *kind && name.is_none_or(|n| k.name == n))
+                        })
+                    })
+                },
+            )
+            .await;
+        let server = spans.server_under(&self.parent).expect("found");
+        assert_eq!(
+            server.attr_i64("http.response.status_code"),
+            Some(i64::from(self.status)),
+            "{}: the status the client got: {server:?}",
+            self.what
+        );
+        let clients = spans
+            .children_of(server)
+            .into_iter()
+            .filter(|k| k.kind == "CLIENT")
+            .count();
+        assert_eq!(
+            clients,
+            usize::from(self.upstream()),
+            "{}: CLIENT spans:\n{}",
+            self.what,
+            spans.outline()
+        );
+    }
+}
+
+/// A W3C parent for a client that is not the SDK's (curl, tonic): the
+/// `traceparent` value and the parent span id the SERVER span will have.
+fn sampled_parent() -> (String, String) {
+    let trace_id = uuid::Uuid::new_v4().simple().to_string();
+    let parent = uuid::Uuid::new_v4().simple().to_string()[..16].to_string();
+    (format!("00-{trace_id}-{parent}-01"), parent)
+}
+
+/// One request of each kind (an execution, a replay, a 409, a 409 after a
+/// wait, a 422, pass-through, the upstream's 5xx and 4xx, a method outside
+/// RFC 9110, HTTP/2, gRPC, an upstream that refuses the connection), each
+/// kind's spans waited for so that the check cannot pass on nothing; then
+/// every span received goes through semconv_check.py.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_span_follows_the_registered_conventions() {
+    let started = Instant::now();
+    let otlp = OtlpReceiver::start().await;
+    let env = Env::builder(Backend::Memory)
+        .routes(&format!("{ROUTES}{SEMCONV_ROUTES}"))
+        .telemetry(&otlp.config())
+        .binary()
+        .start()
+        .await;
+    let call = |method: &'static str,
+                path: &str,
+                key: Option<&'static str>,
+                body: &'static str,
+                headers: &'static [&'static str]| {
+        let url = env.url(path);
+        async move { otel_call(method, &url, key, body, headers, Parent::Sampled).await }
+    };
+    let mut made = Vec::new();
+
+    // An execution, then its replay and a 422 (same key, another body).
+    let first = call("POST", "/v1/payments", Some("k-semconv-1"), "a", &[]).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    made.push(Exchange::of("execution", &first, EXECUTION));
+    let replay = call("POST", "/v1/payments", Some("k-semconv-1"), "a", &[]).await;
+    assert!(replay.status == 201 && replay.is_replay(), "{replay:?}");
+    made.push(Exchange::of("replay", &replay, ANSWERED_FROM_THE_STORE));
+    let other = call("POST", "/v1/payments", Some("k-semconv-1"), "b", &[]).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    made.push(Exchange::of("422", &other, ANSWERED_FROM_THE_STORE));
+
+    // A 409 while the first is held upstream; a duplicate that waits, then 409s.
+    let held = |path: &'static str, key: &'static str| {
+        let url = env.url(path);
+        tokio::spawn(async move {
+            otel_call(
+                "POST",
+                &url,
+                Some(key),
+                "a",
+                &["x-test-hold: 1"],
+                Parent::Sampled,
+            )
+            .await
+        })
+    };
+    let hits = env.upstream.hits();
+    let held_order = held("/v1/orders/7", "k-semconv-held");
+    env.upstream.wait_hits(hits + 1).await;
+    let busy = call("POST", "/v1/orders/7", Some("k-semconv-held"), "a", &[]).await;
+    assert_eq!(busy.status, 409, "{busy:?}");
+    made.push(Exchange::of("409", &busy, ANSWERED_FROM_THE_STORE));
+    let held_wait = held("/v1/waiting", "k-semconv-wait");
+    env.upstream.wait_hits(hits + 2).await;
+    let waited = call("POST", "/v1/waiting", Some("k-semconv-wait"), "a", &[]).await;
+    assert_eq!(waited.status, 409, "past wait_timeout: {waited:?}");
+    made.push(Exchange::of("409 after a wait", &waited, WAITED));
+    env.upstream.release(2);
+    for (what, held) in [("held execution", held_order), ("held wait", held_wait)] {
+        let done = held.await.expect("join");
+        assert_eq!(done.status, 201, "{done:?}");
+        made.push(Exchange::of(what, &done, EXECUTION));
+    }
+
+    // Pass-through; the upstream's 5xx and 4xx, passed on.
+    let pass = call("GET", "/things/7", None, "", &[]).await;
+    assert_eq!(pass.status, 201, "{pass:?}");
+    made.push(Exchange::of("pass-through", &pass, FORWARDED));
+    let pass_5xx = call("GET", "/things/8", None, "", &["x-test-status: 502"]).await;
+    assert_eq!(pass_5xx.status, 502, "{pass_5xx:?}");
+    made.push(Exchange::of(
+        "pass-through upstream 502",
+        &pass_5xx,
+        FORWARDED,
+    ));
+    let pass_4xx = call("GET", "/things/9", None, "", &["x-test-status: 404"]).await;
+    assert_eq!(pass_4xx.status, 404, "{pass_4xx:?}");
+    made.push(Exchange::of(
+        "pass-through upstream 404",
+        &pass_4xx,
+        FORWARDED,
+    ));
+    let exec_5xx = call(
+        "POST",
+        "/v1/payments",
+        Some("k-semconv-5xx"),
+        "a",
+        &["x-test-status: 503"],
+    )
+    .await;
+    assert_eq!(exec_5xx.status, 503, "{exec_5xx:?}");
+    made.push(Exchange::of(
+        "execution upstream 503",
+        &exec_5xx,
+        RESERVED_AND_FORWARDED,
+    ));
+
+    // A method outside RFC 9110: on a pass-through path, and on a route that takes it.
+    let purge = call("PURGE", "/things/10", None, "", &[]).await;
+    assert_eq!(purge.status, 201, "{purge:?}");
+    made.push(Exchange::of("pass-through PURGE", &purge, FORWARDED));
+    let purge_route = call("PURGE", "/v1/purge", Some("k-semconv-purge"), "a", &[]).await;
+    assert_eq!(purge_route.status, 201, "{purge_route:?}");
+    made.push(Exchange::of("execution PURGE", &purge_route, EXECUTION));
+
+    // HTTP/2 (curl, prior knowledge): an execution and a pass-through.
+    let (tp, parent) = sampled_parent();
+    let tp = format!("traceparent: {tp}");
+    let a = curl(&[
+        "--http2-prior-knowledge",
+        "-H",
+        &tp,
+        "-H",
+        "Idempotency-Key: k-semconv-h2",
+        "--data-binary",
+        "a",
+        &env.url("/v1/payments"),
+    ])
+    .await;
+    assert_eq!((a.version.as_str(), a.status), ("HTTP/2", 201), "{a:?}");
+    made.push(Exchange {
+        what: "HTTP/2 execution",
+        parent,
+        status: 201,
+        children: EXECUTION,
+    });
+    let (tp, parent) = sampled_parent();
+    let tp = format!("traceparent: {tp}");
+    let a = curl(&["--http2-prior-knowledge", "-H", &tp, &env.url("/things")]).await;
+    assert_eq!((a.version.as_str(), a.status), ("HTTP/2", 201), "{a:?}");
+    made.push(Exchange {
+        what: "HTTP/2 pass-through",
+        parent,
+        status: 201,
+        children: FORWARDED,
+    });
+
+    // gRPC through a proxy of its own (an h2c upstream).
+    let (grpc_url, _) = grpc_upstream().await;
+    let grpc_proxy = Proxy::start(
+        &ConfigBuilder::new(&grpc_url)
+            .server("upstream_protocol = \"h2c\"")
+            .telemetry(&otlp.config())
+            .routes(&format!(
+                "[[routes]]\nname = \"charge\"\npath = \"{CHARGE}\"\n"
+            ))
+            .build(),
+    )
+    .await;
+    let channel = tonic::transport::Channel::from_shared(grpc_proxy.url(""))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let (tp, parent) = sampled_parent();
+    let charged = grpc_charge(
+        &mut grpc,
+        &[("idempotency-key", "k-semconv-grpc"), ("traceparent", &tp)],
+    )
+    .await
+    .expect("the call");
+    assert_eq!(charged.get_ref().text, "ok");
+    made.push(Exchange {
+        what: "gRPC execution",
+        parent,
+        status: 200,
+        children: EXECUTION,
+    });
+
+    // An upstream nothing listens on: no response, on both kinds of path.
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let dead = Env::builder(Backend::Memory)
+        .telemetry(&otlp.config())
+        .upstream_url(&closed)
+        .binary()
+        .start()
+        .await;
+    let url = dead.url("/things");
+    let refused = otel_call("GET", &url, None, "", &[], Parent::Sampled).await;
+    assert!(refused.status >= 500, "{refused:?}");
+    made.push(Exchange::of(
+        "pass-through, connect refused",
+        &refused,
+        FORWARDED,
+    ));
+    let url = dead.url("/v1/payments");
+    let refused = otel_call(
+        "POST",
+        &url,
+        Some("k-semconv-dead"),
+        "a",
+        &[],
+        Parent::Sampled,
+    )
+    .await;
+    assert!(refused.status >= 500, "{refused:?}");
+    made.push(Exchange::of(
+        "execution, connect refused",
+        &refused,
+        RESERVED_AND_FORWARDED,
+    ));
+
+    for exchange in &made {
+        exchange.wait(&otlp).await;
+    }
+    // Every span received, of every request: each kind's spans are among them.
+    let spans = otlp.spans();
+    assert!(otlp.noise().is_empty(), "{:?}", otlp.noise());
+    let printed = assert_spans_follow_the_conventions(&spans).await;
+    eprintln!(
+        "{} requests, {} spans, in {:?}:\n{printed}",
+        made.len(),
+        spans.len(),
+        started.elapsed()
+    );
+}
