@@ -963,7 +963,10 @@ async fn client_context_link_and_ignore_keep_sampling_with_the_operator() {
         assert_eq!(call.status, 201, "{mode}: {call:?}");
         assert!(call.sampled);
         let up = upstream_traceparent(&env.upstream, 1);
-        assert_ne!(up.trace_id, call.trace_id, "{mode}: a trace of the proxy's own");
+        assert_ne!(
+            up.trace_id, call.trace_id,
+            "{mode}: a trace of the proxy's own"
+        );
         let seen = &env.upstream.seen()[0];
         assert!(!seen.headers.contains_key("tracestate"), "{mode}: {seen:?}");
         if ratio == "0.0" {
@@ -977,7 +980,9 @@ async fn client_context_link_and_ignore_keep_sampling_with_the_operator() {
                 })
                 .await;
             assert!(
-                spans.iter().all(|s| s.trace_id != call.trace_id && s.trace_id != up.trace_id),
+                spans
+                    .iter()
+                    .all(|s| s.trace_id != call.trace_id && s.trace_id != up.trace_id),
                 "{mode}: {}",
                 spans.outline()
             );
@@ -1010,10 +1015,15 @@ async fn wait_for_request_in(
     let spans = otlp
         .wait_for_spans("the request's spans", DEADLINE, |all| {
             let mine: Vec<&Span> = all.iter().filter(|s| s.trace_id == trace_id).collect();
-            names.iter().all(|n| mine.iter().any(|s| s.name.starts_with(n)))
+            names
+                .iter()
+                .all(|n| mine.iter().any(|s| s.name.starts_with(n)))
         })
         .await;
-    let mine: Vec<Span> = spans.into_iter().filter(|s| s.trace_id == trace_id).collect();
+    let mine: Vec<Span> = spans
+        .into_iter()
+        .filter(|s| s.trace_id == trace_id)
+        .collect();
     let server = mine.iter().find(|s| s.kind == "SERVER").unwrap().clone();
     (mine, server)
 }

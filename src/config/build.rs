@@ -11,9 +11,9 @@ use toml::Spanned;
 use super::grammar::{ConfHeader, ConfKeyFrom, HumanDuration};
 use super::raw::{RawFile, RawPolicy, RawServer, RawStore, RawTelemetry};
 use super::{
-    Backend, ClientContext, Config, ConfigError, Flag, Origin, OtlpProtocol, Overrides, RedisMode, Runtime,
-    ServerConfig, Source, SslMode, StoreConfig, TelemetryConfig, TlsFiles, UpstreamProtocol,
-    UpstreamUrl,
+    Backend, ClientContext, Config, ConfigError, Flag, Origin, OtlpProtocol, Overrides, RedisMode,
+    Runtime, ServerConfig, Source, SslMode, StoreConfig, TelemetryConfig, TlsFiles,
+    UpstreamProtocol, UpstreamUrl,
 };
 use crate::policy::{KeySource, Policy};
 use crate::routes::{Route, RouteName, RouteTable};
@@ -141,7 +141,10 @@ pub(super) fn telemetry(
         }
     };
     t.resource_attributes = listed(OTEL_RESOURCE_ATTRIBUTES)?;
-    for var in [OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_TRACES_HEADERS] {
+    for var in [
+        OTEL_EXPORTER_OTLP_HEADERS,
+        OTEL_EXPORTER_OTLP_TRACES_HEADERS,
+    ] {
         for (name, value) in listed(var)? {
             let bad = |what: &str| ConfigError::Env {
                 var,

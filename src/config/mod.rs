@@ -721,7 +721,9 @@ mod telemetry_tests {
         ];
         let t = load("", &vars).unwrap();
         let pairs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
-            v.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+            v.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
         };
         assert_eq!(
             t.resource_attributes,

@@ -188,10 +188,7 @@ type Exchanged = (Parts, Capped<Inbound>, Room);
 impl Job {
     /// The trace and span ids of the request's SERVER span for a log line, while it records.
     fn log_ids(&self) -> (Option<String>, Option<String>) {
-        self.trace
-            .as_ref()
-            .and_then(|t| t.server.log_ids())
-            .unzip()
+        self.trace.as_ref().and_then(|t| t.server.log_ids()).unzip()
     }
 
     /// Forwards, records the outcome (or releases the key), and returns the

@@ -96,7 +96,10 @@ impl Ctx<'_> {
         attributes: impl FnOnce() -> Vec<(&'static str, telemetry::Value)>,
     ) -> Option<telemetry::Child> {
         let server = self.trace.as_ref()?;
-        self.app.telemetry.as_ref()?.child(server.parent(), name, attributes)
+        self.app
+            .telemetry
+            .as_ref()?
+            .child(server.parent(), name, attributes)
     }
 
     /// The upstream exchange's trace context put in `request` (tracing on),
@@ -117,7 +120,9 @@ impl Ctx<'_> {
 
     /// The execution's trace context, to be kept with its records.
     fn trace_ref(&self) -> Option<TraceRef> {
-        self.trace.as_ref().and_then(telemetry::ServerSpan::trace_ref)
+        self.trace
+            .as_ref()
+            .and_then(telemetry::ServerSpan::trace_ref)
     }
 
     /// A replay, a 409 or a 422: the SERVER span links to the execution.

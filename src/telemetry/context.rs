@@ -105,13 +105,15 @@ pub fn tracestate_ok(value: &str) -> bool {
         };
         let key_ok = !key.is_empty()
             && key.len() <= 256
-            && key.bytes().all(|b| {
-                matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/' | b'@')
-            });
+            && key
+                .bytes()
+                .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/' | b'@'));
         let val_ok = !val.is_empty()
             && val.len() <= 256
             && !val.ends_with(' ')
-            && val.bytes().all(|b| (0x20..=0x7e).contains(&b) && b != b',' && b != b'=');
+            && val
+                .bytes()
+                .all(|b| (0x20..=0x7e).contains(&b) && b != b',' && b != b'=');
         if !key_ok || !val_ok || members > MAX_TRACESTATE_MEMBERS {
             return false;
         }
@@ -248,10 +250,22 @@ mod tests {
         assert!(tracestate_ok("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"));
         assert!(tracestate_ok("a@b/c_d-e*f=1 2"));
         assert!(tracestate_ok(""));
-        let many = |n: usize| (0..n).map(|i| format!("k{i}=v")).collect::<Vec<_>>().join(",");
+        let many = |n: usize| {
+            (0..n)
+                .map(|i| format!("k{i}=v"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         assert!(tracestate_ok(&many(32)));
         assert!(!tracestate_ok(&many(33)));
-        for bad in ["Rojo=1", "rojo", "rojo=", "rojo=a,b", "rojo=a=b", "rojo=a\u{1}"] {
+        for bad in [
+            "Rojo=1",
+            "rojo",
+            "rojo=",
+            "rojo=a,b",
+            "rojo=a=b",
+            "rojo=a\u{1}",
+        ] {
             assert!(!tracestate_ok(bad), "{bad}");
         }
         assert!(!tracestate_ok(&format!("k={}", "v".repeat(600))));

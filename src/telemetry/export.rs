@@ -185,11 +185,9 @@ impl Sender {
         let uri: Uri = if grpc {
             let base: Uri = to.endpoint.parse().map_err(|e| format!("{e}"))?;
             let authority = base.authority().ok_or("the endpoint has no host")?;
-            format!(
-                "http://{authority}/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-            )
-            .parse()
-            .map_err(|e| format!("{e}"))?
+            format!("http://{authority}/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+                .parse()
+                .map_err(|e| format!("{e}"))?
         } else {
             super::http_traces_url(&to.endpoint)
                 .parse()

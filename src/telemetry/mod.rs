@@ -96,11 +96,7 @@ impl Telemetry {
         let endpoint = config.otlp_endpoint.clone()?;
         let queue = Shared::new(QUEUE, dropped);
         let (flush, flushes) = mpsc::unbounded_channel();
-        let encoder = otlp::Encoder::new(
-            &resource(config),
-            "idemproxy",
-            env!("CARGO_PKG_VERSION"),
-        );
+        let encoder = otlp::Encoder::new(&resource(config), "idemproxy", env!("CARGO_PKG_VERSION"));
         let to = export::Destination {
             protocol: config.otlp_protocol,
             endpoint,
@@ -476,7 +472,10 @@ pub fn record_attributes(route: &str, record_id: &str) -> Vec<(&'static str, Val
 fn method_attributes(r: &mut Record, method: &http::Method, name: &'static str) {
     r.set("http.request.method", Value::Static(name));
     if name == OTHER {
-        r.set("http.request.method_original", Value::Text(cut(method.as_str())));
+        r.set(
+            "http.request.method_original",
+            Value::Text(cut(method.as_str())),
+        );
     }
 }
 

@@ -95,7 +95,11 @@ fn encode_span(buf: &mut Vec<u8>, span: &Record, scratch: &mut String) {
     match &span.name {
         Name::Static(name) => string(buf, 5, name),
         Name::Http { method, route } => {
-            let method = if *method == super::OTHER { "HTTP" } else { method };
+            let method = if *method == super::OTHER {
+                "HTTP"
+            } else {
+                method
+            };
             let route = route.as_deref().unwrap_or_default();
             let space = usize::from(!route.is_empty());
             key(buf, 5, LEN);

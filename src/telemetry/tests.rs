@@ -118,7 +118,10 @@ fn parent_based_sampling_and_kept_ids() {
     let mut upstream = request("POST", Some(SAMPLED));
     let client = t.client_span(&s, &mut upstream).expect("recorded");
     let sent = upstream.headers()["traceparent"].to_str().unwrap();
-    assert!(sent.starts_with("00-0af7651916cd43dd8448eb211c80319c-"), "{sent}");
+    assert!(
+        sent.starts_with("00-0af7651916cd43dd8448eb211c80319c-"),
+        "{sent}"
+    );
     assert!(!sent.contains("b7ad6b7169203331"), "{sent}");
     assert!(sent.ends_with("-01"), "{sent}");
     assert_eq!(upstream.headers()["tracestate"], "rojo=00f067aa0ba902b7");
@@ -127,23 +130,40 @@ fn parent_based_sampling_and_kept_ids() {
     let spans = queue.take();
     assert_eq!(spans.len(), 2);
     let (client, server) = (&spans[0], &spans[1]);
-    assert_eq!(server.parent, Some((context::traceparent(SAMPLED.as_bytes()).unwrap().1, true)));
+    assert_eq!(
+        server.parent,
+        Some((context::traceparent(SAMPLED.as_bytes()).unwrap().1, true))
+    );
     assert_eq!(client.parent, Some((server.span_id, false)));
     assert_eq!(server.trace_state.as_deref(), Some("rojo=00f067aa0ba902b7"));
 
-    let s = t.server_span(&request("POST", Some(UNSAMPLED)), None, "http", CALLER.into());
+    let s = t.server_span(
+        &request("POST", Some(UNSAMPLED)),
+        None,
+        "http",
+        CALLER.into(),
+    );
     assert!(s.log_ids().is_none(), "an unsampled parent is followed");
     assert_eq!(s.trace_ref(), None);
     let mut upstream = request("POST", Some(UNSAMPLED));
     assert!(t.client_span(&s, &mut upstream).is_none());
     let sent = upstream.headers()["traceparent"].to_str().unwrap();
-    assert!(sent.starts_with("00-0af7651916cd43dd8448eb211c80319c-"), "{sent}");
-    assert!(sent.ends_with("-00"), "the upstream samples as the proxy did: {sent}");
+    assert!(
+        sent.starts_with("00-0af7651916cd43dd8448eb211c80319c-"),
+        "{sent}"
+    );
+    assert!(
+        sent.ends_with("-00"),
+        "the upstream samples as the proxy did: {sent}"
+    );
     s.end(201, "forwarded", None);
     let s = t.server_span(&request("POST", None), None, "http", CALLER.into());
     assert!(s.log_ids().is_none(), "a root at ratio 0 is not sampled");
     drop(s);
-    assert!(queue.take().is_empty(), "nothing recorded for unsampled requests");
+    assert!(
+        queue.take().is_empty(),
+        "nothing recorded for unsampled requests"
+    );
 }
 
 /// `link`: a new trace at the ratio, linked to the client's span, whose
@@ -154,17 +174,31 @@ fn client_context_link_and_ignore_start_a_trace_of_their_own() {
         let queue = Shared::new(16, Counter::default());
         let t = tracing(0.0, mode, &queue);
         let s = t.server_span(&request("POST", Some(SAMPLED)), None, "http", CALLER.into());
-        assert!(s.log_ids().is_none(), "{mode}: the client's sampled flag is not followed");
+        assert!(
+            s.log_ids().is_none(),
+            "{mode}: the client's sampled flag is not followed"
+        );
         let mut upstream = request("POST", Some(SAMPLED));
         assert!(t.client_span(&s, &mut upstream).is_none());
-        let sent = upstream.headers()["traceparent"].to_str().unwrap().to_string();
-        assert!(!sent.contains("0af7651916cd43dd8448eb211c80319c"), "{mode}: {sent}");
+        let sent = upstream.headers()["traceparent"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            !sent.contains("0af7651916cd43dd8448eb211c80319c"),
+            "{mode}: {sent}"
+        );
         assert!(sent.ends_with("-00"), "{mode}: {sent}");
         assert!(!upstream.headers().contains_key("tracestate"), "{mode}");
         s.end(200, "forwarded", None);
 
         let t = tracing(1.0, mode, &queue);
-        let s = t.server_span(&request("POST", Some(UNSAMPLED)), None, "http", CALLER.into());
+        let s = t.server_span(
+            &request("POST", Some(UNSAMPLED)),
+            None,
+            "http",
+            CALLER.into(),
+        );
         assert!(s.log_ids().is_some(), "{mode}: sampled by the ratio");
         s.end(200, "forwarded", None);
         let spans = queue.take();
@@ -205,7 +239,9 @@ fn unknown_methods_and_error_status() {
         CALLER.into(),
     );
     let mut upstream = request("PURGE", None);
-    t.client_span(&s, &mut upstream).unwrap().end(Err("connect"));
+    t.client_span(&s, &mut upstream)
+        .unwrap()
+        .end(Err("connect"));
     s.end(502, "upstream_unreachable", None);
     let s2 = t.server_span(&request("GET", None), None, "http", CALLER.into());
     let mut upstream = request("GET", None);
@@ -213,7 +249,10 @@ fn unknown_methods_and_error_status() {
     s2.end(404, "passthrough", None);
     let spans = queue.take();
     let (client, server) = (&spans[0], &spans[1]);
-    assert_eq!(span(server, "http.request.method"), Some(Value::Static(OTHER)));
+    assert_eq!(
+        span(server, "http.request.method"),
+        Some(Value::Static(OTHER))
+    );
     assert_eq!(
         span(server, "http.request.method_original"),
         Some(Value::Text("PURGE".into()))
@@ -239,7 +278,10 @@ fn a_dropped_request_sends_its_span_as_cancelled() {
     let spans = queue.take();
     assert_eq!(spans.len(), 1);
     assert!(spans[0].error);
-    assert_eq!(span(&spans[0], "error.type"), Some(Value::Static(CANCELLED)));
+    assert_eq!(
+        span(&spans[0], "error.type"),
+        Some(Value::Static(CANCELLED))
+    );
 }
 
 /// Found by review: every span keeps the client's `tracestate`; over W3C's
