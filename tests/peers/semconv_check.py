@@ -63,9 +63,9 @@ OUR_NAMESPACE = "idempotency."
 
 # ---------------------------------------------------------------------------
 # What the package does not carry. Requirement levels and value types come
-# from the HTTP spans conventions page (docs/http/http-spans.md of
-# open-telemetry/semantic-conventions: "HTTP client span" and "HTTP server
-# span", both Stable). Names, stability and enum values come from the package.
+# from the HTTP spans conventions page (the OpenTelemetry semantic
+# conventions' "Semantic conventions for HTTP spans": "HTTP client span" and
+# "HTTP server span", both Stable; https://opentelemetry.io/docs/specs/semconv/http/http-spans/). Names, stability and enum values come from the package.
 
 HTTP_REQUEST_METHOD = http_attributes.HTTP_REQUEST_METHOD
 HTTP_REQUEST_METHOD_ORIGINAL = http_attributes.HTTP_REQUEST_METHOD_ORIGINAL
