@@ -35,6 +35,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use support::relay::{Fault, Relay};
 use support::*;
 
 /// A key that must never show in any span.
@@ -1626,5 +1627,92 @@ async fn every_kind_of_span_follows_the_registered_conventions() {
         made.len(),
         spans.len(),
         started.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Found by review.
+
+/// A WebSocket handshake (no CLIENT span) under `client_context = "ignore"`
+/// or `"link"`: the client's `traceparent` and `tracestate` must not reach
+/// the upstream either, or a client could still have it sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_handshake_does_not_carry_the_clients_context_when_it_is_not_followed() {
+    let otlp = OtlpReceiver::start().await;
+    let client_tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    for mode in ["ignore", "link"] {
+        let config = format!("sample_ratio = 0.0\nclient_context = \"{mode}\"\n");
+        let env = traced_env(Backend::Memory, &otlp, &config).await;
+        let r = Call::new("GET", &env.url("/chat"))
+            .header("connection", "Upgrade")
+            .header("upgrade", "websocket")
+            .header("sec-websocket-version", "13")
+            .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+            .header("traceparent", client_tp)
+            .header("tracestate", "congo=t61rcWkgMzE")
+            .send()
+            .await;
+        assert!(r.status < 500, "{mode}: {r:?}");
+        let seen = env.upstream.seen();
+        let h = &seen
+            .last()
+            .expect("the handshake reached the upstream")
+            .headers;
+        let tp = TraceParent::parse(h["traceparent"].to_str().unwrap());
+        assert_ne!(
+            tp.trace_id, "0af7651916cd43dd8448eb211c80319c",
+            "{mode}: {h:?}"
+        );
+        assert!(
+            !tp.sampled(),
+            "{mode}: the client's sampled flag went upstream"
+        );
+        assert!(!h.contains_key("tracestate"), "{mode}: {h:?}");
+    }
+}
+
+/// An OTLP/gRPC connection that stops answering while its socket stays
+/// open: the export that times out drops its connection, and the next one
+/// opens another (the stuck one was reused for ever, and spans stopped for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_connection_that_stops_answering_is_not_used_again() {
+    let otlp = OtlpReceiver::start().await;
+    let relay = Relay::start(otlp.addr).await;
+    let env = Env::builder(Backend::Memory)
+        .telemetry(&format!(
+            "otlp_endpoint = \"http://{}\"\notlp_protocol = \"grpc\"\nsample_ratio = 1.0\n",
+            relay.addr
+        ))
+        .binary()
+        .start()
+        .await;
+    let first = otel_call("GET", &env.url("/a"), None, "", &[], Parent::Sampled).await;
+    otlp.wait_for_span("the first request's span", DEADLINE, |s| {
+        s.parent_span_id == first.span_id
+    })
+    .await;
+    // Bytes on the open connection are now held for an hour.
+    relay.set(Fault::Latency(3_600_000));
+    let stuck = otel_call("GET", &env.url("/b"), None, "", &[], Parent::Sampled).await;
+    eventually("the stuck export to time out", DEADLINE, || async {
+        (env.metric("idemproxy_spans_dropped_total").await >= 1.0).then_some(())
+    })
+    .await;
+    // New connections pass again; the stuck one stays stuck.
+    relay.set(Fault::Pass);
+    let after = otel_call("GET", &env.url("/c"), None, "", &[], Parent::Sampled).await;
+    otlp.wait_for_span(
+        "a later request's span, over a new connection",
+        DEADLINE,
+        |s| s.parent_span_id == after.span_id,
+    )
+    .await;
+    assert!(relay.accepted() >= 2, "no new connection");
+    assert!(
+        !otlp
+            .spans()
+            .iter()
+            .any(|s| s.parent_span_id == stuck.span_id),
+        "the stuck export's spans arrived"
     );
 }

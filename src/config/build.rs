@@ -88,6 +88,8 @@ pub(super) fn telemetry(
             fail(&told, "telemetry.otlp_protocol", m)
         })?;
     }
+    let service_name_told =
+        raw.service_name.is_some() || env(OTEL_SERVICE_NAME).is_some_and(|v| !v.trim().is_empty());
     if let Some(told) = told(raw.service_name, OTEL_SERVICE_NAME) {
         let name = text(&told);
         if name.trim().is_empty() || name.chars().any(char::is_control) {
@@ -141,17 +143,34 @@ pub(super) fn telemetry(
         }
     };
     t.resource_attributes = listed(OTEL_RESOURCE_ATTRIBUTES)?;
+    // OpenTelemetry's order: the file or OTEL_SERVICE_NAME, then the
+    // resource attribute, then the default.
+    if !service_name_told {
+        let named = t
+            .resource_attributes
+            .iter()
+            .find(|(k, _)| k == "service.name");
+        if let Some((_, name)) = named.filter(|(_, v)| !v.trim().is_empty()) {
+            t.service_name = name.clone();
+        }
+    }
     for var in [
         OTEL_EXPORTER_OTLP_HEADERS,
         OTEL_EXPORTER_OTLP_TRACES_HEADERS,
     ] {
         for (name, value) in listed(var)? {
+            // The name only: a value is often a secret.
             let bad = |what: &str| ConfigError::Env {
                 var,
-                message: format!("invalid header {what} in \"{name}\""),
+                message: format!("header \"{name}\": {what}"),
             };
-            let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| bad("name"))?;
-            let value = http::HeaderValue::from_str(&value).map_err(|_| bad("value"))?;
+            let name = http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| bad("not a valid header name"))?;
+            if EXPORT_FRAMING.contains(&name.as_str()) {
+                return Err(bad("the proxy sets it itself; it cannot come from here"));
+            }
+            let value =
+                http::HeaderValue::from_str(&value).map_err(|_| bad("not a valid header value"))?;
             t.headers.retain(|(n, _)| *n != name);
             t.headers.push((name, value));
         }
@@ -159,21 +178,46 @@ pub(super) fn telemetry(
     Ok(t)
 }
 
+/// Headers an export cannot take from the variables: its framing and
+/// content type, which the proxy sets, and hop-by-hop ones.
+const EXPORT_FRAMING: [&str; 10] = [
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "host",
+    "te",
+    "connection",
+    "upgrade",
+    "keep-alive",
+    "proxy-connection",
+    "trailer",
+];
+
 /// A list in the form of `OTEL_RESOURCE_ATTRIBUTES` and
 /// `OTEL_EXPORTER_OTLP_HEADERS`: `key=value` pairs separated by commas,
 /// blanks around each trimmed, values percent-decoded (a later key wins).
+/// Errors name an item by its place and key, never by its value (a
+/// header's value is often a secret; so is what a mistyped item holds).
 fn key_values(text: &str) -> Result<Vec<(String, String)>, String> {
     let mut pairs: Vec<(String, String)> = Vec::new();
-    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+    let items = text.split(',').map(str::trim).filter(|i| !i.is_empty());
+    for (n, item) in items.enumerate() {
+        let place = n + 1;
         let Some((key, value)) = item.split_once('=') else {
-            return Err(format!("\"{item}\" is not key=value"));
+            return Err(format!(
+                "item {place} is not key=value (items are separated by commas; write a comma in a value as %2C)"
+            ));
         };
         let key = key.trim();
-        if key.is_empty() || key.chars().any(|c| c.is_control() || c == '%') {
-            return Err(format!("\"{item}\": invalid key"));
+        let key_ok = !key.is_empty()
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && !matches!(b, b'%' | b'"' | b'\\'));
+        if !key_ok {
+            return Err(format!("item {place}: invalid key"));
         }
         let value = percent_decoded(value.trim())
-            .ok_or_else(|| format!("\"{item}\": invalid percent-encoding"))?;
+            .ok_or_else(|| format!("item {place} (\"{key}\"): invalid percent-encoding"))?;
         pairs.retain(|(k, _)| k != key);
         pairs.push((key.to_string(), value));
     }
@@ -204,7 +248,10 @@ fn percent_decoded(text: &str) -> Option<String> {
 /// every export failing later.)
 fn check_otlp_endpoint(url: &str) -> Result<(), String> {
     let bad = |why: &str| format!("invalid OTLP endpoint \"{url}\": {why}");
-    let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+    // Not echoed when it does not parse, nor with a query: either may hold a secret.
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|_| "invalid OTLP endpoint: not a URL".to_string())?;
     // Not echoed: the URL holds a password. The exporter would not send it,
     // and the log line that names the endpoint would show it.
     if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
@@ -227,7 +274,7 @@ fn check_otlp_endpoint(url: &str) -> Result<(), String> {
         return Err(bad("missing host"));
     }
     if uri.query().is_some() {
-        return Err(bad("a query is not allowed"));
+        return Err("invalid OTLP endpoint: a query is not allowed".to_string());
     }
     Ok(())
 }

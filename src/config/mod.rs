@@ -741,6 +741,49 @@ mod telemetry_tests {
         assert_eq!(headers, pairs(&[("x-tenant", "t"), ("api-key", "k2")]));
     }
 
+    /// Found by review: a mistyped list echoed its secret in the error,
+    /// and headers that frame the export could be set.
+    #[test]
+    fn list_errors_name_no_value_and_framing_headers_are_refused() {
+        for (var, value) in [
+            ("OTEL_EXPORTER_OTLP_HEADERS", "authorization: Bearer s3cr3t"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=s3cr3t%zz"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=Bearer tok,s3cr3t"),
+            ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x=s3cr3t\u{1}"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://user:s3cr3t 2@c:4317"),
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "http://c:4317/?api_key=s3cr3t",
+            ),
+        ] {
+            let e = load("", &[(var, value)]).unwrap_err();
+            assert!(!e.to_string().contains("s3cr3t"), "{var}={value}: {e}");
+        }
+        for name in [
+            "content-length",
+            "Transfer-Encoding",
+            "te",
+            "host",
+            "content-type",
+        ] {
+            let e = load("", &[("OTEL_EXPORTER_OTLP_HEADERS", &format!("{name}=1"))]);
+            assert!(matches!(e, Err(ConfigError::Env { .. })), "{name}: {e:?}");
+        }
+    }
+
+    /// Found by review: `service.name` in `OTEL_RESOURCE_ATTRIBUTES` names
+    /// the service unless the file or `OTEL_SERVICE_NAME` does (as the
+    /// OpenTelemetry SDKs have it).
+    #[test]
+    fn the_resource_attribute_names_the_service_unless_something_else_does() {
+        let attrs = ("OTEL_RESOURCE_ATTRIBUTES", "service.name=payments-api,x=1");
+        assert_eq!(load("", &[attrs]).unwrap().service_name, "payments-api");
+        let named = ("OTEL_SERVICE_NAME", "from-env");
+        assert_eq!(load("", &[attrs, named]).unwrap().service_name, "from-env");
+        let file = "[telemetry]\nservice_name = \"file\"\n";
+        assert_eq!(load(file, &[attrs]).unwrap().service_name, "file");
+    }
+
     #[test]
     fn bad_values_are_errors_at_their_place() {
         let cases = [

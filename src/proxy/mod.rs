@@ -109,6 +109,14 @@ impl Ctx<'_> {
         self.app.telemetry.as_ref()?.client_span(server, request)
     }
 
+    /// A tunnel's handshake (no CLIENT span): the client's trace context
+    /// goes on as it came, unless the proxy does not follow it (`client_context`).
+    fn tunnel_context(&self, request: &mut Request<Body>) {
+        if let (Some(t), Some(server)) = (self.app.telemetry.as_ref(), self.trace.as_ref()) {
+            t.tunnel_context(server, request);
+        }
+    }
+
     /// The trace and span ids of the request's SERVER span for a log line,
     /// while it records (else both `None`: no field).
     fn log_ids(&self) -> (Option<String>, Option<String>) {

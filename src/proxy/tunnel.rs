@@ -93,7 +93,10 @@ pub(super) async fn open(ctx: &Ctx<'_>, mut req: Request<Body>) -> Handled {
     // (a quiet WebSocket is not an idle connection).
     let busy = req.extensions().get::<Busy>().map(Busy::enter);
     let (parts, body) = req.into_parts();
-    let prepared = ctx.app.upstream.prepare_upgrade(parts, body, ctx.caller);
+    let mut prepared = ctx.app.upstream.prepare_upgrade(parts, body, ctx.caller);
+    if let Ok(req) = &mut prepared {
+        ctx.tunnel_context(req);
+    }
     let mut resp = match send(ctx, prepared).await {
         Ok(resp) => resp,
         Err(problem) => return problem,

@@ -29,21 +29,48 @@ pub struct Remote {
     pub trace_state: Option<Arc<str>>,
 }
 
-/// The client's trace context, when its `traceparent` is valid.
+/// The client's trace context, when its `traceparent` is valid (one
+/// header: two are invalid, as W3C's test suite has it). Several
+/// `tracestate` headers are one list, joined.
 pub fn remote(headers: &HeaderMap) -> Option<Remote> {
-    let parent = headers.get("traceparent")?.as_bytes();
+    let mut parents = headers.get_all("traceparent").iter();
+    let parent = parents.next()?.as_bytes();
+    if parents.next().is_some() {
+        return None;
+    }
     let (trace_id, span_id, flags) = traceparent(parent)?;
-    let trace_state = headers
-        .get("tracestate")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| tracestate_ok(v))
-        .map(Arc::from);
+    let mut states = headers.get_all("tracestate").iter();
+    let trace_state = match (states.next(), states.next()) {
+        (None, _) => None,
+        (Some(one), None) => one
+            .to_str()
+            .ok()
+            .filter(|v| tracestate_ok(v))
+            .map(Arc::from),
+        (Some(_), Some(_)) => joined(headers).filter(|v| tracestate_ok(v)).map(Arc::from),
+    };
     Some(Remote {
         trace_id,
         span_id,
         sampled: flags & 1 == 1,
         trace_state,
     })
+}
+
+/// Several `tracestate` headers as one list; `None` when longer than W3C's 512 bytes.
+fn joined(headers: &HeaderMap) -> Option<String> {
+    let mut joined = String::new();
+    for v in headers.get_all("tracestate") {
+        let v = v.to_str().ok()?;
+        if joined.len() + v.len() + 1 > MAX_TRACE_HEADER {
+            return None;
+        }
+        if !joined.is_empty() {
+            joined.push(',');
+        }
+        joined.push_str(v);
+    }
+    Some(joined)
 }
 
 /// `version-traceid-parentid-flags`, lowercase hex (W3C Trace Context level
@@ -87,38 +114,57 @@ fn hex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
 }
 
 /// A `tracestate` kept on the request's spans: at most `MAX_TRACE_HEADER`
-/// bytes and `MAX_TRACESTATE_MEMBERS` members, each `key=value` with W3C's
-/// characters (a key of `a-z0-9_-*/@`, a value of printable ASCII but `,`
-/// and `=`, not ending in a blank).
+/// bytes and `MAX_TRACESTATE_MEMBERS` members, each `key=value` by W3C's
+/// grammar (a key `lcalpha *(lcalpha / digit / _-*/)` of up to 256 bytes,
+/// or `tenant@system`; a value of printable ASCII but `,` and `=`, not
+/// ending in a blank), no key twice.
 pub fn tracestate_ok(value: &str) -> bool {
     if value.len() > MAX_TRACE_HEADER {
         return false;
     }
-    let mut members = 0;
+    let mut keys: Vec<&str> = Vec::new();
     for member in value.split(',').map(|m| m.trim_matches([' ', '\t'])) {
         if member.is_empty() {
             continue;
         }
-        members += 1;
         let Some((key, val)) = member.split_once('=') else {
             return false;
         };
-        let key_ok = !key.is_empty()
-            && key.len() <= 256
-            && key
-                .bytes()
-                .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/' | b'@'));
         let val_ok = !val.is_empty()
             && val.len() <= 256
             && !val.ends_with(' ')
             && val
                 .bytes()
                 .all(|b| (0x20..=0x7e).contains(&b) && b != b',' && b != b'=');
-        if !key_ok || !val_ok || members > MAX_TRACESTATE_MEMBERS {
+        let full = keys.len() == MAX_TRACESTATE_MEMBERS;
+        if !key_ok(key) || !val_ok || keys.contains(&key) || full {
             return false;
         }
+        keys.push(key);
     }
     true
+}
+
+/// A `tracestate` key: `simple-key` or `tenant-id@system-id`.
+fn key_ok(key: &str) -> bool {
+    fn part(text: &str, first: fn(u8) -> bool, max: usize) -> bool {
+        let rest = |b: u8| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'*' | b'/');
+        let bytes = text.as_bytes();
+        !bytes.is_empty()
+            && bytes.len() <= max
+            && first(bytes[0])
+            && bytes[1..].iter().all(|&b| rest(b))
+    }
+    match key.split_once('@') {
+        None => part(key, |b| b.is_ascii_lowercase(), 256),
+        Some((tenant, system)) => {
+            part(
+                tenant,
+                |b| b.is_ascii_lowercase() || b.is_ascii_digit(),
+                241,
+            ) && part(system, |b| b.is_ascii_lowercase(), 14)
+        }
+    }
 }
 
 /// `traceparent` for `trace_id` and `span_id`, version 00, with the sampled flag.
@@ -248,7 +294,8 @@ mod tests {
     #[test]
     fn tracestates_kept_and_refused() {
         assert!(tracestate_ok("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"));
-        assert!(tracestate_ok("a@b/c_d-e*f=1 2"));
+        assert!(tracestate_ok("a/b_d-e*f=1 2"));
+        assert!(tracestate_ok("1tenant@sys=v,t@s=w"));
         assert!(tracestate_ok(""));
         let many = |n: usize| {
             (0..n)
@@ -265,10 +312,34 @@ mod tests {
             "rojo=a,b",
             "rojo=a=b",
             "rojo=a\u{1}",
+            "_a=1",
+            "1abc=2",
+            "a@b@c=1",
+            "@=x",
+            "*=*",
+            "x=1,x=2",
+            "t@1s=v",
+            "t@systemtoolong15=v",
         ] {
             assert!(!tracestate_ok(bad), "{bad}");
         }
         assert!(!tracestate_ok(&format!("k={}", "v".repeat(600))));
+    }
+
+    /// Two `traceparent` headers are no context; several `tracestate`
+    /// headers are one list (and refused together when it is not valid).
+    #[test]
+    fn repeated_headers() {
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let mut h = HeaderMap::new();
+        h.append("traceparent", tp.parse().unwrap());
+        h.append("tracestate", "a=1".parse().unwrap());
+        h.append("tracestate", "b=2".parse().unwrap());
+        assert_eq!(remote(&h).unwrap().trace_state.as_deref(), Some("a=1,b=2"));
+        h.append("tracestate", "a=3".parse().unwrap());
+        assert_eq!(remote(&h).unwrap().trace_state, None, "a key twice");
+        h.append("traceparent", tp.parse().unwrap());
+        assert_eq!(remote(&h), None);
     }
 
     #[test]

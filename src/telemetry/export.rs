@@ -25,7 +25,7 @@ use hyper_util::rt::TokioExecutor;
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::mpsc;
 
-use super::otlp::Encoder;
+use super::otlp::{self, Encoder, Rejected};
 use super::span::Record;
 use crate::config::OtlpProtocol;
 
@@ -193,18 +193,34 @@ impl Sender {
                 .parse()
                 .map_err(|e| format!("{e}"))?
         };
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(EXPORT_TIMEOUT));
-        let client = Client::builder(TokioExecutor::new())
-            .http2_only(grpc)
-            .build(connector);
         Ok(Sender {
-            client,
+            client: Sender::client(grpc),
             uri,
             grpc,
             headers: to.headers,
         })
+    }
+
+    /// A client with no connection yet. HTTP/2 connections are pinged
+    /// while idle: one the collector (or something between) stopped
+    /// answering is closed, not reused for ever.
+    fn client(grpc: bool) -> Client<HttpConnector, Full<Bytes>> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(EXPORT_TIMEOUT));
+        Client::builder(TokioExecutor::new())
+            .http2_only(grpc)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .http2_keep_alive_interval(Some(Duration::from_secs(10)))
+            .http2_keep_alive_timeout(EXPORT_TIMEOUT)
+            .http2_keep_alive_while_idle(true)
+            .build(connector)
+    }
+
+    /// After a failed export: its connection is not used again (a stream
+    /// that timed out is reset, but its connection would stay pooled).
+    fn reconnect(&mut self) {
+        self.client = Sender::client(self.grpc);
     }
 
     /// The first bytes of a batch's body: gRPC's message prefix, filled in by [`Sender::send`].
@@ -216,8 +232,9 @@ impl Sender {
         }
     }
 
-    /// Posts `body` (after [`Sender::prefix`]); `Ok` when the collector took it.
-    async fn send(&self, body: &mut [u8]) -> Result<(), String> {
+    /// Posts `body` (after [`Sender::prefix`]); `Ok` when the collector
+    /// took it, with the spans it said it rejected (a partial success).
+    async fn send(&self, body: &mut [u8]) -> Result<Option<Rejected>, String> {
         let content_type = if self.grpc {
             let len = u32::try_from(body.len() - 5).map_err(|_| "batch too large")?;
             body[1..5].copy_from_slice(&len.to_be_bytes());
@@ -248,25 +265,32 @@ impl Sender {
         if !status.is_success() {
             return Err(format!("the collector answered {status}"));
         }
-        if self.grpc {
+        let answer = if self.grpc {
             let grpc_status = early.or_else(|| answer.trailers()?.get("grpc-status").cloned());
             match grpc_status.as_ref().map(HeaderValue::as_bytes) {
                 Some(b"0") => {}
-                Some(code) => {
-                    return Err(format!(
-                        "the collector answered grpc-status {}",
-                        String::from_utf8_lossy(code)
-                    ))
+                // Only a number is repeated in the log: the collector chose the rest.
+                Some(code) if code.len() <= 2 && code.iter().all(u8::is_ascii_digit) => {
+                    let code = String::from_utf8_lossy(code);
+                    return Err(format!("the collector answered grpc-status {code}"));
+                }
+                Some(_) => {
+                    return Err("the collector answered a grpc-status that is not a number".into())
                 }
                 None => return Err("the collector's answer has no grpc-status".into()),
             }
-        }
-        Ok(())
+            // One uncompressed message after gRPC's five-byte prefix.
+            let bytes = answer.to_bytes();
+            bytes.slice(5.min(bytes.len())..)
+        } else {
+            answer.to_bytes()
+        };
+        Ok(otlp::rejected(&answer))
     }
 }
 
 async fn export_loop(
-    sender: Sender,
+    mut sender: Sender,
     mut encoder: Encoder,
     queue: Arc<Shared>,
     mut flushes: mpsc::UnboundedReceiver<Flush>,
@@ -295,12 +319,23 @@ async fn export_loop(
             encoder.encode(spans, &mut buf);
             let sent = tokio::time::timeout(EXPORT_TIMEOUT, sender.send(&mut buf)).await;
             let error = match sent {
-                Ok(Ok(())) => None,
+                Ok(Ok(rejected)) => {
+                    if let Some(r) = rejected {
+                        queue.dropped.inc_by(r.spans);
+                        tracing::warn!(
+                            spans = r.spans,
+                            message = r.message,
+                            "the collector rejected spans (a partial success)"
+                        );
+                    }
+                    None
+                }
                 Ok(Err(e)) => Some(e),
                 Err(_) => Some("no answer within 5s".to_string()),
             };
             if error.is_some() {
                 queue.dropped.inc_by(spans.len() as u64);
+                sender.reconnect();
             }
             queue.exported(spans.len());
             match (&error, failing) {

@@ -164,7 +164,9 @@ impl Telemetry {
             sampled,
             trace_state,
         };
-        let restarted = self.client_context != ClientContext::Follow;
+        // The client's `tracestate` does not go upstream with a trace that
+        // is not the client's (W3C: it is discarded with an invalid `traceparent`).
+        let restarted = self.client_context != ClientContext::Follow || parent.is_none();
         if !sampled {
             return ServerSpan {
                 ids,
@@ -203,6 +205,7 @@ impl Telemetry {
                 trace_id: remote.trace_id,
                 span_id: remote.span_id,
                 trace_state: remote.trace_state,
+                sampled: remote.sampled,
                 remote: true,
             });
         }
@@ -238,7 +241,7 @@ impl Telemetry {
 
     /// The upstream exchange: `request` gets the trace's context in
     /// `traceparent` (the client's is replaced; its `tracestate` is kept, but
-    /// not when the trace is a new one by `client_context`); the CLIENT
+    /// not when the trace is not the client's); the CLIENT
     /// span when the request is sampled.
     pub fn client_span<B>(
         &self,
@@ -251,13 +254,7 @@ impl Telemetry {
         } else {
             p.span_id
         };
-        let value = context::format_traceparent(&p.trace_id, &span_id, p.sampled);
-        if let Ok(v) = HeaderValue::from_bytes(&value) {
-            request.headers_mut().insert("traceparent", v);
-        }
-        if server.restarted {
-            request.headers_mut().remove("tracestate");
-        }
+        set_context(request, p, &span_id, server.restarted);
         if !p.sampled {
             return None;
         }
@@ -276,6 +273,31 @@ impl Telemetry {
         r.set("server.address", Value::Shared(self.upstream_host.clone()));
         r.set("server.port", Value::Int(self.upstream_port));
         Some(ClientSpan(Open::new(&self.queue, r, true)))
+    }
+}
+
+impl Telemetry {
+    /// A tunnel's handshake, which has no CLIENT span: the client's
+    /// `traceparent` and `tracestate` go upstream as they came when the
+    /// request follows the client's trace; else (`client_context` link or
+    /// ignore, or no valid `traceparent`) the proxy's context replaces them,
+    /// so that a tunnel cannot carry a client's sampling decision either.
+    pub fn tunnel_context<B>(&self, server: &ServerSpan, request: &mut Request<B>) {
+        if server.restarted {
+            set_context(request, &server.ids, &server.ids.span_id, true);
+        }
+    }
+}
+
+/// `traceparent` for the trace of `p` with `span_id` as the parent; the
+/// client's `tracestate` removed when the trace is not the client's.
+fn set_context<B>(request: &mut Request<B>, p: &Parent, span_id: &SpanId, restarted: bool) {
+    let value = context::format_traceparent(&p.trace_id, span_id, p.sampled);
+    if let Ok(v) = HeaderValue::from_bytes(&value) {
+        request.headers_mut().insert("traceparent", v);
+    }
+    if restarted {
+        request.headers_mut().remove("tracestate");
     }
 }
 
@@ -325,7 +347,8 @@ impl Parent {
 /// sent with `error.type = "cancelled"`.
 pub struct ServerSpan {
     ids: Parent,
-    /// The trace is not the client's (`client_context` link or ignore).
+    /// The trace is not the client's (`client_context` link or ignore, or
+    /// no valid `traceparent` came).
     restarted: bool,
     /// Behind a lock: the request's handling shares its context by reference.
     open: Option<Mutex<Open>>,
@@ -370,6 +393,7 @@ impl ServerSpan {
                 trace_id: original.trace_id,
                 span_id: original.span_id,
                 trace_state: None,
+                sampled: true,
                 remote: true,
             });
             r.set(ORIGINAL_TRACE_ID, Value::TraceId(original.trace_id));

@@ -140,7 +140,8 @@ fn encode_link(buf: &mut Vec<u8>, link: &Link) {
     if let Some(state) = &link.trace_state {
         string(buf, 3, state);
     }
-    let flags = SAMPLED | HAS_IS_REMOTE | if link.remote { IS_REMOTE } else { 0 };
+    let sampled = if link.sampled { SAMPLED } else { 0 };
+    let flags = sampled | HAS_IS_REMOTE | if link.remote { IS_REMOTE } else { 0 };
     key(buf, 6, FIXED32);
     buf.extend_from_slice(&flags.to_le_bytes());
 }
@@ -214,6 +215,88 @@ fn message(buf: &mut Vec<u8>, field: u32, f: impl FnOnce(&mut Vec<u8>)) {
     buf.splice(at..=at, prefix);
 }
 
+/// Spans a collector said it rejected (`ExportTraceServiceResponse.partial_success`).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Rejected {
+    pub spans: u64,
+    /// Its `error_message`, cut to 256 bytes (the collector chose it).
+    pub message: String,
+}
+
+/// The partial success in a collector's answer, when it rejected spans.
+pub fn rejected(answer: &[u8]) -> Option<Rejected> {
+    let partial = fields(answer).find_map(|(f, v)| match (f, v) {
+        (1, Field::Bytes(b)) => Some(b),
+        _ => None,
+    })?;
+    let mut rejected = Rejected {
+        spans: 0,
+        message: String::new(),
+    };
+    for (field, value) in fields(partial) {
+        match (field, value) {
+            (1, Field::Varint(n)) => rejected.spans = n,
+            (2, Field::Bytes(text)) => {
+                let text = String::from_utf8_lossy(&text[..text.len().min(256)]);
+                rejected.message = text.chars().filter(|c| !c.is_control()).collect();
+            }
+            _ => {}
+        }
+    }
+    (rejected.spans > 0).then_some(rejected)
+}
+
+/// A field's value, as far as [`rejected`] reads them.
+enum Field<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+    Fixed,
+}
+
+/// A message's fields, until the end or the first malformed byte.
+fn fields(mut buf: &[u8]) -> impl Iterator<Item = (u64, Field<'_>)> {
+    std::iter::from_fn(move || {
+        let (key, rest) = read_varint(buf)?;
+        let (field, wire) = (key >> 3, (key & 7) as u8);
+        let (value, rest) = skip(wire, rest)?;
+        buf = rest;
+        let value = match wire {
+            VARINT => Field::Varint(read_varint(value)?.0),
+            LEN => Field::Bytes(value),
+            _ => Field::Fixed,
+        };
+        Some((field, value))
+    })
+}
+
+/// A field's value of wire type `wire` at the start of `buf`, and what follows.
+fn skip(wire: u8, buf: &[u8]) -> Option<(&[u8], &[u8])> {
+    let n = match wire {
+        VARINT => buf.iter().position(|b| b & 0x80 == 0)? + 1,
+        FIXED64 => 8,
+        FIXED32 => 4,
+        LEN => {
+            let (len, rest) = read_varint(buf)?;
+            let len = usize::try_from(len).ok()?;
+            let at = buf.len() - rest.len();
+            return (rest.len() >= len).then(|| (&buf[at..at + len], &rest[len..]));
+        }
+        _ => return None,
+    };
+    (buf.len() >= n).then(|| buf.split_at(n))
+}
+
+fn read_varint(buf: &[u8]) -> Option<(u64, &[u8])> {
+    let mut v = 0u64;
+    for (i, b) in buf.iter().enumerate().take(10) {
+        v |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some((v, &buf[i + 1..]));
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,6 +311,30 @@ mod tests {
         assert_eq!(&buf[..3], &[0x0a, 0xac, 0x02]);
         assert_eq!(buf.len(), 303);
         assert!(buf[3..].iter().all(|&b| b == 7));
+    }
+
+    /// A partial success is read; an empty answer, garbage or a success
+    /// without rejections is none.
+    #[test]
+    fn rejected_spans_are_read_from_the_answer() {
+        // partial_success { rejected_spans: 300, error_message: "quota" }
+        let mut inner = Vec::new();
+        key(&mut inner, 1, VARINT);
+        varint(&mut inner, 300);
+        string(&mut inner, 2, "quota\nexceeded");
+        let mut answer = Vec::new();
+        bytes(&mut answer, 1, &inner);
+        assert_eq!(
+            rejected(&answer),
+            Some(Rejected {
+                spans: 300,
+                message: "quotaexceeded".into()
+            })
+        );
+        assert_eq!(rejected(&[]), None);
+        assert_eq!(rejected(&[0xff, 0xff, 0xff]), None);
+        assert_eq!(rejected(&[0x0a, 0x00]), None);
+        assert_eq!(rejected(&[0x0a, 0x05, 0x08]), None, "cut short");
     }
 
     #[test]

@@ -37,6 +37,8 @@ pub struct Link {
     pub trace_id: TraceId,
     pub span_id: SpanId,
     pub trace_state: Option<Arc<str>>,
+    /// The linked span's sampled flag.
+    pub sampled: bool,
     /// The linked span is another process's (the client's).
     pub remote: bool,
 }
