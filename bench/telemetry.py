@@ -5,7 +5,8 @@ Starts, on loopback ports of its own: an nginx-light upstream answering a fixed
 1 KiB JSON body, an OTLP/gRPC receiver, and one idemproxy process per variant,
 side by side, each with a redis-server of its own. Every idemproxy runs under
 `taskset -c 1`, alone on CPU 1; everything else (nginx, the redis-servers, the
-receiver, wrk, and this script) under `taskset -c 0`. The variants, by name:
+receiver, wrk) under `taskset -c 0`, and this script, once the build is done,
+on CPU 0 too (sched_setaffinity). The variants, by name:
 
   - "off": this build (the `cargo build --release` the script does), no [telemetry];
   - "off-2": a second, identical "off": its ratio to "off" is the noise floor;
