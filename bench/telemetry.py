@@ -15,9 +15,19 @@ on CPU 0 too (sched_setaffinity). The variants, by name:
   - "0.1", "1.0": this build at `sample_ratio` 0.1 and 1.0;
   - any `--variant NAME=PATH@RATIO` (another binary; RATIO a sample_ratio, or
     "off" for no [telemetry]); skipped, with a message, when PATH does not exist.
-    E.g. the two comparison builds of baedbf0: "sdk-spans+own-queue" (that
-    commit as is) and "sdk-batch" (the SDK's BatchSpanProcessor in place of
-    our queue and export thread).
+    E.g. the two comparison builds of baedbf0, the last build with the
+    OpenTelemetry SDK's spans: "sdk-spans+own-queue" (that commit as is) and
+    "sdk-batch" (that commit with bench/results/sdk-batch.patch applied: the
+    SDK's BatchSpanProcessor in place of our queue and export thread):
+
+      git worktree add --detach /tmp/sdk baedbf0 && cd /tmp/sdk
+      CARGO_TARGET_DIR=/tmp/sdk-target cargo build --release --bin idemproxy
+      cp /tmp/sdk-target/release/idemproxy /tmp/sdk-spans-own-queue
+      git apply bench/results/sdk-batch.patch  # (the patch from this checkout)
+      CARGO_TARGET_DIR=/tmp/sdk-target cargo build --release --bin idemproxy
+      cp /tmp/sdk-target/release/idemproxy /tmp/sdk-batch
+      bench/telemetry.py --variant sdk-spans+own-queue=/tmp/sdk-spans-own-queue@1.0 \
+                         --variant sdk-batch=/tmp/sdk-batch@1.0
 
 Then, in every repetition, rotating which goes first, drives each variant
 (one after the other) with wrk:
@@ -195,7 +205,7 @@ def parse_variant(text):
     """NAME=PATH@RATIO (RATIO: a sample_ratio, or "off")."""
     m = re.fullmatch(r"([A-Za-z0-9_.+-]+)=(.+)@([^@]+)", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH@RATIO, e.g. sdk-batch=/work/bench-bin/sdk-batch@1.0")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH@RATIO, e.g. sdk-batch=/tmp/sdk-batch@1.0")
     name, path, ratio = m.groups()
     if ratio == "off":
         return Variant(name, path, None, extra=True)
