@@ -5,6 +5,8 @@
 
 mod support;
 
+use std::time::Duration;
+
 use support::relay::Fault;
 use support::*;
 
@@ -292,6 +294,40 @@ async fn the_completion_is_followed_by_wait_and_a_shortfall_is_counted() {
         "the shortfall is counted"
     );
     proxy.wait_log("too few replicas acknowledged it").await;
+}
+
+/// Found in CI: the whole reservation, its `WAIT` included, was bounded by
+/// `op_timeout`, so a replica that acknowledged after `op_timeout` (but well
+/// within `wait_timeout`) had the key refused with 503. The `WAIT` now has
+/// `wait_timeout` beyond `op_timeout`, as the completion's has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_waits_for_its_replica_as_long_as_wait_timeout_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let (master, replica) = master_and_replica(dir.path()).await;
+    let upstream = TestUpstream::start().await;
+    let text = ConfigBuilder::new(&upstream.url())
+        .redis_url(&format!("redis://127.0.0.1:{}/0", master.port))
+        .store("wait_replicas = 1\nwait_timeout = \"5s\"\nop_timeout = \"300ms\"")
+        .routes(ROUTES)
+        .build();
+    let proxy = Proxy::start(&text).await;
+    let url = proxy.url("/v1/payments");
+    // The replica stops for a while (the fault's length, not a wait for an event).
+    replica.signal("STOP");
+    let resume = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        replica.signal("CONT");
+        replica
+    });
+    let started = std::time::Instant::now();
+    let r = Call::post(&url).key("slow-ack").body("x").await;
+    let _replica = resume.await.unwrap();
+    assert_eq!(r.status, 201, "{r:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(800),
+        "the replica was stopped"
+    );
+    assert_eq!(upstream.hits(), 1);
 }
 
 /// A 422 needs only the record's head (fingerprint), a 409 its state and

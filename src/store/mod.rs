@@ -403,7 +403,18 @@ impl Store {
     {
         let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
             Box::pin(fut);
-        self.timed_boxed(start, op, fut, true)
+        self.timed_boxed(start, op, fut, Some(Duration::ZERO))
+    }
+
+    /// How much longer than `op_timeout` a reservation may take: a Redis
+    /// store with `wait_replicas` sends `WAIT`, which the server holds for up
+    /// to `wait_timeout` (cut at `op_timeout`, a `wait_timeout` as long would
+    /// refuse every reservation the replicas are that slow to acknowledge).
+    fn reserve_allowance(&self) -> Duration {
+        match &self.inner {
+            Inner::Redis(r) if r.wait_replicas > 0 => r.wait_timeout,
+            _ => Duration::ZERO,
+        }
     }
 
     /// An operation of several round trips, each bounded by `op_timeout` in
@@ -419,7 +430,7 @@ impl Store {
     {
         let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
             Box::pin(fut);
-        self.timed_boxed(None, op, fut, false)
+        self.timed_boxed(None, op, fut, None)
     }
 
     async fn timed_boxed<T>(
@@ -427,18 +438,27 @@ impl Store {
         start: Option<tokio::time::Instant>,
         op: &'static str,
         fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
-        bounded: bool,
+        // `op_timeout` and this much more; `None`: no bound on the whole.
+        bound: Option<Duration>,
     ) -> Result<T, StoreError> {
         let start = start.unwrap_or_else(tokio::time::Instant::now);
-        let res = if bounded {
-            let deadlines = self.deadlines.get();
-            let timeout = deadlines.after();
-            match deadlines.within(start, fut).await {
-                Some(r) => r,
-                None => Err(StoreError::Timeout(timeout)),
+        let res = match bound {
+            Some(extra) if extra.is_zero() => {
+                let deadlines = self.deadlines.get();
+                let timeout = deadlines.after();
+                match deadlines.within(start, fut).await {
+                    Some(r) => r,
+                    None => Err(StoreError::Timeout(timeout)),
+                }
             }
-        } else {
-            fut.await
+            Some(extra) => {
+                let timeout = self.deadlines.get().after() + extra;
+                match tokio::time::timeout_at(start + timeout, fut).await {
+                    Ok(r) => r,
+                    Err(_) => Err(StoreError::Timeout(timeout)),
+                }
+            }
+            None => fut.await,
         };
         // A decode error is an answer from a live store.
         let store_ok = !matches!(
@@ -482,11 +502,15 @@ impl Store {
         // (a later round trip, or `op_timeout` running out during it) is not
         // a store that may be passed by.
         let taken = AtomicBool::new(false);
+        let reserve =
+            backend!(&self.inner, b => b.reserve(key, processing, lease, INLINE_RECORD, &taken));
+        let reserve: Pin<Box<dyn std::future::Future<Output = _> + Send + '_>> = Box::pin(reserve);
         let found = self
-            .timed_from(
+            .timed_boxed(
                 Some(sent_at),
                 "reserve",
-                backend!(&self.inner, b => b.reserve(key, processing, lease, INLINE_RECORD, &taken)),
+                reserve,
+                Some(self.reserve_allowance()),
             )
             .await
             .map_err(|e| match taken.load(Ordering::Relaxed) {

@@ -153,6 +153,16 @@ pub struct Node {
 }
 
 impl Node {
+    /// Sends `kill -SIG` (`STOP`, `CONT`) to the server.
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("running").id();
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{sig} {pid}");
+    }
+
     /// Starts `redis-server args` in `dir`; the caller waits for it (`wait_pong`).
     pub fn start(dir: &Path, port: u16, args: &[String]) -> Node {
         let child = Command::new("redis-server")
