@@ -1716,3 +1716,27 @@ async fn an_export_connection_that_stops_answering_is_not_used_again() {
         "the stuck export's spans arrived"
     );
 }
+
+/// A collector that takes an export but rejects some of its spans (a
+/// partial success): those are counted as dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_a_collector_rejects_are_counted_as_dropped() {
+    let otlp = OtlpReceiver::start_rejecting(2).await;
+    let env = traced_env(Backend::Memory, &otlp, "sample_ratio = 1.0\n").await;
+    for i in 0..3 {
+        let r = Call::new("GET", &env.url(&format!("/r/{i}"))).send().await;
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    // Six spans (SERVER and CLIENT each): whatever batches they went in,
+    // the collector rejected one in two of each batch.
+    let spans = otlp
+        .wait_for_spans("six spans", DEADLINE, |all| all.len() >= 6)
+        .await;
+    assert_eq!(spans.len(), 6);
+    eventually("the rejected spans to be counted", DEADLINE, || async {
+        let dropped = env.metric("idemproxy_spans_dropped_total").await;
+        (dropped >= 1.0).then_some(dropped)
+    })
+    .await;
+    env.proxy.wait_log("the collector rejected spans").await;
+}

@@ -135,11 +135,28 @@ def record(request, export_path, headers):
     return n
 
 
+# --reject-every N: every Nth span received is answered as rejected (a
+# partial success naming how many, "quota exceeded"); the spans are still
+# written, so that a test can count what was rejected.
+_reject_every = 0
+
+
+def response_for(n):
+    """The ExportTraceServiceResponse for an export of n spans."""
+    response = trace_service_pb2.ExportTraceServiceResponse()
+    if _reject_every:
+        rejected = n // _reject_every
+        if rejected:
+            response.partial_success.rejected_spans = rejected
+            response.partial_success.error_message = "quota exceeded"
+    return response
+
+
 class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         metadata = {k.lower(): v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        record(request, GRPC_METHOD, metadata)
-        return trace_service_pb2.ExportTraceServiceResponse()
+        n = record(request, GRPC_METHOD, metadata)
+        return response_for(n)
 
 
 def serve_grpc(port):
@@ -200,8 +217,8 @@ class OtlpHttp(BaseHTTPRequestHandler):
             sys.stderr.write(f"POST {self.path}: {e}\n")
             self.answer(400, str(e).encode(), "text/plain")
             return
-        record(request, self.path, {k.lower(): v for k, v in self.headers.items()})
-        response = trace_service_pb2.ExportTraceServiceResponse()
+        n = record(request, self.path, {k.lower(): v for k, v in self.headers.items()})
+        response = response_for(n)
         self.answer(200, response.SerializeToString(), "application/x-protobuf")
 
 
@@ -217,7 +234,11 @@ def main():
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--protocol", choices=["grpc", "http/protobuf"], default="grpc")
     p.add_argument("--out", help="append span lines to this file, not stdout")
+    p.add_argument("--reject-every", type=int, default=0,
+                   help="answer a partial success rejecting one span in N")
     args = p.parse_args()
+    global _reject_every
+    _reject_every = args.reject_every
     if args.out:
         _out = open(args.out, "a", buffering=1)
     if args.protocol == "grpc":

@@ -262,12 +262,22 @@ impl OtlpReceiver {
         Self::start_with("http/protobuf").await
     }
 
+    /// OTLP/gRPC that answers a partial success rejecting one span in `n`.
+    pub async fn start_rejecting(n: u32) -> OtlpReceiver {
+        Self::start_with_args("grpc", &["--reject-every", &n.to_string()]).await
+    }
+
     async fn start_with(protocol: &'static str) -> OtlpReceiver {
+        Self::start_with_args(protocol, &[]).await
+    }
+
+    async fn start_with_args(protocol: &'static str, more: &[&str]) -> OtlpReceiver {
         let python = peer_python();
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/peers/otlp_receiver.py");
         let mut child = Command::new(&python)
             .arg(&script)
             .args(["--port", "0", "--protocol", protocol])
+            .args(more)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
