@@ -778,8 +778,12 @@ fn print_check(config: &Config) {
     let t = &config.telemetry;
     match &t.otlp_endpoint {
         Some(endpoint) => println!(
-            "telemetry otlp_endpoint={endpoint} otlp_protocol={} service_name={} sample_ratio={} client_context={}",
-            t.otlp_protocol, t.service_name, t.sample_ratio, t.client_context
+            "telemetry otlp_endpoint={} otlp_protocol={} service_name={} sample_ratio={} client_context={}",
+            idemproxy::config::shown_endpoint(endpoint),
+            t.otlp_protocol,
+            t.service_name,
+            t.sample_ratio,
+            t.client_context
         ),
         None => println!("telemetry off (no otlp_endpoint)"),
     }

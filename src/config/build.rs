@@ -164,13 +164,21 @@ pub(super) fn telemetry(
                 var,
                 message: format!("header \"{name}\": {what}"),
             };
-            let name = http::HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| bad("not a valid header name"))?;
+            // Not named: what is not a header name may be a secret typed
+            // `name: value` (HTTP's way), with an `=` in the value.
+            let name =
+                http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| ConfigError::Env {
+                    var,
+                    message: "an item's key is not a valid header name (write name=value, \
+                          items separated by commas)"
+                        .to_string(),
+                })?;
             if EXPORT_FRAMING.contains(&name.as_str()) {
                 return Err(bad("the proxy sets it itself; it cannot come from here"));
             }
-            let value =
+            let mut value =
                 http::HeaderValue::from_str(&value).map_err(|_| bad("not a valid header value"))?;
+            value.set_sensitive(true);
             t.headers.retain(|(n, _)| *n != name);
             t.headers.push((name, value));
         }
@@ -247,7 +255,9 @@ fn percent_decoded(text: &str) -> Option<String> {
 /// the collector without TLS: an `https://` one is refused here rather than
 /// every export failing later.)
 fn check_otlp_endpoint(url: &str) -> Result<(), String> {
-    let bad = |why: &str| format!("invalid OTLP endpoint \"{url}\": {why}");
+    // Only the scheme and the host are repeated: a path, a query or a
+    // fragment may hold a token, and a URL that does not parse anything.
+    let bad = |why: &str| format!("invalid OTLP endpoint \"{}\": {why}", shown_endpoint(url));
     // Not echoed when it does not parse, nor with a query: either may hold a secret.
     let uri: http::Uri = url
         .parse()
@@ -273,10 +283,33 @@ fn check_otlp_endpoint(url: &str) -> Result<(), String> {
     if uri.host().is_none_or(str::is_empty) {
         return Err(bad("missing host"));
     }
-    if uri.query().is_some() {
-        return Err("invalid OTLP endpoint: a query is not allowed".to_string());
+    if uri.query().is_some() || url.contains('#') {
+        return Err(bad("a query or a fragment is not allowed"));
+    }
+    let port = uri.authority().and_then(|a| a.as_str().rsplit_once(':'));
+    if port.is_some_and(|(_, p)| !p.contains(']') && p.parse::<u16>().map_or(true, |n| n == 0)) {
+        return Err(bad("the port is not a number from 1 to 65535"));
     }
     Ok(())
+}
+
+/// An endpoint as the proxy repeats it (errors, `--check`, its start-up
+/// line): `scheme://host:port`, and `/…` when there is a path (it may hold a
+/// token); nothing of a URL that does not parse.
+pub fn shown_endpoint(url: &str) -> String {
+    let Ok(uri) = url.parse::<http::Uri>() else {
+        return "(not a URL)".to_string();
+    };
+    let host = uri.host().unwrap_or_default();
+    let port = uri
+        .port()
+        .map(|p| format!(":{}", p.as_str()))
+        .unwrap_or_default();
+    let path = match uri.path() {
+        "" | "/" => "",
+        _ => "/…",
+    };
+    format!("{}://{host}{port}{path}", uri.scheme_str().unwrap_or("?"))
 }
 
 /// A route whose largest body could never get room in the memory budget

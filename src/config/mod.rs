@@ -17,6 +17,7 @@ use serde::Deserialize;
 use crate::routes::RouteTable;
 
 mod build;
+pub use build::shown_endpoint;
 mod grammar;
 mod raw;
 
@@ -755,6 +756,21 @@ mod telemetry_tests {
                 "OTEL_EXPORTER_OTLP_ENDPOINT",
                 "http://c:4317/?api_key=s3cr3t",
             ),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "api-key:s3cr3tdG9rZW4="),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "x=1,Authorization:Bearer_s3cr3t=",
+            ),
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "https://c.example/s3cr3t/v1/traces",
+            ),
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "http://c:4318/v1/traces#s3cr3t",
+            ),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://:4318/s3cr3t"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:99999/s3cr3t"),
         ] {
             let e = load("", &[(var, value)]).unwrap_err();
             assert!(!e.to_string().contains("s3cr3t"), "{var}={value}: {e}");
@@ -769,6 +785,19 @@ mod telemetry_tests {
             let e = load("", &[("OTEL_EXPORTER_OTLP_HEADERS", &format!("{name}=1"))]);
             assert!(matches!(e, Err(ConfigError::Env { .. })), "{name}: {e:?}");
         }
+    }
+
+    /// The endpoint as errors, `--check` and the start-up line show it: no
+    /// path, query or fragment (a token may be there); header values hidden.
+    #[test]
+    fn an_endpoint_is_shown_without_its_path() {
+        use super::shown_endpoint;
+        assert_eq!(shown_endpoint("http://c:4317"), "http://c:4317");
+        assert_eq!(shown_endpoint("http://c:4318/"), "http://c:4318");
+        assert_eq!(shown_endpoint("http://c/tok/v1/traces"), "http://c/…");
+        assert_eq!(shown_endpoint("not a url at all"), "(not a URL)");
+        let t = load("", &[("OTEL_EXPORTER_OTLP_HEADERS", "api-key=k")]).unwrap();
+        assert!(!format!("{t:?}").contains("\"k\""), "{t:?}");
     }
 
     /// Found by review: `service.name` in `OTEL_RESOURCE_ATTRIBUTES` names

@@ -299,6 +299,7 @@ async fn export_loop(
     mut flushes: mpsc::UnboundedReceiver<Flush>,
 ) {
     let mut failing = false;
+    let mut rejecting = false;
     let mut tick = tokio::time::interval(DELAY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut no_flushes = false;
@@ -323,14 +324,20 @@ async fn export_loop(
             let sent = tokio::time::timeout(EXPORT_TIMEOUT, sender.send(&mut buf)).await;
             let error = match sent {
                 Ok(Ok(rejected)) => {
-                    if let Some(r) = rejected {
-                        queue.dropped.inc_by(r.spans);
+                    // No more than were sent: the count is the collector's word.
+                    let n = rejected
+                        .as_ref()
+                        .map_or(0, |r| r.spans.min(spans.len() as u64));
+                    queue.dropped.inc_by(n);
+                    if let (Some(r), false) = (&rejected, rejecting) {
                         tracing::warn!(
-                            spans = r.spans,
+                            spans = n,
                             message = r.message,
-                            "the collector rejected spans (a partial success)"
+                            "the collector rejected spans (a partial success); \
+                             logged again once it has taken a batch whole"
                         );
                     }
+                    rejecting = n > 0;
                     None
                 }
                 Ok(Err(e)) => Some(e),

@@ -107,7 +107,7 @@ impl Telemetry {
             return None;
         }
         tracing::info!(
-            endpoint = config.otlp_endpoint.as_deref().unwrap_or_default(),
+            endpoint = crate::config::shown_endpoint(config.otlp_endpoint.as_deref().unwrap_or_default()),
             protocol = %config.otlp_protocol,
             service_name = %config.service_name,
             sample_ratio = config.sample_ratio,

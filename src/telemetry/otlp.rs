@@ -235,7 +235,8 @@ pub fn rejected(answer: &[u8]) -> Option<Rejected> {
     };
     for (field, value) in fields(partial) {
         match (field, value) {
-            (1, Field::Varint(n)) => rejected.spans = n,
+            // An int64: above i64::MAX it is negative, which is no count.
+            (1, Field::Varint(n)) => rejected.spans = if n > i64::MAX as u64 { 0 } else { n },
             (2, Field::Bytes(text)) => {
                 let text = String::from_utf8_lossy(&text[..text.len().min(256)]);
                 rejected.message = text.chars().filter(|c| !c.is_control()).collect();
@@ -289,6 +290,10 @@ fn skip(wire: u8, buf: &[u8]) -> Option<(&[u8], &[u8])> {
 fn read_varint(buf: &[u8]) -> Option<(u64, &[u8])> {
     let mut v = 0u64;
     for (i, b) in buf.iter().enumerate().take(10) {
+        // The tenth byte holds bit 63 only: more would not fit in 64 bits.
+        if i == 9 && *b > 1 {
+            return None;
+        }
         v |= u64::from(b & 0x7f) << (7 * i);
         if b & 0x80 == 0 {
             return Some((v, &buf[i + 1..]));
@@ -335,6 +340,15 @@ mod tests {
         assert_eq!(rejected(&[0xff, 0xff, 0xff]), None);
         assert_eq!(rejected(&[0x0a, 0x00]), None);
         assert_eq!(rejected(&[0x0a, 0x05, 0x08]), None, "cut short");
+        // -1 as an int64 (ten bytes), and a varint of more than 64 bits.
+        let mut minus_one = vec![0x0a, 0x0b, 0x08];
+        minus_one.extend([0xff; 9]);
+        minus_one.push(0x01);
+        assert_eq!(rejected(&minus_one), None, "a negative count");
+        let mut too_long = vec![0x0a, 0x0b, 0x08];
+        too_long.extend([0x80; 9]);
+        too_long.push(0x7f);
+        assert_eq!(rejected(&too_long), None, "more than 64 bits");
     }
 
     #[test]
