@@ -29,7 +29,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::sync::mpsc;
 
 use super::otlp::{self, Encoder, Rejected};
-use super::span::Record;
+use super::span::SpanRecord;
 use crate::config::OtlpProtocol;
 
 /// Spans sent to the collector at once, at most.
@@ -43,8 +43,8 @@ const MAX_ANSWER: usize = 64 * 1024;
 
 /// What the request path and the export thread share.
 #[derive(Debug)]
-pub struct Shared {
-    spans: Mutex<Held>,
+pub struct SpanQueue {
+    spans: Mutex<Queued>,
     /// A batch is ready, or the queue is closed.
     wake: tokio::sync::Notify,
     closed: AtomicBool,
@@ -54,14 +54,14 @@ pub struct Shared {
 
 /// The spans queued, and how many taken are still being exported.
 #[derive(Debug, Default)]
-struct Held {
-    queued: Vec<Record>,
+struct Queued {
+    queued: Vec<SpanRecord>,
     exporting: usize,
 }
 
-impl Shared {
-    pub fn new(capacity: usize, dropped: Counter) -> Arc<Shared> {
-        Arc::new(Shared {
+impl SpanQueue {
+    pub fn new(capacity: usize, dropped: Counter) -> Arc<SpanQueue> {
+        Arc::new(SpanQueue {
             spans: Mutex::default(),
             wake: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
@@ -70,13 +70,13 @@ impl Shared {
         })
     }
 
-    fn held(&self) -> MutexGuard<'_, Held> {
+    fn held(&self) -> MutexGuard<'_, Queued> {
         self.spans.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Queues a finished span, or drops and counts it when there is no room
     /// (spans taken and not yet exported count against the capacity too).
-    pub fn push(&self, span: Record) {
+    pub fn push(&self, span: SpanRecord) {
         let queued = {
             let mut held = self.held();
             if held.queued.len() + held.exporting >= self.capacity {
@@ -95,8 +95,8 @@ impl Shared {
         }
     }
 
-    /// Everything queued, counted as being exported until [`Shared::exported`].
-    pub fn take(&self) -> Vec<Record> {
+    /// Everything queued, counted as being exported until [`SpanQueue::exported`].
+    pub fn take(&self) -> Vec<SpanRecord> {
         let mut held = self.held();
         let spans = std::mem::take(&mut held.queued);
         held.exporting += spans.len();
@@ -141,7 +141,7 @@ pub type Flush = std::sync::mpsc::SyncSender<()>;
 pub fn start(
     to: Destination,
     encoder: Encoder,
-    queue: Arc<Shared>,
+    queue: Arc<SpanQueue>,
     flushes: mpsc::UnboundedReceiver<Flush>,
 ) -> Result<(), String> {
     let (ready, built) = std::sync::mpsc::sync_channel(1);
@@ -295,7 +295,7 @@ impl Sender {
 async fn export_loop(
     mut sender: Sender,
     mut encoder: Encoder,
-    queue: Arc<Shared>,
+    queue: Arc<SpanQueue>,
     mut flushes: mpsc::UnboundedReceiver<Flush>,
 ) {
     let mut failing = false;

@@ -13,7 +13,7 @@
 //! in `traceparent`: no record, no attribute, no allocation. A sampled one
 //! records its SERVER span, INTERNAL children for the reserve, a wait and
 //! the completion on protected routes, and a CLIENT span for the upstream
-//! exchange, whose context goes upstream. Each is a [`span::Record`] of ids,
+//! exchange, whose context goes upstream. Each is a [`span::SpanRecord`] of ids,
 //! times and typed values, queued when it ends; the export thread
 //! ([`export`]) converts and encodes them ([`otlp`]).
 //!
@@ -34,8 +34,8 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::sync::mpsc;
 
 use self::context::{Ratio, SpanId, TraceId};
-use self::export::Shared;
-use self::span::{Kind, Link, Name, Record};
+use self::export::SpanQueue;
+use self::span::{Link, Name, SpanKind, SpanRecord};
 use crate::config::{ClientContext, TelemetryConfig, UpstreamUrl};
 use crate::record::TraceRef;
 
@@ -61,7 +61,7 @@ const CANCELLED: &str = "cancelled";
 
 /// Tracing, when it is on: how requests are sampled, and the way to the export thread.
 pub struct Telemetry {
-    queue: Arc<Shared>,
+    queue: Arc<SpanQueue>,
     flush: mpsc::UnboundedSender<export::Flush>,
     ratio: Ratio,
     client_context: ClientContext,
@@ -94,7 +94,7 @@ impl Telemetry {
         dropped: Counter,
     ) -> Option<Telemetry> {
         let endpoint = config.otlp_endpoint.clone()?;
-        let queue = Shared::new(QUEUE, dropped);
+        let queue = SpanQueue::new(QUEUE, dropped);
         let (flush, flushes) = mpsc::unbounded_channel();
         let encoder = otlp::Encoder::new(&resource(config), "idemproxy", env!("CARGO_PKG_VERSION"));
         let to = export::Destination {
@@ -180,7 +180,7 @@ impl Telemetry {
             method,
             route: route.as_ref().map(|(_, p)| p.clone()),
         };
-        let mut r = Record::new(Kind::Server, name, trace_id, span_id);
+        let mut r = SpanRecord::new(SpanKind::Server, name, trace_id, span_id);
         r.parent = parent.map(|p| (p, true));
         r.trace_state = ids.trace_state.clone();
         r.attributes.reserve(14);
@@ -198,7 +198,7 @@ impl Telemetry {
         }
         if let Some((name, pattern)) = route {
             r.set(ROUTE, Value::Text(name.into()));
-            r.set("http.route", Value::Shared(pattern));
+            r.set("http.route", Value::SpanQueue(pattern));
         }
         if let Some(remote) = link {
             r.links.push(Link {
@@ -227,8 +227,8 @@ impl Telemetry {
         if !parent.sampled {
             return None;
         }
-        let mut r = Record::new(
-            Kind::Internal,
+        let mut r = SpanRecord::new(
+            SpanKind::Internal,
             Name::Static(name),
             parent.trace_id,
             context::new_span_id(),
@@ -263,14 +263,17 @@ impl Telemetry {
             method,
             route: None,
         };
-        let mut r = Record::new(Kind::Client, name, p.trace_id, span_id);
+        let mut r = SpanRecord::new(SpanKind::Client, name, p.trace_id, span_id);
         r.parent = Some((p.span_id, false));
         r.trace_state = p.trace_state.clone();
         r.attributes.reserve(8);
         method_attributes(&mut r, request.method(), method);
         let full = format!("{}{}", self.upstream_origin, request.uri().path());
         r.set("url.full", Value::Text(cut(&full)));
-        r.set("server.address", Value::Shared(self.upstream_host.clone()));
+        r.set(
+            "server.address",
+            Value::SpanQueue(self.upstream_host.clone()),
+        );
         r.set("server.port", Value::Int(self.upstream_port));
         Some(ClientSpan(Open::new(&self.queue, r, true)))
     }
@@ -374,7 +377,7 @@ impl ServerSpan {
         })
     }
 
-    fn record(&self, f: impl FnOnce(&mut Record)) {
+    fn record(&self, f: impl FnOnce(&mut SpanRecord)) {
         if let Some(open) = &self.open {
             let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(r) = open.record.as_deref_mut() {
@@ -422,14 +425,14 @@ impl ServerSpan {
 
 /// A recorded span until it ends: queued then (on drop at the latest).
 struct Open {
-    queue: Arc<Shared>,
-    record: Option<Box<Record>>,
+    queue: Arc<SpanQueue>,
+    record: Option<Box<SpanRecord>>,
     /// Dropped without an end, it was cut short: `error.type = "cancelled"`.
     cancelled_if_dropped: bool,
 }
 
 impl Open {
-    fn new(queue: &Arc<Shared>, record: Record, cancelled_if_dropped: bool) -> Open {
+    fn new(queue: &Arc<SpanQueue>, record: SpanRecord, cancelled_if_dropped: bool) -> Open {
         Open {
             queue: queue.clone(),
             record: Some(Box::new(record)),
@@ -493,7 +496,7 @@ pub fn record_attributes(route: &str, record_id: &str) -> Vec<(&'static str, Val
 }
 
 /// `http.request.method`, and the method as it came when the conventions do not know it.
-fn method_attributes(r: &mut Record, method: &http::Method, name: &'static str) {
+fn method_attributes(r: &mut SpanRecord, method: &http::Method, name: &'static str) {
     r.set("http.request.method", Value::Static(name));
     if name == OTHER {
         r.set(

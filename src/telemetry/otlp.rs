@@ -1,5 +1,5 @@
 //! OTLP's `ExportTraceServiceRequest`, encoded by hand (protobuf's wire
-//! format) from [`Record`]s into a buffer the export thread reuses: the
+//! format) from [`SpanRecord`]s into a buffer the export thread reuses: the
 //! resource and the instrumentation scope are encoded once, at start, and
 //! each batch writes only its spans. The field numbers are those of
 //! opentelemetry-proto's `trace/v1/trace.proto`, `common/v1/common.proto`,
@@ -9,7 +9,7 @@
 use std::fmt::Write as _;
 
 use super::context::write_hex;
-use super::span::{Link, Name, Record, Value};
+use super::span::{Link, Name, SpanRecord, Value};
 
 /// Protobuf wire types.
 const VARINT: u8 = 0;
@@ -61,7 +61,7 @@ impl Encoder {
     }
 
     /// `spans` as one `ExportTraceServiceRequest`, appended to `out`.
-    pub fn encode(&mut self, spans: &[Record], out: &mut Vec<u8>) {
+    pub fn encode(&mut self, spans: &[SpanRecord], out: &mut Vec<u8>) {
         let Encoder {
             resource,
             scope,
@@ -79,7 +79,7 @@ impl Encoder {
     }
 }
 
-fn encode_span(buf: &mut Vec<u8>, span: &Record, scratch: &mut String) {
+fn encode_span(buf: &mut Vec<u8>, span: &SpanRecord, scratch: &mut String) {
     bytes(buf, 1, &span.trace_id);
     bytes(buf, 2, &span.span_id);
     if let Some(state) = &span.trace_state {
@@ -151,7 +151,7 @@ fn value(buf: &mut Vec<u8>, v: &Value, scratch: &mut String) {
     match v {
         Value::Static(s) => string(buf, 1, s),
         Value::Text(s) => string(buf, 1, s),
-        Value::Shared(s) => string(buf, 1, s),
+        Value::SpanQueue(s) => string(buf, 1, s),
         Value::Int(i) => {
             key(buf, 3, VARINT);
             varint(buf, *i as u64);
@@ -305,7 +305,7 @@ fn read_varint(buf: &[u8]) -> Option<(u64, &[u8])> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::span::Kind;
+    use crate::telemetry::span::SpanKind;
 
     /// The wire format's corner: a length that needs more than one byte
     /// moves what follows, and nothing is lost.
@@ -353,8 +353,8 @@ mod tests {
 
     #[test]
     fn an_unknown_methods_span_is_named_http() {
-        let mut span = Record::new(
-            Kind::Server,
+        let mut span = SpanRecord::new(
+            SpanKind::Server,
             Name::Http {
                 method: crate::telemetry::OTHER,
                 route: Some("/v1/pay".into()),

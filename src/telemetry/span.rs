@@ -11,7 +11,7 @@ use super::context::{SpanId, TraceId};
 
 /// OTLP's span kinds (the numbers are the protocol's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub enum SpanKind {
     Internal = 1,
     Server = 2,
     Client = 3,
@@ -22,7 +22,7 @@ pub enum Kind {
 pub enum Value {
     Static(&'static str),
     Text(Box<str>),
-    Shared(Arc<str>),
+    SpanQueue(Arc<str>),
     Int(i64),
     /// Written as the address's text.
     Ip(IpAddr),
@@ -56,13 +56,13 @@ pub enum Name {
 
 /// A recorded (sampled) span.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Record {
+pub struct SpanRecord {
     pub trace_id: TraceId,
     pub span_id: SpanId,
     /// The parent span, and whether it is another process's.
     pub parent: Option<(SpanId, bool)>,
     pub trace_state: Option<Arc<str>>,
-    pub kind: Kind,
+    pub kind: SpanKind,
     pub name: Name,
     pub start_ns: u64,
     pub end_ns: u64,
@@ -73,9 +73,9 @@ pub struct Record {
     pub error: bool,
 }
 
-impl Record {
-    pub fn new(kind: Kind, name: Name, trace_id: TraceId, span_id: SpanId) -> Record {
-        Record {
+impl SpanRecord {
+    pub fn new(kind: SpanKind, name: Name, trace_id: TraceId, span_id: SpanId) -> SpanRecord {
+        SpanRecord {
             trace_id,
             span_id,
             parent: None,

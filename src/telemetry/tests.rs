@@ -22,7 +22,7 @@ fn http_endpoints_take_spans_at_v1_traces() {
 
 /// A `Telemetry` whose spans go to `queue` (no export thread), sampling
 /// roots at `ratio`, reading the client's context as `client_context` says.
-fn tracing(ratio: f64, client_context: ClientContext, queue: &Arc<Shared>) -> Telemetry {
+fn tracing(ratio: f64, client_context: ClientContext, queue: &Arc<SpanQueue>) -> Telemetry {
     Telemetry {
         queue: queue.clone(),
         flush: mpsc::unbounded_channel().0,
@@ -34,7 +34,7 @@ fn tracing(ratio: f64, client_context: ClientContext, queue: &Arc<Shared>) -> Te
     }
 }
 
-fn span(r: &Record, key: &str) -> Option<Value> {
+fn span(r: &SpanRecord, key: &str) -> Option<Value> {
     r.attributes
         .iter()
         .find(|(k, _)| *k == key)
@@ -61,7 +61,7 @@ fn request(method: &str, traceparent: Option<&str>) -> Request<()> {
 #[test]
 fn spans_without_room_in_the_queue_are_dropped_and_counted() {
     let dropped = Counter::<u64>::default();
-    let queue = Shared::new(2, dropped.clone());
+    let queue = SpanQueue::new(2, dropped.clone());
     let t = tracing(1.0, ClientContext::Follow, &queue);
     let one = || {
         let s = t.server_span(&request("GET", None), None, "http", CALLER.into());
@@ -84,7 +84,7 @@ fn spans_without_room_in_the_queue_are_dropped_and_counted() {
 /// (a wake is a syscall and two context switches).
 #[tokio::test]
 async fn the_export_thread_is_woken_once_a_batch_is_queued() {
-    let queue = Shared::new(QUEUE, Counter::default());
+    let queue = SpanQueue::new(QUEUE, Counter::default());
     let t = tracing(1.0, ClientContext::Follow, &queue);
     let one = || {
         let s = t.server_span(&request("GET", None), None, "http", CALLER.into());
@@ -106,7 +106,7 @@ async fn the_export_thread_is_woken_once_a_batch_is_queued() {
 /// CLIENT span as its parent.
 #[test]
 fn parent_based_sampling_and_kept_ids() {
-    let queue = Shared::new(16, Counter::default());
+    let queue = SpanQueue::new(16, Counter::default());
     let t = tracing(0.0, ClientContext::Follow, &queue);
     let s = t.server_span(&request("POST", Some(SAMPLED)), None, "http", CALLER.into());
     assert!(s.log_ids().is_some(), "a sampled parent is followed");
@@ -171,7 +171,7 @@ fn parent_based_sampling_and_kept_ids() {
 #[test]
 fn client_context_link_and_ignore_start_a_trace_of_their_own() {
     for mode in [ClientContext::Link, ClientContext::Ignore] {
-        let queue = Shared::new(16, Counter::default());
+        let queue = SpanQueue::new(16, Counter::default());
         let t = tracing(0.0, mode, &queue);
         let s = t.server_span(&request("POST", Some(SAMPLED)), None, "http", CALLER.into());
         assert!(
@@ -230,7 +230,7 @@ fn client_context_link_and_ignore_start_a_trace_of_their_own() {
 /// 5xx and a failed exchange are errors, a 4xx is not.
 #[test]
 fn unknown_methods_and_error_status() {
-    let queue = Shared::new(16, Counter::default());
+    let queue = SpanQueue::new(16, Counter::default());
     let t = tracing(1.0, ClientContext::Follow, &queue);
     let s = t.server_span(
         &request("PURGE", None),
@@ -271,7 +271,7 @@ fn unknown_methods_and_error_status() {
 /// its SERVER span, marked cancelled.
 #[test]
 fn a_dropped_request_sends_its_span_as_cancelled() {
-    let queue = Shared::new(16, Counter::default());
+    let queue = SpanQueue::new(16, Counter::default());
     let t = tracing(1.0, ClientContext::Follow, &queue);
     let s = t.server_span(&request("POST", None), None, "http", CALLER.into());
     drop(s);
@@ -288,7 +288,7 @@ fn a_dropped_request_sends_its_span_as_cancelled() {
 /// 32 members it is not read (the trace itself continues).
 #[test]
 fn a_tracestate_of_more_than_32_members_is_not_kept() {
-    let queue = Shared::new(16, Counter::default());
+    let queue = SpanQueue::new(16, Counter::default());
     let t = tracing(1.0, ClientContext::Follow, &queue);
     let state = |members: usize| {
         let list: Vec<String> = (0..members).map(|i| format!("k{i}=v")).collect();
@@ -314,7 +314,7 @@ fn a_tracestate_of_more_than_32_members_is_not_kept() {
 /// QUEUE spans of its own choosing while the collector is slow or stuck.
 #[test]
 fn the_queue_holds_few_client_chosen_bytes_however_long_the_path() {
-    let queue = Shared::new(QUEUE, Counter::default());
+    let queue = SpanQueue::new(QUEUE, Counter::default());
     let t = tracing(0.01, ClientContext::Follow, &queue);
     let path = format!("/{}", "a".repeat(15 * 1024));
     for _ in 0..QUEUE {
