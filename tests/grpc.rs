@@ -214,7 +214,7 @@ async fn start_full(
         .store(store)
         .routes(&routes)
         .build();
-    (ledger, Proxy::start(&config).await, redis)
+    (ledger, Proxy::in_process(&config, &[]).await, redis)
 }
 
 /// A tonic client of the proxy.

@@ -28,7 +28,7 @@ async fn a_failed_wait_releases_the_reservation_and_never_forwards() {
     let text = config(&upstream, &redis.url())
         .store("wait_replicas = 1")
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-wait")
         .body("x")
@@ -52,7 +52,7 @@ async fn a_client_that_hangs_up_while_the_reserve_is_in_flight_leaves_no_reserva
     let upstream = TestUpstream::start().await;
     let url = format!("redis://{}/0", relay.addr);
     let text = config(&upstream, &url).store("op_timeout = \"3s\"").build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     // The reserve takes 2 × 300 ms; the client gives up after 100 ms.
     relay.set(Fault::Delay(300));
     let call = Call::post(&proxy.url("/v1/payments"))
@@ -81,7 +81,7 @@ async fn a_client_that_hangs_up_while_the_reserve_is_in_flight_leaves_no_reserva
 async fn a_record_the_proxy_cannot_read_is_500_never_forwarded_or_bypassed() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
-    let proxy = Proxy::start(&config(&upstream, &redis.url()).build()).await;
+    let proxy = Proxy::in_process(&config(&upstream, &redis.url()).build(), &[]).await;
     // Garbage, and a record of a newer format version than this build knows.
     let mut newer = vec![99u8, b'F'];
     newer.extend_from_slice(&[0; 64]);
@@ -208,7 +208,7 @@ async fn an_upstreams_own_replay_header_never_marks_a_fresh_answer() {
     let text = ConfigBuilder::new(&upstream.url)
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     let fresh = Call::post(&url).key("k-own-header").body("x").await;
     assert_eq!(fresh.status, 201);
@@ -224,7 +224,7 @@ async fn a_non_uuid_request_id_goes_upstream_unchanged_and_is_logged_beside_ours
     let text = ConfigBuilder::new(&upstream.url())
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("k-rid")
         .header("x-request-id", "order-42/attempt-1")
@@ -252,7 +252,7 @@ async fn shadow_mode_forwards_a_slow_body_as_it_comes() {
         .server("body_read_timeout = \"300ms\"")
         .route("payments", "/v1/payments", "mode = \"shadow\"")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let addr = proxy
         .url("")
         .trim_start_matches("http://")
@@ -288,7 +288,7 @@ async fn budgeted() -> (TestUpstream, Proxy) {
         .server("max_buffered = \"1MiB\"")
         .routes(routes)
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     (upstream, proxy)
 }
 
@@ -399,7 +399,7 @@ async fn a_client_that_stops_reading_is_disconnected_and_its_replay_memory_freed
         .server("client_write_timeout = \"500ms\"")
         .route("payments", "/v1/payments", "max_response_body = \"32MiB\"")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let size = 16 << 20;
     let first = Call::post(&proxy.url("/v1/payments"))
         .key("k-big")
@@ -444,7 +444,7 @@ async fn an_idle_keep_alive_connection_is_closed_but_a_slow_request_is_not() {
         .server("idle_timeout = \"300ms\"\nheader_read_timeout = \"30s\"")
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     // A request that takes longer than idle_timeout at the upstream is not cut.
     let slow = Call::post(&proxy.url("/v1/payments"))
         .key("k-slow")
@@ -476,7 +476,7 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_every_record() {
     let config = ConfigBuilder::new(&upstream.url())
         .store("memory_limit = \"1000\"")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let url = proxy.url("/v1/payments");
     // Each finished record holds the upstream's JSON echo (several hundred bytes).
     let mut answered = Vec::new();

@@ -1,5 +1,5 @@
 //! Odd HTTP from either side (contract §7 hop-by-hop and X-Forwarded-For, §8
-//! malformed or odd HTTP, the upstream pool), over the real binary.
+//! malformed or odd HTTP, the upstream pool), over the proxy served in-process.
 
 mod support;
 
@@ -20,7 +20,7 @@ async fn proxy_for(upstream: &str) -> Proxy {
     let config = ConfigBuilder::new(upstream)
         .route("payments", "/v1/payments", "")
         .build();
-    Proxy::start(&config).await
+    Proxy::in_process(&config, &[]).await
 }
 
 /// Sends raw bytes (the request should say `Connection: close`) and reads the
@@ -383,7 +383,7 @@ async fn one_upstream_connection_serves_request_after_request_until_one_breaks()
         .server("workers = 1")
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     for (method, path, status) in [
         ("GET", "/ok", 200),
         ("POST", "/ok", 200),
@@ -423,7 +423,7 @@ async fn idle_upstream_connections_are_closed_after_upstream_idle_timeout() {
     let config = ConfigBuilder::new(&upstream.url)
         .server("upstream_idle_timeout = \"300ms\"")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let r = Call::new("GET", &proxy.url("/ok")).send().await;
     assert_eq!(r.status, 200);
     // Nobody uses the pool now: the proxy closes the connection on its own.
@@ -444,7 +444,7 @@ async fn an_upstream_url_with_a_path_puts_it_in_front_of_every_request_target() 
     let config = ConfigBuilder::new(&format!("{}/api", upstream.url()))
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let r = Call::new("GET", &proxy.url("/x/y?q=1&r=%20")).send().await;
     assert_eq!(r.status, 201);
     let r = Call::post(&proxy.url("/v1/payments?ref=7"))
