@@ -146,7 +146,7 @@ async fn idemproxy_in_front_of_the_demo_upstream_meets_every_row() {
     let config = ConfigBuilder::new(&demo.1)
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let run = conformance(&[
         &proxy.url(""),
         "--route",
@@ -184,7 +184,7 @@ async fn idemproxy_over_https_trusting_a_ca_file() {
         .server(&tls)
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let url = format!("https://{}/v1/payments", proxy.addr);
     let ca = certs.path().join("ca.pem");
     let run = conformance(&[&url, "--ca-file", &ca.to_string_lossy()]).await;

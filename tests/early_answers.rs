@@ -29,7 +29,7 @@ async fn a_busy_answer_before_the_body_says_connection_close() {
         .server("max_buffered = \"1MiB\"")
         .routes(routes)
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let addr = proxy
         .url("")
         .trim_start_matches("http://")
@@ -59,7 +59,7 @@ async fn an_answer_after_the_whole_body_keeps_the_connection() {
     let config = ConfigBuilder::new(&upstream.url())
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let addr = proxy
         .url("")
         .trim_start_matches("http://")

@@ -186,7 +186,7 @@ async fn the_only_seed_master_dies_under_traffic() {
         ))
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let url = proxy.url("/v1/payments");
     let (victim_keys, healthy_keys) = keys_by_master(other, victim, "fo", KEYS).await;
 

@@ -63,7 +63,7 @@ async fn on_redis(server: &str, routes: &str) -> (RedisServer, TestUpstream, Pro
         .redis(&redis)
         .routes(routes)
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     (redis, upstream, proxy)
 }
 
