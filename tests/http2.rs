@@ -48,12 +48,20 @@ async fn memory_proxy(upstream: &str, server_extra: &str) -> Proxy {
     let config = ConfigBuilder::new(upstream)
         .server(server_extra)
         .routes(ROUTES);
+    Proxy::in_process(&config.build(), &[]).await
+}
+
+/// As [`memory_proxy`], the binary: for what only a process has (SIGTERM, its exit code).
+async fn memory_proxy_binary(upstream: &str, server_extra: &str) -> Proxy {
+    let config = ConfigBuilder::new(upstream)
+        .server(server_extra)
+        .routes(ROUTES);
     Proxy::start(&config.build()).await
 }
 
 async fn redis_proxy(upstream: &str, redis: &RedisServer) -> Proxy {
     let config = ConfigBuilder::new(upstream).redis(redis).routes(ROUTES);
-    Proxy::start(&config.build()).await
+    Proxy::in_process(&config.build(), &[]).await
 }
 
 // ---------------------------------------------------------------------------
@@ -153,7 +161,7 @@ async fn the_same_key_over_http1_then_h2c_is_one_operation() {
 #[tokio::test]
 async fn an_h2c_request_in_flight_finishes_during_the_shutdown_grace() {
     let upstream = TestUpstream::start().await;
-    let mut proxy = memory_proxy(&upstream.url(), "").await;
+    let mut proxy = memory_proxy_binary(&upstream.url(), "").await;
     let url = proxy.url("/slow");
     let held = tokio::spawn(async move { curl(&[H2, "-H", "x-test-hold: 1", &url]).await });
     upstream.wait_hits(1).await;

@@ -58,7 +58,7 @@ async fn payments() -> (TestUpstream, Proxy, TcpStream) {
     let config = ConfigBuilder::new(&upstream.url())
         .route("payments", "/v1/payments", "")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let c = TcpStream::connect(addr(&proxy)).await.unwrap();
     (upstream, proxy, c)
 }
@@ -72,7 +72,7 @@ async fn timed_heads(header_read_timeout: &str) -> (TestUpstream, Proxy, TcpStre
             "header_read_timeout = \"{header_read_timeout}\"\nidle_timeout = \"60s\""
         ))
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let c = TcpStream::connect(addr(&proxy)).await.unwrap();
     (upstream, proxy, c)
 }

@@ -64,7 +64,7 @@ async fn connections_go_to_the_least_loaded_worker_and_each_worker_has_its_own_s
         .server("workers = 2")
         .redis(&redis)
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     // The health ping's connection (every thread that is not a worker shares it).
     eventually("the ping's store connection", DEADLINE, || async {
         (store_connections(&redis).await == 1).then_some(())
@@ -187,7 +187,7 @@ async fn once_the_store_answers_again_a_worker_whose_connection_failed_makes_it_
         .redis_url(&format!("redis://{}/0", relay.addr))
         .store("op_timeout = \"500ms\"")
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     // One connection on each worker: a request on it uses that worker's store connection.
     let mut first = Held::open(&proxy).await;
     assert_eq!(first.pay("k-warm-1").await, 201);
