@@ -79,6 +79,14 @@ async fn tls_proxy(certs: &Certs, upstream: &TestUpstream, extra: &str) -> Proxy
     let config = ConfigBuilder::new(&upstream.url())
         .server(&certs.server_lines())
         .server(extra);
+    Proxy::in_process(&config.build(), &[]).await
+}
+
+/// As [`tls_proxy`], the binary: for what only a process has (SIGHUP reloads).
+async fn tls_proxy_binary(certs: &Certs, upstream: &TestUpstream, extra: &str) -> Proxy {
+    let config = ConfigBuilder::new(&upstream.url())
+        .server(&certs.server_lines())
+        .server(extra);
     Proxy::start(&config.build()).await
 }
 
@@ -269,7 +277,7 @@ async fn a_protected_route_over_tls_executes_once_and_replays() {
     let config = ConfigBuilder::new(&upstream.url())
         .redis(&redis)
         .server(&certs.server_lines());
-    let proxy = Proxy::start(&config.build()).await;
+    let proxy = Proxy::in_process(&config.build(), &[]).await;
     let first = pay(&certs, &proxy, "--http2").await;
     assert_eq!((first.version.as_str(), first.status), ("HTTP/2", 201));
     assert!(!first.is_replay());
@@ -290,7 +298,7 @@ async fn a_protected_route_over_tls_executes_once_and_replays() {
 async fn sighup_swaps_the_certificate_and_open_connections_keep_working() {
     let certs = Certs::new();
     let upstream = TestUpstream::start().await;
-    let proxy = tls_proxy(&certs, &upstream, "").await;
+    let proxy = tls_proxy_binary(&certs, &upstream, "").await;
     let mut h2 = KeepAlive::open(&certs, proxy.addr, b"h2").await;
     let mut h1 = KeepAlive::open(&certs, proxy.addr, b"http/1.1").await;
     assert_eq!(h2.get("/before").await.0, 201);
@@ -317,7 +325,7 @@ async fn sighup_swaps_the_certificate_and_open_connections_keep_working() {
 async fn a_failed_certificate_reload_keeps_the_old_one_and_a_later_reload_works() {
     let certs = Certs::new();
     let upstream = TestUpstream::start().await;
-    let proxy = tls_proxy(&certs, &upstream, "").await;
+    let proxy = tls_proxy_binary(&certs, &upstream, "").await;
 
     // A new certificate beside a key file that is not a key (and whose text
     // must never reach the log).
