@@ -49,11 +49,10 @@ fn is_hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-/// A proxy (the binary: the exporter is the process's) sending its spans to `otlp`.
+/// A proxy sending its spans to `otlp`.
 async fn traced_env(backend: Backend, otlp: &OtlpReceiver, telemetry: &str) -> Env {
     Env::builder(backend)
         .telemetry(&format!("{}{telemetry}", otlp.config()))
-        .binary()
         .start()
         .await
 }
@@ -280,7 +279,7 @@ fn trace_headers(h: &HeaderMap) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_tracing_off_traceparent_and_tracestate_pass_through_untouched() {
-    let env = Env::builder(Backend::Redis).binary().start().await;
+    let env = Env::builder(Backend::Redis).start().await;
     let want = (
         vec![TRACEPARENT.as_bytes().to_vec()],
         vec![TRACESTATE.as_bytes().to_vec(), b"second=line".to_vec()],
@@ -469,7 +468,6 @@ async fn an_upstream_that_cannot_be_reached_sets_error_type() {
     let env = Env::builder(Backend::Memory)
         .telemetry(&otlp.config())
         .upstream_url(&closed)
-        .binary()
         .start()
         .await;
     let call = otel_call("GET", &env.url("/things"), None, "", &[], Parent::Sampled).await;
@@ -596,7 +594,6 @@ async fn a_duplicate_that_waits_has_an_idempotency_wait_span() {
     let env = Env::builder(Backend::Redis)
         .routes(&routes)
         .telemetry(&otlp.config())
-        .binary()
         .start()
         .await;
     let url = env.url("/v1/waiting");
@@ -1066,6 +1063,7 @@ async fn otel_environment_variables_fill_in_what_the_file_leaves_out() {
         )
         .proxy_env("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=k%3D1,x-tenant=t")
         .proxy_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=shop")
+        // The binary: the OTEL_* variables are the process's environment.
         .binary()
         .start()
         .await;
@@ -1119,6 +1117,7 @@ async fn the_file_wins_over_the_environment() {
         .proxy_env("OTEL_SERVICE_NAME", "from-env")
         .proxy_env("OTEL_TRACES_SAMPLER_ARG", "0.0")
         .proxy_env("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=grpc")
+        // The binary: the OTEL_* variables are the process's environment.
         .binary()
         .start()
         .await;
@@ -1162,6 +1161,7 @@ async fn requests_go_on_while_spans_cannot_be_sent(endpoint: &str) {
         .telemetry(&format!(
             "otlp_endpoint = \"{endpoint}\"\notlp_protocol = \"grpc\"\n"
         ))
+        // The binary: the RSS of its process is measured.
         .binary()
         .start()
         .await;
@@ -1419,7 +1419,6 @@ async fn every_kind_of_span_follows_the_registered_conventions() {
     let env = Env::builder(Backend::Memory)
         .routes(&format!("{ROUTES}{SEMCONV_ROUTES}"))
         .telemetry(&otlp.config())
-        .binary()
         .start()
         .await;
     let call = |method: &'static str,
@@ -1587,7 +1586,6 @@ async fn every_kind_of_span_follows_the_registered_conventions() {
     let dead = Env::builder(Backend::Memory)
         .telemetry(&otlp.config())
         .upstream_url(&closed)
-        .binary()
         .start()
         .await;
     let url = dead.url("/things");
@@ -1683,7 +1681,6 @@ async fn an_export_connection_that_stops_answering_is_not_used_again() {
             "otlp_endpoint = \"http://{}\"\notlp_protocol = \"grpc\"\nsample_ratio = 1.0\n",
             relay.addr
         ))
-        .binary()
         .start()
         .await;
     let first = otel_call("GET", &env.url("/a"), None, "", &[], Parent::Sampled).await;
