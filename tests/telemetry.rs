@@ -774,7 +774,7 @@ async fn grpc_calls_are_traced_like_http1() {
         .telemetry(&otlp.config())
         .routes(&routes)
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     let channel = tonic::transport::Channel::from_shared(proxy.url(""))
         .unwrap()
         .connect()
@@ -1550,7 +1550,7 @@ async fn every_kind_of_span_follows_the_registered_conventions() {
 
     // gRPC through a proxy of its own (an h2c upstream).
     let (grpc_url, _) = grpc_upstream().await;
-    let grpc_proxy = Proxy::start(
+    let grpc_proxy = Proxy::in_process(
         &ConfigBuilder::new(&grpc_url)
             .server("upstream_protocol = \"h2c\"")
             .telemetry(&otlp.config())
@@ -1558,6 +1558,7 @@ async fn every_kind_of_span_follows_the_registered_conventions() {
                 "[[routes]]\nname = \"charge\"\npath = \"{CHARGE}\"\n"
             ))
             .build(),
+        &[],
     )
     .await;
     let channel = tonic::transport::Channel::from_shared(grpc_proxy.url(""))
