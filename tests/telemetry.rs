@@ -83,6 +83,23 @@ async fn wait_for_request(
     (spans, server)
 }
 
+/// A sampled POST of `key` whose exchange the test upstream holds
+/// (`x-test-hold`) until it is released: its call, running.
+fn spawn_held(url: &str, key: &str) -> tokio::task::JoinHandle<OtelCall> {
+    let (url, key) = (url.to_string(), key.to_string());
+    tokio::spawn(async move {
+        otel_call(
+            "POST",
+            &url,
+            Some(&key),
+            "a",
+            &["x-test-hold: 1"],
+            Parent::Sampled,
+        )
+        .await
+    })
+}
+
 /// The attributes every SERVER span has.
 fn assert_server_attributes(
     s: &Span,
@@ -493,20 +510,7 @@ async fn a_replay_a_409_and_a_422_link_to_the_executions_server_span() {
     let url = env.url("/v1/orders/42");
     let key = "k-otel-linked";
     // The execution, held at the upstream.
-    let first = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            otel_call(
-                "POST",
-                &url,
-                Some(key),
-                "a",
-                &["x-test-hold: 1"],
-                Parent::Sampled,
-            )
-            .await
-        })
-    };
+    let first = spawn_held(&url, key);
     env.upstream.wait_hits(1).await;
     let busy = otel_call("POST", &url, Some(key), "a", &[], Parent::Sampled).await;
     assert_eq!(busy.status, 409, "{busy:?}");
@@ -597,20 +601,7 @@ async fn a_duplicate_that_waits_has_an_idempotency_wait_span() {
         .start()
         .await;
     let url = env.url("/v1/waiting");
-    let first = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            otel_call(
-                "POST",
-                &url,
-                Some("k-wait"),
-                "a",
-                &["x-test-hold: 1"],
-                Parent::Sampled,
-            )
-            .await
-        })
-    };
+    let first = spawn_held(&url, "k-wait");
     env.upstream.wait_hits(1).await;
     let waited = otel_call("POST", &url, Some("k-wait"), "a", &[], Parent::Sampled).await;
     assert_eq!(waited.status, 409, "past wait_timeout: {waited:?}");
@@ -1443,20 +1434,7 @@ async fn every_kind_of_span_follows_the_registered_conventions() {
     made.push(Exchange::of("422", &other, ANSWERED_FROM_THE_STORE));
 
     // A 409 while the first is held upstream; a duplicate that waits, then 409s.
-    let held = |path: &'static str, key: &'static str| {
-        let url = env.url(path);
-        tokio::spawn(async move {
-            otel_call(
-                "POST",
-                &url,
-                Some(key),
-                "a",
-                &["x-test-hold: 1"],
-                Parent::Sampled,
-            )
-            .await
-        })
-    };
+    let held = |path: &'static str, key: &'static str| spawn_held(&env.url(path), key);
     let hits = env.upstream.hits();
     let held_order = held("/v1/orders/7", "k-semconv-held");
     env.upstream.wait_hits(hits + 1).await;

@@ -5,10 +5,14 @@ use std::cell::Cell;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 
 pub type TraceId = [u8; 16];
 pub type SpanId = [u8; 8];
+
+/// The W3C headers, named once (a `&str` name is parsed at every lookup).
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// The longest `traceparent` or `tracestate` read (W3C: 512 bytes of
 /// `tracestate` are enough to keep); a longer one is ignored, as if absent.
@@ -33,13 +37,13 @@ pub struct Remote {
 /// header: two are invalid, as W3C's test suite has it). Several
 /// `tracestate` headers are one list, joined.
 pub fn remote(headers: &HeaderMap) -> Option<Remote> {
-    let mut parents = headers.get_all("traceparent").iter();
+    let mut parents = headers.get_all(&TRACEPARENT).iter();
     let parent = parents.next()?.as_bytes();
     if parents.next().is_some() {
         return None;
     }
     let (trace_id, span_id, flags) = traceparent(parent)?;
-    let mut states = headers.get_all("tracestate").iter();
+    let mut states = headers.get_all(&TRACESTATE).iter();
     let trace_state = match (states.next(), states.next()) {
         (None, _) => None,
         (Some(one), None) => one
@@ -60,7 +64,7 @@ pub fn remote(headers: &HeaderMap) -> Option<Remote> {
 /// Several `tracestate` headers as one list; `None` when longer than W3C's 512 bytes.
 fn joined(headers: &HeaderMap) -> Option<String> {
     let mut joined = String::new();
-    for v in headers.get_all("tracestate") {
+    for v in headers.get_all(&TRACESTATE) {
         let v = v.to_str().ok()?;
         if joined.len() + v.len() + 1 > MAX_TRACE_HEADER {
             return None;

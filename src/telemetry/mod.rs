@@ -297,10 +297,10 @@ impl Telemetry {
 fn set_context<B>(request: &mut Request<B>, p: &Parent, span_id: &SpanId, restarted: bool) {
     let value = context::format_traceparent(&p.trace_id, span_id, p.sampled);
     if let Ok(v) = HeaderValue::from_bytes(&value) {
-        request.headers_mut().insert("traceparent", v);
+        request.headers_mut().insert(context::TRACEPARENT, v);
     }
     if restarted {
-        request.headers_mut().remove("tracestate");
+        request.headers_mut().remove(context::TRACESTATE);
     }
 }
 
