@@ -4,8 +4,8 @@ public items, and the integration tests that start the binary.
 
     python3 .ci/structure-counts.py [--list] [ROOT]
 
-Sources are every `.rs` file of the workspace's crates (`src/`, `crates/*/src/`,
-`campaign/src/`), tests excluded: files named `tests.rs` or under a `tests/`
+Sources are every `.rs` file of the workspace's crates (`src/`, `crates/*/src/`;
+before the workspace, `campaign/src/` too), tests excluded: files named `tests.rs` or under a `tests/`
 directory, and `#[cfg(test)]` modules (their lines are not counted and their
 functions not measured). A file's length is its lines outside such modules.
 A function's length runs from the line of `fn` to its closing brace.

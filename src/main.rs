@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::config::{Backend, Config, HumanDuration, Overrides, Runtime, UpstreamProtocol};
-use idemproxy::inject::{self, PortRef};
 use idemproxy::seal;
 use idemproxy::server::{Server, StartError};
 use idemproxy::store::postgres;
 use idemproxy::tls::{self, Certificates};
+use idemproxy_kube::{self as inject, PortRef};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LogFormat {

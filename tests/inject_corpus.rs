@@ -290,8 +290,8 @@ spec:
     )
 }
 
-fn run_library(input: &str, settings: &idemproxy::inject::Settings) -> idemproxy::inject::Injected {
-    idemproxy::inject::inject_manifests(input, settings, &idemproxy::inject::Options::default())
+fn run_library(input: &str, settings: &idemproxy_kube::Settings) -> idemproxy_kube::Injected {
+    idemproxy_kube::inject_manifests(input, settings, &idemproxy_kube::Options::default())
         .expect("inject")
 }
 
@@ -303,7 +303,7 @@ proptest! {
     /// with `appProtocol: http`, and even when the operator names it.
     #[test]
     fn a_well_known_non_http_port_is_never_taken(
-        which in 0..idemproxy::inject::ports::NOT_HTTP_PORTS.len(),
+        which in 0..idemproxy_kube::ports::NOT_HTTP_PORTS.len(),
         name in prop_oneof![
             Just("http".to_string()), Just("web".to_string()), Just("grpc".to_string()),
             Just("pg".to_string()), Just("client".to_string()), "[a-z][a-z0-9-]{0,13}",
@@ -311,11 +311,11 @@ proptest! {
         app_protocol in prop_oneof![Just(None), Just(Some("http")), Just(Some("grpc"))],
         explicit in any::<bool>(),
     ) {
-        let (port, _) = idemproxy::inject::ports::NOT_HTTP_PORTS[which];
+        let (port, _) = idemproxy_kube::ports::NOT_HTTP_PORTS[which];
         let input = one_port(port, &name, app_protocol);
-        let mut settings = idemproxy::inject::Settings::default();
+        let mut settings = idemproxy_kube::Settings::default();
         if explicit {
-            settings.port = Some(idemproxy::inject::PortRef::Number(port));
+            settings.port = Some(idemproxy_kube::PortRef::Number(port));
         }
         let done = run_library(&input, &settings);
         prop_assert_eq!(done.injected, 0, "{:?}", done.notes);
@@ -330,10 +330,10 @@ proptest! {
         name in "[a-z][a-z0-9-]{0,13}",
         app_protocol in prop_oneof![Just(None), Just(Some("http")), Just(Some("tcp")), Just(Some("https"))],
     ) {
-        prop_assume!(idemproxy::inject::ports::well_known(port).is_none());
+        prop_assume!(idemproxy_kube::ports::well_known(port).is_none());
         prop_assume!(!(15080..=15090).contains(&port) && port != 9901);
         let input = one_port(port, &name, app_protocol);
-        let done = run_library(&input, &idemproxy::inject::Settings::default());
+        let done = run_library(&input, &idemproxy_kube::Settings::default());
         let by_name = ["http", "grpc", "h2c", "web"].iter().any(|p| name.starts_with(p))
             && !["https", "grpcs"].iter().any(|p| name.starts_with(p))
             && !["tcp", "udp", "redis", "mongo", "mysql", "maria", "postgres", "pg", "kafka",
@@ -614,10 +614,10 @@ fn the_webhook_walkthrough_makes_every_object_the_pod_needs() {
     let orders = objects.iter().find(|d| kind(d) == "Deployment").unwrap();
     let mut pod = template(orders).clone();
     let outcome =
-        idemproxy::inject::inject_pod(&mut pod, None, &[], &idemproxy::inject::Settings::default())
+        idemproxy_kube::inject_pod(&mut pod, None, &[], &idemproxy_kube::Settings::default())
             .unwrap();
     assert!(
-        matches!(outcome, idemproxy::inject::Outcome::Injected(_)),
+        matches!(outcome, idemproxy_kube::Outcome::Injected(_)),
         "{outcome:?}"
     );
     let spec = &pod["spec"];

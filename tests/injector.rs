@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use bytes::Bytes;
-use idemproxy::inject::webhook::{ANSWER_DEADLINE, BODY_DEADLINE};
+use idemproxy_kube::webhook::{ANSWER_DEADLINE, BODY_DEADLINE};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
@@ -1097,7 +1097,7 @@ async fn sockets_that_never_start_tls_do_not_keep_reviews_out() {
     let injector = Injector::start().await;
     let pod = frontend_pod(json!({}));
     let mut idle = Vec::new();
-    for _ in 0..2 * idemproxy::inject::webhook::MAX_CONNECTIONS {
+    for _ in 0..2 * idemproxy_kube::webhook::MAX_CONNECTIONS {
         idle.push(
             tokio::net::TcpStream::connect(("127.0.0.1", injector.port))
                 .await

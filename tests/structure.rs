@@ -1,6 +1,9 @@
-//! The crate's shape: no two modules depend on each other, directly or
-//! round a longer loop. A module here is a file of `src/` (`store/redis.rs`
-//! is `store::redis`); a dependency is a `crate::` or `super::` path that
+//! The crates' shape: within each crate of the workspace (the proxy's
+//! library, the Kubernetes tooling, the binary), no two modules depend on
+//! each other, directly or round a longer loop. Between crates the compiler
+//! sees to it (Cargo refuses a loop of packages). A module here is a file of
+//! a crate's `src/` (`crates/proxy/src/store/redis.rs` is `store::redis`); a
+//! dependency is a `crate::` or `super::` path that
 //! names another module (in a `use` or in the code), tests excluded. A
 //! module and its own parent or child are one concern and not counted: a
 //! parent declares its children, and children use what it shares.
@@ -21,7 +24,7 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 /// The module a file is: `src/store/mod.rs` → `store`, `src/store/redis.rs`
-/// → `store::redis`, `src/lib.rs` → `` (the crate root).
+/// → `store::redis`, `src/lib.rs` or `src/main.rs` → `` (the crate root).
 fn module_of(src: &Path, file: &Path) -> Vec<String> {
     let rel = file.strip_prefix(src).unwrap().with_extension("");
     let mut parts: Vec<String> = rel
@@ -167,16 +170,19 @@ fn related(a: &[String], b: &[String]) -> bool {
     a.starts_with(b) || b.starts_with(a)
 }
 
-#[test]
-fn no_two_modules_depend_on_each_other() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+/// Each module, and the modules it depends on.
+type Graph = BTreeMap<Vec<String>, BTreeSet<Vec<String>>>;
+
+/// The loops between the modules of the crate whose sources are `src`, and
+/// the graph they were found in.
+fn module_loops(src: &Path) -> (Vec<String>, Graph) {
     let mut files = Vec::new();
-    sources(&src, &mut files);
-    files.retain(|f| !f.ends_with("main.rs") && !f.to_string_lossy().ends_with("/tests.rs"));
-    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
-    let mut graph: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    sources(src, &mut files);
+    files.retain(|f| !f.to_string_lossy().ends_with("/tests.rs"));
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(src, f)).collect();
+    let mut graph = Graph::new();
     for file in &files {
-        let module = module_of(&src, file);
+        let module = module_of(src, file);
         let is_dir_module = file.ends_with("mod.rs") || file.ends_with("lib.rs");
         let code = code_without_tests(&std::fs::read_to_string(file).unwrap());
         let deps = dependencies(&module, is_dir_module, &code, &modules)
@@ -211,14 +217,32 @@ fn no_two_modules_depend_on_each_other() {
             }
         }
     }
-    assert!(
-        loops.is_empty(),
-        "modules that depend on each other (every loop, once per member):\n{}",
-        loops.join("\n")
-    );
+    (loops, graph)
+}
+
+#[test]
+fn no_two_modules_of_a_crate_depend_on_each_other() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for krate in [
+        "src",
+        "crates/proxy/src",
+        "crates/kube/src",
+        "crates/campaign/src",
+    ] {
+        let (loops, graph) = module_loops(&root.join(krate));
+        assert!(
+            loops.is_empty(),
+            "{krate}: modules that depend on each other (every loop, once per member):\n{}",
+            loops.join("\n")
+        );
+        checked += graph.len();
+    }
+    assert!(checked > 80, "{checked} modules");
     // The check sees dependencies at all: a module known to use another is found using it.
+    let (_, graph) = module_loops(&root.join("crates/proxy/src"));
     let proxy = graph
         .get(&vec!["proxy".to_string()])
-        .expect("src/proxy/mod.rs");
+        .expect("crates/proxy/src/proxy/mod.rs");
     assert!(proxy.contains(&vec!["store".to_string()]), "{proxy:?}");
 }

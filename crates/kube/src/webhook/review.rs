@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::patch::{self, TooLarge, MAX_PATCH_BYTES};
 use super::{count, Scope, Shared, MAX_REVIEW_NODES, MAX_WARNING_CHARS};
-use crate::inject::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
+use crate::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
 
 /// A Pod of more JSON values than this is answered with its spec replaced
 /// whole, not field by field ([`decide`]).

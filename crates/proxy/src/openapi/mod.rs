@@ -156,7 +156,7 @@ impl Document {
                 text.push('\n');
                 Ok(text)
             }
-            Format::Yaml => Ok(crate::inject::emit::to_yaml(&self.root)),
+            Format::Yaml => Ok(crate::yaml::to_yaml(&self.root)),
         }
     }
 

@@ -47,8 +47,8 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio::time::Instant;
 
 use super::Settings;
-use crate::config::TlsFiles;
-use crate::tls::{Certificates, ClientIo, Tls, TlsError};
+use idemproxy::config::TlsFiles;
+use idemproxy::tls::{Certificates, ClientIo, Tls, TlsError};
 
 mod budget;
 mod conn;

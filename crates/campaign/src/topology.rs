@@ -679,7 +679,7 @@ fn log_file(path: &Path) -> Res<std::fs::File> {
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 
-const SCHEMA: &str = include_str!("../../deploy/postgres/schema.sql");
+const SCHEMA: &str = include_str!("../../../deploy/postgres/schema.sql");
 
 async fn pg_connect(port: u16) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
     let url = format!("postgres://postgres@127.0.0.1:{port}/postgres?connect_timeout=2");

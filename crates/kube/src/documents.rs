@@ -5,8 +5,8 @@
 
 use serde_norway::{Mapping, Value};
 
-use super::emit::to_yaml;
 use super::error::ManifestError;
+use idemproxy::yaml::to_yaml;
 
 /// One document of the input.
 pub struct Document<'a> {

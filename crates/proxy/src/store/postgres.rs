@@ -42,7 +42,7 @@ pub const PASSWORD_ENV: &str = "IDEMPROXY_POSTGRES_PASSWORD";
 
 /// The table's definition, as shipped; `--init-store` runs it with the
 /// configured table name in place of [`SCHEMA_TABLE`].
-pub const SCHEMA: &str = include_str!("../../deploy/postgres/schema.sql");
+pub const SCHEMA: &str = include_str!("../../../../deploy/postgres/schema.sql");
 const SCHEMA_TABLE: &str = "idemproxy_records";
 
 /// The columns the proxy reads and writes, and their types as

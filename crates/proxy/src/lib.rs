@@ -1,4 +1,7 @@
 //! idemproxy: a reverse proxy that makes chosen routes of an unmodified HTTP API safe to retry.
+//! This is its library (the package `idemproxy-proxy`, used as `idemproxy`);
+//! the binary, the Kubernetes tooling and the fault campaign are crates of
+//! their own beside it.
 //!
 //! The request flow, for a route listed in the configuration (`proxy`, one
 //! function per phase; any phase may stop the request with a value):
@@ -98,8 +101,9 @@ pub mod metrics;
 // Distributed tracing: spans exported over OTLP (`[telemetry]`).
 pub mod telemetry;
 
-// Kubernetes: the sidecar added to workloads (`idemproxy inject`, `idemproxy injector`).
-pub mod inject;
+// YAML out that YAML 1.1 readers (Kubernetes) read the same: `openapi`
+// and the Kubernetes tooling (crates/kube) write with it.
+pub mod yaml;
 // OpenAPI documents: routes from operations, operations annotated (`idemproxy openapi`).
 pub mod openapi;
 

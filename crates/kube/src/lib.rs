@@ -8,12 +8,13 @@
 //! it to a stream of manifests and rewires the Services; [`webhook`] applies
 //! it to one Pod and answers with the JSON patch.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 mod documents;
 mod error;
 // YAML out for YAML 1.1 readers; `openapi` writes documents with it too.
-pub(crate) mod emit;
 pub mod manifests;
 pub mod pod;
 pub mod ports;
