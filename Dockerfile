@@ -3,18 +3,27 @@
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-# Dependencies first, so that source changes do not rebuild them.
+# Dependencies first, so that source changes do not rebuild them: the
+# workspace's manifests with empty sources (every member must be there for
+# Cargo to read the workspace; tests/dockerfile.rs runs these steps).
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src examples/demo-upstream \
+COPY crates/proxy/Cargo.toml crates/proxy/
+COPY crates/kube/Cargo.toml crates/kube/
+COPY crates/campaign/Cargo.toml crates/campaign/
+RUN mkdir -p src examples/demo-upstream crates/proxy/src crates/kube/src crates/campaign/src \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > examples/demo-upstream/main.rs \
- && touch src/lib.rs \
- && cargo build --release --locked --bins \
- && rm -rf src examples
+ && echo 'fn main() {}' > crates/campaign/src/main.rs \
+ && touch crates/proxy/src/lib.rs crates/kube/src/lib.rs \
+ && cargo build --release --locked --bin idemproxy --bin demo-upstream \
+ && rm -rf src examples crates/proxy/src crates/kube/src crates/campaign/src
 COPY src ./src
+COPY crates ./crates
 COPY examples ./examples
-RUN touch src/main.rs src/lib.rs examples/demo-upstream/main.rs \
- && cargo build --release --locked --bins
+# The PostgreSQL store's schema is compiled in (include_str!).
+COPY deploy/postgres/schema.sql ./deploy/postgres/
+RUN touch src/main.rs crates/proxy/src/lib.rs crates/kube/src/lib.rs examples/demo-upstream/main.rs \
+ && cargo build --release --locked --bin idemproxy --bin demo-upstream
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /src/target/release/idemproxy /usr/local/bin/idemproxy
