@@ -12,6 +12,8 @@ use std::fmt;
 
 mod documents;
 mod error;
+// Serving until SIGTERM, the certificate re-read on SIGHUP and when it changes.
+pub mod lifecycle;
 // YAML out for YAML 1.1 readers; `openapi` writes documents with it too.
 pub(crate) mod emit;
 pub mod manifests;
