@@ -12,7 +12,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use tracing::{debug, error, info, warn};
 use uuid::Uuid;
 
-use super::access::Held;
+use super::access::RequestPlace;
 use super::verdict::storable_headers;
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
@@ -120,7 +120,7 @@ pub struct Job {
     pub typical: Arc<Typical>,
     /// The request's place in `idemproxy_inflight` and among the requests
     /// in progress, until the job ends (the client may be gone).
-    pub _held: Held,
+    pub _place: RequestPlace,
 }
 
 /// A completion the store has not taken yet (or not replicated), for [`Job::settle`].
