@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::response::Parts;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http::{HeaderMap, Request, Response};
 use tracing::{debug, error, warn};
 use uuid::Uuid;
 
@@ -21,7 +21,7 @@ use crate::grpc;
 use crate::metrics::{Degraded, Outcome};
 use crate::policy::{Policy, UnknownOutcome};
 use crate::problem::{self, Problem};
-use crate::record::{now_ms, Finished, Record, Token, TraceRef};
+use crate::record::{now_ms, Finished, HeaderFields, Record, Token, TraceRef};
 use crate::routes::RouteName;
 use crate::store::{self, Completion, RecordKey, INLINE_RECORD};
 use crate::telemetry;
@@ -156,10 +156,8 @@ fn reason_phrase(parts: &Parts) -> Option<Bytes> {
         .then(|| Bytes::copy_from_slice(reason))
 }
 
-/// Header or trailer fields as a record keeps them.
-type Fields = Vec<(HeaderName, HeaderValue)>;
-
-fn fields(map: &HeaderMap) -> Fields {
+/// A header map's fields as a record keeps them.
+fn fields(map: &HeaderMap) -> HeaderFields {
     map.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
 }
 
@@ -398,7 +396,7 @@ impl Job {
     async fn complete(
         &mut self,
         (status, reason): (u16, Option<Bytes>),
-        (headers, trailers): (Fields, Fields),
+        (headers, trailers): (HeaderFields, HeaderFields),
         body: Bytes,
         body_stored: bool,
     ) {
@@ -457,8 +455,8 @@ impl Job {
         &self,
         body_stored: bool,
         body: Bytes,
-        trailers: Fields,
-    ) -> (Option<Room>, (bool, Bytes, Fields)) {
+        trailers: HeaderFields,
+    ) -> (Option<Room>, (bool, Bytes, HeaderFields)) {
         let large = body_stored && body.len() > NOT_KEPT_ABOVE;
         let room = large
             .then(|| self.claim.app.budget.take(body.len() as u64))
