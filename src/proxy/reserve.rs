@@ -318,7 +318,7 @@ impl<'r, 'c> Reserving<'r, 'c> {
         match found {
             Reservation::Reserved => Ok(Verdict::Ours),
             Reservation::Existing { record, ttl } => {
-                Ok(Verdict::of(record, token, fingerprint).with(ttl, None))
+                Ok(Verdict::of(record, token, fingerprint).with_lease_and_room(ttl, None))
             }
             Reservation::Unreadable(e) => Ok(self.unreadable(&e)),
             // Only a replay needs more than the head (boxed: the large read's
@@ -354,7 +354,7 @@ impl<'r, 'c> Reserving<'r, 'c> {
             Ok(None) => Ok(Verdict::Gone),
             Ok(Some(Inspected { record, ttl })) => {
                 let verdict = Verdict::of(record, self.token, &self.id.fingerprint);
-                Ok(verdict.with(Some(ttl), Some(room)))
+                Ok(verdict.with_lease_and_room(Some(ttl), Some(room)))
             }
             Err(StoreError::Decode(e)) => Ok(self.unreadable(&e)),
             Err(e) => Err(self.store_down(e, Taken::Yes)),

@@ -99,7 +99,11 @@ impl Verdict {
     /// The verdict with what the store said besides the record: what is
     /// left of its lease or TTL (kept by a record in flight), and the room
     /// of a record fetched by itself (kept by a replay).
-    pub fn with(mut self, lease_left: Option<Duration>, fetched: Option<Room>) -> Verdict {
+    pub fn with_lease_and_room(
+        mut self,
+        lease_left: Option<Duration>,
+        fetched: Option<Room>,
+    ) -> Verdict {
         match &mut self {
             Verdict::InFlight { ttl, .. } => *ttl = lease_left,
             Verdict::Replay(_, room) => *room = fetched,
