@@ -94,7 +94,7 @@ pub mod upstream;
 pub mod record;
 // Records sealed at rest (AES-256-GCM).
 pub mod seal;
-// The store: one key per operation, on Redis or in memory.
+// The store: one key per operation, in memory, on Redis or on PostgreSQL.
 pub mod store;
 // Prometheus metrics.
 pub mod metrics;

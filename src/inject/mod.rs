@@ -24,7 +24,9 @@ mod services;
 pub mod webhook;
 
 pub use manifests::{inject_manifests, Injected, ManifestError, Options};
-pub use pod::{inject_pod, Change, Outcome};
+/// The name `tests/inject_corpus.rs` uses for [`Injection`].
+pub use pod::Injection as Outcome;
+pub use pod::{inject_pod, Change, Injection};
 pub use ports::ServicePort;
 pub use select::Selection;
 
