@@ -617,7 +617,7 @@ fn the_webhook_walkthrough_makes_every_object_the_pod_needs() {
         idemproxy_kube::inject_pod(&mut pod, None, &[], &idemproxy_kube::Settings::default())
             .unwrap();
     assert!(
-        matches!(outcome, idemproxy_kube::Outcome::Injected(_)),
+        matches!(outcome, idemproxy_kube::Injection::Injected(_)),
         "{outcome:?}"
     );
     let spec = &pod["spec"];

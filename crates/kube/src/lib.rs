@@ -14,6 +14,8 @@ use std::fmt;
 
 mod documents;
 mod error;
+// Serving until SIGTERM, the certificate re-read on SIGHUP and when it changes.
+pub mod lifecycle;
 // YAML out for YAML 1.1 readers; `openapi` writes documents with it too.
 pub mod manifests;
 pub mod pod;
@@ -23,7 +25,7 @@ mod services;
 pub mod webhook;
 
 pub use manifests::{inject_manifests, Injected, ManifestError, Options};
-pub use pod::{inject_pod, Change, Outcome};
+pub use pod::{inject_pod, Change, Injection};
 pub use ports::ServicePort;
 pub use select::Selection;
 

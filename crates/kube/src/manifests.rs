@@ -9,7 +9,7 @@ use serde_norway::{Mapping, Value};
 
 use super::documents::{self, describe, namespace, str_at, At, Document};
 pub use super::error::ManifestError;
-use super::pod::{inject_pod, injected_change, Change, Outcome, ServicePort};
+use super::pod::{inject_pod, injected_change, Change, Injection, ServicePort};
 use super::select::Selection;
 use super::services::{
     config_map, foreign_pods, network_policy_for, open_proxy_ports, retarget, same_namespace,
@@ -213,7 +213,7 @@ impl Run {
                 error,
             }
         })?;
-        let injected = matches!(outcome, Outcome::Injected(_));
+        let injected = matches!(outcome, Injection::Injected(_));
         workload.change = self.outcome(at, &what, ns, outcome, template);
         if injected {
             at.set(docs, object);
@@ -228,12 +228,12 @@ impl Run {
         at: &At,
         what: &str,
         ns: Option<String>,
-        outcome: Outcome,
+        outcome: Injection,
         template: &Value,
     ) -> Option<Change> {
         let n = at.number();
         match outcome {
-            Outcome::Injected(change) => {
+            Injection::Injected(change) => {
                 self.injected += 1;
                 if !self.namespaces.contains(&ns) {
                     self.namespaces.push(ns);
@@ -250,12 +250,12 @@ impl Run {
                 ));
                 Some(change)
             }
-            Outcome::Skipped(reason) | Outcome::Refused(reason) => {
+            Injection::Skipped(reason) | Injection::Refused(reason) => {
                 self.notes
                     .push(format!("document {n} ({what}): left as it was: {reason}"));
                 None
             }
-            Outcome::AlreadyInjected => {
+            Injection::AlreadyInjected => {
                 self.notes
                     .push(format!("document {n} ({what}): already injected"));
                 // Its Services are rewired still: one added since the last run may target the app.

@@ -19,7 +19,7 @@ const PROXY_PORT_NAME: &str = "idemproxy-http";
 
 /// What was done to a pod.
 #[derive(Debug)]
-pub enum Outcome {
+pub enum Injection {
     Injected(Change),
     /// Left as it was, with the reason (for a note on standard error).
     Skipped(String),
@@ -63,7 +63,7 @@ pub fn inject_pod(
     owner: Option<&Mapping>,
     services: &[ServicePort],
     settings: &Settings,
-) -> Result<Outcome, FieldError> {
+) -> Result<Injection, FieldError> {
     let annotation = |key: &str| -> Option<String> {
         let own = pod
             .get("metadata")
@@ -85,11 +85,11 @@ pub fn inject_pod(
     let ports = app_ports(spec);
     let chosen = match chosen_port(&ports, services, settings, annotation(PORT_ANNOTATION))? {
         Ok(n) => n,
-        Err(reason) => return Ok(Outcome::Skipped(reason)),
+        Err(reason) => return Ok(Injection::Skipped(reason)),
     };
     let app = ports.iter().find(|p| p.number == chosen);
     if let Some(reason) = obstacle(spec, app, settings) {
-        return Ok(Outcome::Skipped(reason));
+        return Ok(Injection::Skipped(reason));
     }
     let targeting = services
         .iter()
@@ -108,36 +108,36 @@ pub fn inject_pod(
         h2,
     };
     apply(pod, app, &change, settings)?;
-    Ok(Outcome::Injected(change))
+    Ok(Injection::Injected(change))
 }
 
 /// A pod injected before, or one the sidecar must not be added to, and why.
-fn left_alone(spec: &Value, inject: Option<&str>) -> Option<Outcome> {
+fn left_alone(spec: &Value, inject: Option<&str>) -> Option<Injection> {
     let sidecar_like = |key| containers(spec, key).find(|c| name_of(c) == Some(SIDECAR));
     if let Some(init) = sidecar_like("initContainers") {
         let ours = init.get("restartPolicy").and_then(Value::as_str) == Some("Always")
             && injected_change_of(init).is_some();
         return Some(if ours {
-            Outcome::AlreadyInjected
+            Injection::AlreadyInjected
         } else {
-            Outcome::Refused(format!(
+            Injection::Refused(format!(
                 "it already has an init container named {SIDECAR:?} that is not the idemproxy \
                  sidecar (container names must be unique in a pod)"
             ))
         });
     }
     if sidecar_like("containers").is_some() || sidecar_like("ephemeralContainers").is_some() {
-        return Some(Outcome::Refused(format!(
+        return Some(Injection::Refused(format!(
             "it already has a container named {SIDECAR:?} (container names must be unique in a pod)"
         )));
     }
     if inject == Some("disabled") {
-        return Some(Outcome::Skipped(format!(
+        return Some(Injection::Skipped(format!(
             "annotated {INJECT_ANNOTATION}: disabled"
         )));
     }
     if spec.get("hostNetwork").and_then(Value::as_bool) == Some(true) {
-        return Some(Outcome::Skipped(
+        return Some(Injection::Skipped(
             "hostNetwork: the proxy's ports would be the node's".into(),
         ));
     }
@@ -146,7 +146,7 @@ fn left_alone(spec: &Value, inject: Option<&str>) -> Option<Outcome> {
         .and_then(|o| o.get("name"))
         .and_then(Value::as_str);
     if os.is_some_and(|os| os != "linux") {
-        return Some(Outcome::Refused(format!(
+        return Some(Injection::Refused(format!(
             "a {} pod (spec.os.name): the sidecar is a Linux container",
             os.unwrap_or_default()
         )));

@@ -257,7 +257,7 @@ impl Collected {
 /// drives its I/O while it is read, and gives it back at its end. (A trait,
 /// so that bodies need not know the upstream pool; the box is the
 /// connection's own, made once when it was opened.)
-pub trait Lent: Send {
+pub trait LentConnection: Send {
     /// Drives the connection's I/O; true while it is still open.
     fn drive(&mut self, cx: &mut Context<'_>) -> bool;
     /// The body was read to its end: the connection may serve the next request.
@@ -269,7 +269,7 @@ pub trait Lent: Send {
 /// its end, it closes that connection (the rest of the answer is unread).
 pub struct Inbound {
     body: Incoming,
-    lease: Option<Box<dyn Lent>>,
+    lease: Option<Box<dyn LentConnection>>,
 }
 
 impl From<Incoming> for Inbound {
@@ -282,7 +282,7 @@ impl Inbound {
     /// An answer's body holding the connection it arrives on until it is read
     /// to its end. No body to read (HEAD, 204, 304, `Content-Length: 0`): the
     /// server may never poll it, so the connection goes back now.
-    pub fn lent(body: Incoming, conn: Box<dyn Lent>) -> Self {
+    pub fn lent(body: Incoming, conn: Box<dyn LentConnection>) -> Self {
         let mut inbound = Inbound {
             body,
             lease: Some(conn),

@@ -29,7 +29,8 @@
 //! send deadline of `stall`, counts each request's place among the requests
 //! in progress (`permit`) until its upstream exchange ends, and speaks TLS when
 //! configured (`tls`); each worker thread runs a runtime of its own and
-//! serves whole connections (`workers`).
+//! serves whole connections (`workers`). `lifecycle` runs the bound server
+//! until a shutdown, applying reloads meanwhile (SIGHUP, SIGTERM in the binary).
 // `deny`, not `forbid`: two calls into glibc (`serve::trim`, `malloc_trim`;
 // `serve::one_arena`, `mallopt`) and jemalloc's settings by their exported
 // name (`serve::JEMALLOC_CONF`, with `alloc-jemalloc`) are allowed by name;
@@ -60,6 +61,8 @@ pub(crate) mod permit;
 pub(crate) mod admin;
 // The state every request shares, and the admin token.
 pub mod app;
+// Serving until asked to stop, reloading when asked to, the last spans flushed.
+pub mod lifecycle;
 
 // Configuration and what it builds.
 // The TOML file and overrides, turned into a typed, checked `Config`.
@@ -94,7 +97,7 @@ pub mod upstream;
 pub mod record;
 // Records sealed at rest (AES-256-GCM).
 pub mod seal;
-// The store: one key per operation, on Redis or in memory.
+// The store: one key per operation, in memory, on Redis or on PostgreSQL.
 pub mod store;
 // Prometheus metrics.
 pub mod metrics;

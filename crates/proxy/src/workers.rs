@@ -67,7 +67,7 @@ impl<T> PerWorker<T> {
 
 /// A connection's work, handed to a worker: first polled there, so that it
 /// runs on that worker's thread from start to end.
-pub type Job = Pin<Box<dyn Future<Output = ()> + Send>>;
+pub type WorkerFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The worker threads, each with a current-thread runtime that runs the
 /// jobs spawned onto it until [`Workers::stop`].
@@ -133,7 +133,7 @@ impl Workers {
     /// made by the worker between the large short-lived ones of its
     /// requests would pin their pages once those are freed (measured: 2–3
     /// MiB more RSS with 1,000 parked connections). `false`: no job.
-    pub fn run(&self, i: usize, make: impl FnOnce() -> Option<Job>) -> bool {
+    pub fn run(&self, i: usize, make: impl FnOnce() -> Option<WorkerFuture>) -> bool {
         let Some(handle) = self.handles.get(i) else {
             return false;
         };
@@ -200,7 +200,7 @@ mod tests {
         for worker in [0, 1, 1] {
             let (tx, rx) = oneshot::channel();
             let seen = seen.clone();
-            let job: Job = Box::pin(async move {
+            let job: WorkerFuture = Box::pin(async move {
                 let name = std::thread::current().name().map(str::to_string);
                 seen.lock().unwrap().push((slot(), name));
                 let _ = tx.send(());
@@ -217,7 +217,7 @@ mod tests {
         assert_eq!(seen, [(1, names(1)), (2, names(2)), (2, names(2))]);
         // A job still running when the workers stop is dropped with its runtime.
         let (held, dropped) = oneshot::channel::<()>();
-        let job: Job = Box::pin(async move {
+        let job: WorkerFuture = Box::pin(async move {
             let _held = held;
             std::future::pending::<()>().await;
         });

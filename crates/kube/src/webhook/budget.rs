@@ -36,20 +36,20 @@ struct Used {
 }
 
 /// Bytes of a [`Budget`], held until dropped.
-pub(super) struct Held {
+pub(super) struct HeldBytes {
     budget: Arc<Budget>,
     bytes: usize,
     large: bool,
 }
 
-impl Held {
+impl HeldBytes {
     #[cfg(test)]
     fn bytes(&self) -> usize {
         self.bytes
     }
 }
 
-impl Drop for Held {
+impl Drop for HeldBytes {
     fn drop(&mut self) {
         let budget = Arc::clone(&self.budget);
         budget.set(self, 0);
@@ -70,8 +70,8 @@ impl Budget {
     }
 
     /// Nothing yet, for a holding that may grow to `most` bytes (large if over `small`).
-    pub(super) fn hold(self: &Arc<Self>, most: usize) -> Held {
-        Held {
+    pub(super) fn hold(self: &Arc<Self>, most: usize) -> HeldBytes {
+        HeldBytes {
             budget: self.clone(),
             bytes: 0,
             large: most > self.small,
@@ -79,7 +79,7 @@ impl Budget {
     }
 
     /// Makes `held` `bytes` if there is room now (or it is shrinking); false if not.
-    fn set(&self, held: &mut Held, bytes: usize) -> bool {
+    fn set(&self, held: &mut HeldBytes, bytes: usize) -> bool {
         // A small holding that grows past `small` is large from then on.
         let large = held.large || bytes > self.small;
         let in_large = |large: bool, n: usize| if large { n } else { 0 };
@@ -101,7 +101,7 @@ impl Budget {
 
     /// Makes `held` `bytes` in all, waiting for room until `until`; false
     /// (and `held` as it was) if there was none by then.
-    pub(super) async fn grow(&self, held: &mut Held, bytes: usize, until: Instant) -> bool {
+    pub(super) async fn grow(&self, held: &mut HeldBytes, bytes: usize, until: Instant) -> bool {
         loop {
             // Registered before the check, so that a release in between wakes it.
             let freed = self.freed.notified();
@@ -117,7 +117,7 @@ impl Budget {
     }
 
     /// Gives back what `held` has beyond `bytes`.
-    pub(super) fn shrink(&self, held: &mut Held, bytes: usize) {
+    pub(super) fn shrink(&self, held: &mut HeldBytes, bytes: usize) {
         if bytes < held.bytes {
             self.set(held, bytes);
         }
@@ -127,7 +127,7 @@ impl Budget {
 /// A review's body, read whole, and the bytes of the body budget it holds until dropped.
 pub(super) struct ReviewBody {
     pub(super) bytes: Vec<u8>,
-    _held: Held,
+    _held: HeldBytes,
 }
 
 /// Why a body was not read.
@@ -231,7 +231,7 @@ mod tests {
         assert_eq!(second.bytes(), 0);
         assert!(budget.grow(&mut second, 20, now).await);
         // The other 40 are for small holdings only.
-        let mut smalls: Vec<Held> = (0..4).map(|_| budget.hold(10)).collect();
+        let mut smalls: Vec<HeldBytes> = (0..4).map(|_| budget.hold(10)).collect();
         for small in &mut smalls {
             assert!(budget.grow(small, 10, now).await);
         }

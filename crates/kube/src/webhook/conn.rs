@@ -20,7 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::budget::Held;
+use super::budget::HeldBytes;
 use super::{
     handle, Shared, ANSWER_DEADLINE, CONNECTION_WINDOW, HANDSHAKE_DEADLINE, IDLE_TIMEOUT,
     MAX_HEADER_BYTES, MAX_STREAMS, PIECE_BYTES, STREAM_WINDOW,
@@ -29,7 +29,7 @@ use super::{
 /// What a handler answers: the body's bytes and what they hold of the answer budget.
 pub(super) struct Reply {
     pub(super) bytes: Bytes,
-    pub(super) held: Option<Held>,
+    pub(super) held: Option<HeldBytes>,
 }
 
 /// The exchanges in progress on one connection, and when the last one ended.
@@ -146,7 +146,7 @@ impl Drop for Exchange {
 /// drops it (sent, or the stream or connection gone).
 pub(super) struct Answer {
     rest: Bytes,
-    _held: Option<Held>,
+    _held: Option<HeldBytes>,
     _exchange: Exchange,
 }
 

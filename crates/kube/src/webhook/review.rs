@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::patch::{self, TooLarge, MAX_PATCH_BYTES};
 use super::{count, Scope, Shared, MAX_REVIEW_NODES, MAX_WARNING_CHARS};
-use crate::pod::{inject_pod, Outcome, INJECT_ANNOTATION};
+use crate::pod::{inject_pod, Injection, INJECT_ANNOTATION};
 
 /// A Pod of more JSON values than this is answered with its spec replaced
 /// whole, not field by field ([`decide`]).
@@ -317,7 +317,7 @@ fn decide(
         },
     };
     match inject_pod(&mut pod, None, &[], &shared.settings) {
-        Ok(Outcome::Injected(change)) => match made_patch(before.as_ref(), pod) {
+        Ok(Injection::Injected(change)) => match made_patch(before.as_ref(), pod) {
             Ok(bytes) => {
                 tracing::info!(%namespace, pod = %pod_name, app_port = change.app_port, proxy_port = change.proxy_port, "sidecar injected");
                 Decision {
@@ -336,13 +336,13 @@ fn decide(
                 Decision::warned("failed", &format!("cannot write the pod: {e}"))
             }
         },
-        Ok(Outcome::AlreadyInjected) => Decision::quiet("already_injected"),
-        Ok(Outcome::Refused(reason)) => {
+        Ok(Injection::AlreadyInjected) => Decision::quiet("already_injected"),
+        Ok(Injection::Refused(reason)) => {
             // The sidecar would make the pod invalid: said whoever asked.
             tracing::warn!(%namespace, pod = %pod_name, %reason, "pod left as it was");
             Decision::warned("skipped", &reason)
         }
-        Ok(Outcome::Skipped(reason)) => {
+        Ok(Injection::Skipped(reason)) => {
             tracing::info!(%namespace, pod = %pod_name, %reason, "pod left as it was");
             // A Pod that asked by its annotation is told; one that only sits in
             // an injected namespace (a Redis, say) is not.

@@ -78,8 +78,8 @@ impl Begun {
     /// What an upstream exchange that may outlive the handler takes with it:
     /// the request's place in `idemproxy_inflight` (it counts there until the
     /// exchange ends) and a share of its permit (the answer holds the other).
-    pub(super) fn hand_over(&mut self) -> Held {
-        Held {
+    pub(super) fn hand_over(&mut self) -> RequestPlace {
+        RequestPlace {
             _inflight: self.inflight.take(),
             _permit: self.permit.share(),
         }
@@ -139,7 +139,7 @@ fn millis(d: std::time::Duration) -> f64 {
 /// progress, held by its upstream exchange until that ends
 /// (docs/reference/behaviour.md#in-progress: a client that
 /// goes away cannot multiply exchanges).
-pub struct Held {
+pub struct RequestPlace {
     _inflight: Option<Counted>,
     _permit: Permit,
 }

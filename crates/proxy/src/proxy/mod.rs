@@ -1,34 +1,38 @@
 //! The request path. Unprotected requests stream through. A protected one goes
-//! phase by phase — key → body → fingerprint and scope → reserve and verdict →
-//! forward and complete — and any phase may stop it with a `Stop`, a value
-//! that says what enforcement answers; shadow mode turns every stop into a
-//! plain forward in one place (`Disposition::of`). An upgrade request (a WebSocket)
-//! on a path no route protects becomes a tunnel (`tunnel`); on a protected
-//! route its upgrade intent is dropped and it is protected like any other.
+//! phase by phase — key → body → fingerprint and scope → reserve and verdict
+//! (`reserve`) → forward and complete (`job`) — and any phase may stop it
+//! with a `Stop`, a value that says what enforcement does (`stop`). What the
+//! route's mode changes is worked out once per request (`Enforcement::of`):
+//! shadow mode turns every stop into a plain forward, never waits, and lets
+//! a WebSocket through. An upgrade request (a WebSocket) on a path no route
+//! protects becomes a tunnel (`tunnel`); on a protected route under
+//! enforcement its upgrade intent is dropped and it is protected like any other.
 
 mod access;
 mod job;
+mod reserve;
+mod stop;
 mod tunnel;
 mod verdict;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONNECTION};
-use http::{HeaderMap, HeaderName, Request, Response};
+use http::{HeaderName, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 use uuid::Uuid;
 
-use self::access::{Begun, Held};
-use self::job::{Claim, Job, JobTrace};
+use self::access::{Begun, RequestPlace};
+use self::job::{Job, JobTrace};
+use self::reserve::{reserve, Reserved};
+use self::stop::{stopped, Enforcement, Stop};
 pub use self::tunnel::is_upgrade;
-use self::verdict::{replay, Verdict};
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
@@ -36,13 +40,11 @@ use crate::conn::Caller;
 use crate::key::{self, KeyRead, NoKey};
 use crate::metrics::Outcome;
 use crate::permit::Permit;
-use crate::policy::{Concurrent, DeadOwner, KeyMode, Mode, OnStoreError, Policy};
+use crate::policy::{KeyMode, Policy};
 use crate::problem::Problem;
-use crate::record::{
-    now_ms, Afterlife, DecodeError, Finished, Processing, Record, Token, TraceRef,
-};
+use crate::record::TraceRef;
 use crate::routes::{self, Judgement, Route, RouteName, RouteTable};
-use crate::store::{Inspected, RecordKey, Reservation, StoreError, INLINE_RECORD};
+use crate::store::RecordKey;
 use crate::telemetry;
 use crate::upstream::{Inbound, UpstreamError};
 
@@ -251,25 +253,25 @@ async fn any_path(
     let ctx = begun.ctx(&app, caller, &req, route);
     // The protected path's phases are awaited here, not in a function of
     // their own: each layer of future is one more copy of its state.
-    let handled = match route {
+    let handled = match route.map(|r| (r, Enforcement::of(&r.policy))) {
         // An `Upgrade` header is never a way around the key check
         // (docs/reference/behaviour.md#upgrade): on a
         // protected route the intent is dropped (the upstream request is built
         // without hop-by-hop headers) and the request protected like any other.
         // Shadow mode forwards as if the proxy were absent: a WebSocket too.
-        Some(route) if route.policy.mode == Mode::Shadow && tunnel::is_upgrade(&req) => {
+        Some((_, enforcement)) if enforcement.tunnels_upgrades && tunnel::is_upgrade(&req) => {
             Box::pin(tunnel::open(&ctx, req.map(|b| Body::Stream(b.into())))).await
         }
-        Some(route) => {
+        Some((route, enforcement)) => {
             let (parts, body) = req.into_parts();
             let pending = Pending {
                 parts,
                 body: Body::Stream(body.into()),
                 record_id: None,
             };
-            match enforce(&ctx, route, pending, &mut begun).await {
+            match enforce(&ctx, (route, enforcement), pending, &mut begun).await {
                 Ok(handled) => handled,
-                Err((stop, pending)) => stopped(&ctx, route, stop, pending).await,
+                Err((stop, pending)) => stopped(&ctx, route, enforcement, stop, pending).await,
             }
         }
         // An upgrade on a path no route protects: a tunnel, which has no
@@ -321,88 +323,6 @@ async fn send(
     })
 }
 
-/// Why a protected request left the protected path before it was forwarded.
-enum Stop {
-    /// Enforcement answers with this problem; shadow mode forwards the request
-    /// as it came, as if the proxy were absent (docs/reference/behaviour.md#shadow).
-    Refuse(Problem),
-    /// The stored answer of the same request (boxed: it is the large one),
-    /// and the room its bytes have held since they came from the store.
-    Replay(Box<Finished>, Room),
-    /// Forwarded without protection (an optional route without a key).
-    Unprotected,
-    /// The store failed; `may_pass`: `on_store_error = "pass"` may forward it
-    /// (not when the store answered: a reservation unconfirmed on the
-    /// replicas, a full memory store).
-    StoreDown { may_pass: bool },
-}
-
-impl Stop {
-    /// What shadow mode counts: the answer enforcement would have given about
-    /// the key and its record. (A body too large, or a store down, is not counted.)
-    fn shadow_outcome(&self) -> Option<Outcome> {
-        match self {
-            Stop::Replay(..) => Some(Outcome::Replayed),
-            Stop::Refuse(p) => match p {
-                Problem::MissingKey { .. }
-                | Problem::InvalidKey { .. }
-                | Problem::Conflict { .. }
-                | Problem::Mismatch
-                | Problem::NotStored
-                | Problem::OutcomeUnknown
-                | Problem::RecordUnreadable => Some(p.outcome()),
-                _ => None,
-            },
-            _ => None,
-        }
-    }
-}
-
-/// What becomes of a stopped request: decided once, here, from the stop and
-/// the route's policy, and carried out by [`stopped`].
-#[derive(Debug)]
-enum Disposition {
-    /// Enforcement answers with this problem.
-    Answer(Problem),
-    /// Enforcement replays the stored answer, in the room its bytes hold.
-    Replay(Box<Finished>, Room),
-    /// Forwarded without protection, counted as `Outcome` (pass-through, or a
-    /// store bypassed under `on_store_error = "pass"`).
-    Forward(Outcome),
-    /// Shadow mode: forwarded as if the proxy were absent, counting what
-    /// enforcement would have answered (`would_be`, when it is counted).
-    Shadow { would_be: Option<Outcome> },
-    /// A WebSocket without a key on an optional route: a tunnel, unprotected
-    /// either way (dropping its upgrade would only break it).
-    Tunnel,
-}
-
-impl Disposition {
-    /// The one decision of what a stopped request gets. `upgrade`: the
-    /// request asks for a WebSocket. Shadow mode forwards everything; a store
-    /// failure is forwarded only when it may pass and the route says `pass`.
-    fn of(stop: Stop, policy: &Policy, upgrade: bool) -> Disposition {
-        match stop {
-            stop if policy.mode == Mode::Shadow => Disposition::Shadow {
-                would_be: stop.shadow_outcome(),
-            },
-            Stop::Refuse(p) => Disposition::Answer(p),
-            Stop::Replay(f, room) => Disposition::Replay(f, room),
-            Stop::Unprotected if upgrade => Disposition::Tunnel,
-            Stop::Unprotected => Disposition::Forward(Outcome::Passthrough),
-            Stop::StoreDown { may_pass: true } if policy.on_store_error == OnStoreError::Pass => {
-                Disposition::Forward(Outcome::StoreBypass)
-            }
-            Stop::StoreDown { .. } => Disposition::Answer(Problem::StoreUnavailable),
-        }
-    }
-
-    /// Does the proxy answer this itself (rather than forward the request)?
-    fn answered_here(&self) -> bool {
-        matches!(self, Disposition::Answer(_) | Disposition::Replay(..))
-    }
-}
-
 /// A protected request as far as the phases have read it: enough to forward it unprotected.
 struct Pending {
     parts: http::request::Parts,
@@ -427,105 +347,43 @@ macro_rules! phase {
 /// The upstream exchange takes what `begun` holds for the request with it.
 async fn enforce(
     ctx: &Ctx<'_>,
-    route: &Route,
+    (route, enforcement): (&Route, Enforcement),
     mut req: Pending,
     begun: &mut Begun,
 ) -> Result<Handled, (Stop, Pending)> {
     let policy = &route.policy;
-    let key = phase!(read_key(&req.parts.headers, policy), req);
+    let key = phase!(read_key(&req.parts, policy), req);
     let (body, room) = phase!(read_body(ctx, policy, &mut req.body).await, req);
     let key = key.or_from_body(&body, policy.max_key_length);
-    let key = phase!(key.map_err(|no| no_key(policy, no)), req);
+    let key = phase!(key.map_err(|no| no_key(policy, no, &req.parts)), req);
     let id = Identity::of(ctx.app, policy, &req.parts, &key, &body);
     req.record_id = Some(id.key.clone());
-    let reserved = phase!(reserve(ctx, route, &id).await, req);
+    let reserved = phase!(reserve(ctx, route, &id, enforcement).await, req);
     let Pending {
         parts, record_id, ..
     } = req;
-    let held = begun.hand_over();
-    let mut handled = forward_reserved(ctx, route, id, reserved, parts, (body, room), held).await;
+    let place = begun.hand_over();
+    let mut handled = forward_reserved(ctx, route, id, reserved, parts, (body, room), place).await;
     handled.record_id = record_id;
     Ok(handled)
 }
 
-/// Carries out what [`Disposition::of`] decided for a stopped request.
-async fn stopped(ctx: &Ctx<'_>, route: &Route, stop: Stop, mut req: Pending) -> Handled {
-    let policy = &route.policy;
-    // Asked only of a request without a key: a replay's path reads no more headers.
-    let upgrade = matches!(stop, Stop::Unprotected)
-        && tunnel::asks_upgrade(req.parts.version, &req.parts.headers);
-    let disposition = Disposition::of(stop, policy, upgrade);
-    let h2 = req.parts.version >= http::Version::HTTP_2;
-    if h2 && disposition.answered_here() && !matches!(req.body, Body::Full(_)) {
-        req.body.drain_some().await;
-    }
-    // (HTTP/1 only: HTTP/2 has no `Connection`, and a stream ends by itself.)
-    let unread = !matches!(req.body, Body::Full(_)) && req.parts.version < http::Version::HTTP_2;
-    // Forwarding is boxed: a replay or a refusal, the common ends here, does
-    // not carry (and copy) the exchange's ~3 KiB of state with it.
-    let forward = |parts, body, outcome| Box::pin(forward(ctx, parts, body, outcome));
-    let mut handled = match disposition {
-        Disposition::Shadow { would_be } => {
-            if let Some(would_be) = would_be {
-                ctx.app.metrics.shadow(&route.name, would_be);
-            }
-            forward(req.parts, req.body, Outcome::Passthrough).await
-        }
-        Disposition::Answer(p) => refusal(ctx, policy, &p),
-        // The room that has held the record since the store sent it goes on
-        // with the replay's body: no gap in which the bytes are not counted.
-        Disposition::Replay(f, mut room) => {
-            if room.reach(f.body.len() as u64) {
-                let resp = replay(*f, &policy.replayed_header).map(|b| b.counted(room));
-                Handled::new(resp, Outcome::Replayed)
-            } else {
-                ctx.problem(&Problem::ProxyBusy)
-            }
-        }
-        Disposition::Tunnel => {
-            let handshake = Request::from_parts(req.parts, req.body);
-            let mut handled = Box::pin(tunnel::open(ctx, handshake)).await;
-            handled.record_id = None;
-            return handled;
-        }
-        Disposition::Forward(outcome) => forward(req.parts, req.body, outcome).await,
-    };
-    // Answered here before the request body was read to its end: the
-    // connection cannot carry another request, so say so rather than close it silently.
-    let forwarded = matches!(handled.outcome, Outcome::Passthrough | Outcome::StoreBypass);
-    if unread && !forwarded {
-        let closing = HeaderValue::from_static("close");
-        handled.response.headers_mut().insert(CONNECTION, closing);
-    }
-    handled.record_id = req.record_id;
-    handled
-}
-
-/// A refusal as enforcement answers it; a retry of an answer too large to keep is marked as a replay.
-fn refusal(ctx: &Ctx<'_>, policy: &Policy, p: &Problem) -> Handled {
-    let mut handled = ctx.problem(p);
-    if matches!(p, Problem::NotStored) {
-        let h = handled.response.headers_mut();
-        h.insert(
-            policy.replayed_header.clone(),
-            HeaderValue::from_static("true"),
-        );
-    }
-    handled
-}
-
 /// Phase 1, the key: present, one line, valid, when a header carries it (a
 /// key in the JSON body is read after phase 2).
-fn read_key<'p>(headers: &HeaderMap, policy: &'p Policy) -> Result<KeyRead<'p>, Stop> {
-    key::from_headers(headers, &policy.key_from, policy.max_key_length)
-        .map_err(|no| no_key(policy, no))
+fn read_key<'p>(parts: &http::request::Parts, policy: &'p Policy) -> Result<KeyRead<'p>, Stop> {
+    key::from_headers(&parts.headers, &policy.key_from, policy.max_key_length)
+        .map_err(|no| no_key(policy, no, parts))
 }
 
-/// No key to use: refused, or forwarded unprotected when an optional route has none.
-fn no_key(policy: &Policy, no: NoKey) -> Stop {
+/// No key to use: refused, or forwarded unprotected when an optional route
+/// has none (a WebSocket's handshake then becomes a tunnel).
+fn no_key(policy: &Policy, no: NoKey, parts: &http::request::Parts) -> Stop {
     let from = policy.key_from.clone();
     match no {
-        NoKey::Missing if policy.key == KeyMode::Optional => Stop::Unprotected,
+        NoKey::Missing if policy.key == KeyMode::Optional => {
+            // Asked only of a request without a key: a replay's path reads no more headers.
+            Stop::unprotected(tunnel::asks_upgrade(parts.version, &parts.headers))
+        }
         NoKey::Missing => Stop::Refuse(Problem::MissingKey { from }),
         NoKey::Invalid(why) => Stop::Refuse(Problem::InvalidKey { from, why }),
     }
@@ -600,537 +458,9 @@ impl Identity {
     }
 }
 
-/// How often a reserve may find a record that is gone when it is fetched.
-const GONE_TRIES: u32 = 3;
-
-/// Phase 4's result: the key is ours.
-struct Reserved {
-    claim: Claim,
-    created_ms: u64,
-    /// Taken before the reserve was sent: the lease runs from no earlier.
-    sent_at: tokio::time::Instant,
-}
-
-/// Phase 4: reserve the key, or learn what holds it. With `concurrent = "wait"`
-/// a duplicate of a request in flight polls until it finishes or is released.
-/// From the first reserve sent, a [`Claim`] releases the key if the request ends here.
-async fn reserve(ctx: &Ctx<'_>, route: &Route, id: &Identity) -> Result<Reserved, Stop> {
-    let (app, policy) = (ctx.app, &route.policy);
-    let token = Token::new();
-    let created_ms = now_ms();
-    // The reserve's span (and, while a duplicate waits, the wait's, beside it): ended
-    // when this returns. The SERVER span's ids go with the reservation.
-    let span = ctx.span("idempotency.reserve", || {
-        telemetry::record_attributes(route.name.as_str(), id.key.id())
-    });
-    let mut waiting = None;
-    let processing = processing(route, id, token, created_ms, ctx.trace_ref());
-    // Room for what a reserve may bring back with its answer (a record up to INLINE_RECORD).
-    let inline = app
-        .budget
-        .take(INLINE_RECORD)
-        .ok_or(Stop::Refuse(Problem::ProxyBusy))?;
-    let mut claim = Claim::new(app.clone(), id.key.clone(), token);
-    let mut patience = Patience::new(policy);
-    // Records that went between the reserve and their fetch: an honest store
-    // then has the key free for the next reserve; one that says so for ever
-    // is not believed.
-    let mut gone = 0;
-    // When a waiting duplicate next reads what is left of a reservation's
-    // time, to see whether its owner vanished: when its lease is due to end
-    // by the last reading (store time, counted here on the monotonic clock);
-    // `None`: at the next sighting.
-    let mut next_look: Option<Instant> = None;
-    loop {
-        let sent_at = Instant::now();
-        patience.start(sent_at);
-        let hold = policy.reservation_hold();
-        let found = app
-            .store
-            .reserve_at(sent_at, id.key.as_str(), processing.clone(), hold);
-        let judged = match found.await.map_err(|e| reserve_failed(ctx, id, e))? {
-            Reservation::Reserved => Ok(Judged::OURS),
-            found => judge(ctx, id, token, found).await,
-        };
-        let (verdict, mut ttl, fetched, original) = match judged {
-            Ok(Judged::Verdict {
-                verdict,
-                ttl,
-                room,
-                original,
-            }) => (verdict, ttl, room, original),
-            Ok(Judged::Gone) if gone < GONE_TRIES => {
-                gone += 1;
-                continue;
-            }
-            Ok(Judged::Gone) => {
-                claim.disarm();
-                let e = StoreError::Untrue("a record that is gone whenever it is read".into());
-                return Err(store_down(ctx, id, e, Taken::Yes));
-            }
-            Err(stop) => {
-                claim.disarm();
-                return Err(stop);
-            }
-        };
-        if let Verdict::InFlight {
-            owner,
-            afterlife: Some(mut afterlife),
-            ..
-        } = verdict
-        {
-            // The store's word, held to this route's own `ttl`: a record
-            // claiming a longer afterlife (a hostile or corrupt value) would
-            // have a live owner's lease judged over.
-            afterlife.after = afterlife.after.min(route.policy.ttl);
-            // Looked for when the time left is known for free, on the first
-            // sighting, when the lease is due to end while a duplicate
-            // waits, and before a 409. Shadow mode too: it writes records
-            // as enforcement does, and counts what enforcement would answer.
-            let due = next_look.is_none_or(|at| Instant::now() >= at);
-            if ttl.is_some() || due || !patience.may_wait() {
-                let left = match time_left(ctx, id, ttl).await {
-                    Ok(left) => left,
-                    Err(stop) => {
-                        claim.disarm();
-                        return Err(stop);
-                    }
-                };
-                ttl = Some(left);
-                next_look = Some(Instant::now() + left.saturating_sub(afterlife.after));
-                if afterlife.lease_ended(left) {
-                    let mine = (token, created_ms, &processing);
-                    let vanished = (owner, afterlife);
-                    // A take-over that failed may have written the key for
-                    // this request: the claim, still armed, withdraws a
-                    // reservation of its own.
-                    match Box::pin(take_over(ctx, route, id, vanished, mine)).await? {
-                        TakeOver::Answer(stop) => {
-                            claim.disarm();
-                            return Err(stop);
-                        }
-                        TakeOver::Ours(sent_at) => {
-                            return Ok(Reserved {
-                                claim,
-                                created_ms,
-                                sent_at,
-                            });
-                        }
-                        // Renewed meanwhile: in flight after all, its time left to be read again.
-                        TakeOver::Refused => (ttl, next_look) = (None, None),
-                    }
-                }
-            }
-        }
-        if matches!(verdict, Verdict::InFlight { .. }) {
-            if patience.waits && waiting.is_none() && span.is_some() {
-                // A sibling of the reserve's span under the SERVER span, as
-                // the guide's span reference draws it.
-                waiting = ctx.span("idempotency.wait", Vec::new);
-            }
-            if patience.wait().await {
-                continue;
-            }
-        }
-        drop(waiting);
-        if !matches!(verdict, Verdict::Ours) {
-            claim.disarm();
-            // A replay, a 409, a 422: linked to the request that executed.
-            ctx.link_original(original);
-        }
-        return match verdict {
-            Verdict::Ours => Ok(Reserved {
-                claim,
-                created_ms,
-                sent_at,
-            }),
-            // A large record came with room of its own; an inline one in the reserve's.
-            Verdict::Replay(f) => Err(Stop::Replay(Box::new(f), fetched.unwrap_or(inline))),
-            Verdict::NotStored => Err(Stop::Refuse(Problem::NotStored)),
-            Verdict::Mismatch => Err(Stop::Refuse(Problem::Mismatch)),
-            Verdict::Unreadable => Err(Stop::Refuse(Problem::RecordUnreadable)),
-            Verdict::InFlight {
-                created_ms,
-                afterlife,
-                ..
-            } => Err(conflict(ctx, route, id, ttl, (created_ms, afterlife)).await?),
-        };
-    }
-}
-
-/// How a duplicate of a request in flight waits for it to finish or be
-/// released (`concurrent = "wait"`, enforcement only: shadow mode never
-/// delays a request to wait for another): reserving again, backing off so as
-/// not to hammer the store, until `wait_timeout` from the first reserve sent.
-struct Patience {
-    waits: bool,
-    wait_timeout: Duration,
-    /// Set when the first reserve is sent (one clock read for both).
-    until: Option<Instant>,
-    pause: Duration,
-}
-
-impl Patience {
-    fn new(policy: &Policy) -> Self {
-        Patience {
-            waits: policy.concurrent == Concurrent::Wait && policy.mode == Mode::Enforce,
-            wait_timeout: policy.wait_timeout,
-            until: None,
-            pause: Duration::from_millis(5),
-        }
-    }
-
-    /// A reserve is sent at `sent_at`: the first starts the clock.
-    fn start(&mut self, sent_at: Instant) {
-        self.until.get_or_insert(sent_at + self.wait_timeout);
-    }
-
-    /// Would [`Patience::wait`] wait now?
-    fn may_wait(&self) -> bool {
-        self.waits && self.until.is_some_and(|u| Instant::now() < u)
-    }
-
-    /// Backs off before the next reserve, if the request waits and its time
-    /// is not up; `false` (at once) when it is to be answered now.
-    async fn wait(&mut self) -> bool {
-        let Some(until) = self.until.filter(|u| self.waits && Instant::now() < *u) else {
-            return false;
-        };
-        tokio::time::sleep(
-            self.pause
-                .min(until.saturating_duration_since(Instant::now())),
-        )
-        .await;
-        self.pause = (self.pause * 2).min(Duration::from_millis(250));
-        true
-    }
-}
-
-/// A reserve that failed: whether the store had already said the key is
-/// taken (`StoreError::Taken`) decides whether `on_store_error` may pass it.
-fn reserve_failed(ctx: &Ctx<'_>, id: &Identity, e: StoreError) -> Stop {
-    match e {
-        StoreError::Taken(_) => store_down(ctx, id, e, Taken::Yes),
-        e => store_down(ctx, id, e, Taken::No),
-    }
-}
-
-/// The 409 for a key whose first request is still in flight, with a
-/// `Retry-After` estimate (docs/reference/behaviour.md#conflict): the route's typical duration
-/// less what the
-/// first has run (its record's clock, so a first on another proxy counts
-/// too), within the lease. Only a 409 needs the remaining lease (`ttl`, else
-/// a `PTTL`): replays and mismatches stay at one round trip.
-async fn conflict(
-    ctx: &Ctx<'_>,
-    route: &Route,
-    id: &Identity,
-    ttl: Option<Duration>,
-    (created_ms, afterlife): (u64, Option<Afterlife>),
-) -> Result<Stop, Stop> {
-    let left = time_left(ctx, id, ttl).await?;
-    // The store keeps a reservation its afterlife past its lease. At most
-    // the lease: the first may have finished between the two round trips,
-    // and then PTTL is its record's TTL, not a lease.
-    let after = afterlife.map_or(Duration::ZERO, |a| a.after);
-    let lease_left = left.saturating_sub(after).min(route.policy.lease);
-    let ran = Duration::from_millis(now_ms().saturating_sub(created_ms));
-    let retry_after = route.typical.retry_after(ran, lease_left);
-    Ok(Stop::Refuse(Problem::Conflict { retry_after }))
-}
-
-/// What is left of a reservation's time in the store: `ttl` when the
-/// reserve said it, else a `PTTL` (Redis), which a 409 pays anyway.
-async fn time_left(ctx: &Ctx<'_>, id: &Identity, ttl: Option<Duration>) -> Result<Duration, Stop> {
-    match ttl {
-        Some(ttl) => Ok(ttl),
-        None => ctx
-            .app
-            .store
-            .pttl(id.key.as_str())
-            .await
-            .map_err(|e| store_down(ctx, id, e, Taken::Yes)),
-    }
-}
-
-/// What became of a key whose owner vanished.
-enum TakeOver {
-    /// The unknown outcome is stored under the key: the request answers it.
-    Answer(Stop),
-    /// The key is ours (`re_execute`): the request runs again, its lease
-    /// counted from the instant given.
-    Ours(Instant),
-    /// The key changed meanwhile (its owner renewed it): in flight after all.
-    Refused,
-}
-
-/// A reservation whose lease ran out without its owner (its proxy died
-/// after the request may have reached the upstream): taken over in one
-/// owner-checked operation, as the reservation says — the 502
-/// `outcome-unknown` stored under a fresh token (a late owner's completion is
-/// refused by token), or the key reserved again for this request
-/// (`re_execute`). Counted and logged; docs/reference/behaviour.md#dead-owner.
-async fn take_over(
-    ctx: &Ctx<'_>,
-    route: &Route,
-    id: &Identity,
-    (vanished, afterlife): (Token, Afterlife),
-    (token, created_ms, processing): (Token, u64, &Bytes),
-) -> Result<TakeOver, Stop> {
-    let (app, policy) = (ctx.app, &route.policy);
-    let sent_at = Instant::now();
-    let (value, hold) = match afterlife.then {
-        DeadOwner::ReExecute => (processing.clone(), policy.reservation_hold()),
-        DeadOwner::StoreUnknown => {
-            let record = unknown_outcome(ctx, route, id, token, created_ms);
-            match app.store.encode(id.key.as_str(), &record) {
-                Ok(value) => (value, policy.ttl),
-                Err(e) => {
-                    let e = StoreError::Backend(format!("the record cannot be sealed: {e}"));
-                    return Err(store_down(ctx, id, e, Taken::Yes));
-                }
-            }
-        }
-    };
-    let key = id.key.as_str();
-    let taken = app
-        .store
-        .take_over(key, vanished, afterlife.after, value, hold)
-        .await
-        .map_err(|e| store_down(ctx, id, e, Taken::Yes))?;
-    if !taken {
-        return Ok(TakeOver::Refused);
-    }
-    let handling = afterlife.then.as_str();
-    app.metrics.lease_expired(&route.name, handling);
-    let (trace_id, span_id) = ctx.log_ids();
-    warn!(
-        request_id = %ctx.request_id,
-        route = %route.name,
-        record_id = id.key.id(),
-        handling,
-        trace_id,
-        span_id,
-        "the key's owner vanished mid-request (its lease ran out): the request may have run; {}",
-        match afterlife.then {
-            DeadOwner::StoreUnknown => "its outcome is unknown, stored as a 502 outcome-unknown",
-            DeadOwner::ReExecute => "running it again (lease_expiry = \"re_execute\")",
-        }
-    );
-    Ok(match afterlife.then {
-        DeadOwner::ReExecute => TakeOver::Ours(sent_at),
-        DeadOwner::StoreUnknown => TakeOver::Answer(Stop::Refuse(Problem::OutcomeUnknown)),
-    })
-}
-
-/// The finished record of a vanished owner's unknown outcome: the 502
-/// `outcome-unknown` this request answers (as a gRPC error on a gRPC
-/// request), under this request's token, replayed to every later retry.
-fn unknown_outcome(
-    ctx: &Ctx<'_>,
-    route: &Route,
-    id: &Identity,
-    token: Token,
-    created_ms: u64,
-) -> Record {
-    let problem = Problem::OutcomeUnknown;
-    let (status, headers, body) = if ctx.grpc {
-        let (status, headers) = problem.render_grpc(&ctx.request_id);
-        (status, headers, Bytes::new())
-    } else {
-        problem.render(&ctx.request_id)
-    };
-    Record::Finished(Finished {
-        token,
-        fingerprint: id.fingerprint,
-        created_ms,
-        route: route.name.to_string(),
-        trace: ctx.trace_ref(),
-        completed_ms: now_ms(),
-        status: status.as_u16(),
-        reason: None,
-        body_stored: true,
-        headers: headers
-            .iter()
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect(),
-        body,
-        trailers: Vec::new(),
-    })
-}
-
-/// The `processing` record a reserve writes, with its afterlife: how long
-/// the store keeps it past its lease, and what the route does with the key
-/// of an owner that never comes back.
-fn processing(
-    route: &Route,
-    id: &Identity,
-    token: Token,
-    created_ms: u64,
-    trace: Option<TraceRef>,
-) -> Bytes {
-    let policy = &route.policy;
-    Record::Processing(Processing {
-        token,
-        fingerprint: id.fingerprint,
-        created_ms,
-        route: route.name.to_string(),
-        trace,
-        afterlife: Some(Afterlife {
-            after: policy.afterlife(),
-            then: policy.dead_owner(),
-        }),
-    })
-    .encode()
-}
-
-/// What holds the key, judged, with its remaining TTL when known. A record
-/// too large to come with the reserve's answer is judged by its head, which
-/// came with it; only a replay fetches it whole, with room for it in the
-/// budget, and that room comes back with the verdict (the replay keeps it);
-/// [`Judged::Gone`] when the record went away in between.
-async fn judge(
-    ctx: &Ctx<'_>,
-    id: &Identity,
-    token: Token,
-    found: Reservation,
-) -> Result<Judged, Stop> {
-    let unreadable = |e: &dyn std::fmt::Display| {
-        let (trace_id, span_id) = ctx.log_ids();
-        error!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, trace_id, span_id, "the record under this key cannot be read; not forwarding");
-        Ok(Judged::verdict(Verdict::Unreadable))
-    };
-    let (record, ttl, room) = match found {
-        Reservation::Reserved => return Ok(Judged::OURS),
-        Reservation::Existing { record, ttl } => (record, ttl, None),
-        Reservation::Unreadable(e) => return unreadable(&e),
-        // Only a replay needs more than the head (boxed: the large read's
-        // state is not carried by every replay's).
-        Reservation::Large { len, head } => match Verdict::of_head(&head, token, &id.fingerprint) {
-            Some(verdict) => {
-                return Ok(Judged::Verdict {
-                    verdict,
-                    ttl: None,
-                    room: None,
-                    original: head.trace,
-                })
-            }
-            None => match Box::pin(fetch_large(ctx, id, len)).await? {
-                Fetched::Gone => return Ok(Judged::Gone),
-                Fetched::Unreadable(e) => return unreadable(&e),
-                Fetched::Record(record, ttl, room) => (record, Some(ttl), Some(room)),
-            },
-        },
-    };
-    let original = record.trace();
-    Ok(Judged::Verdict {
-        verdict: Verdict::of(record, token, &id.fingerprint),
-        ttl,
-        room,
-        original,
-    })
-}
-
-/// What a reserve found under the key, once judged. (`Gone` is small, as
-/// the `None` this replaces was: boxing the verdict would cost every
-/// reserve an allocation to save a rare answer's bytes.)
-#[allow(clippy::large_enum_variant)]
-enum Judged {
-    /// A record holds the key (ours, perhaps): what it means for this
-    /// request, its remaining TTL when the store said, and the room a
-    /// record fetched by itself holds.
-    Verdict {
-        verdict: Verdict,
-        ttl: Option<Duration>,
-        room: Option<Room>,
-        /// The trace context of the request that executed, when its record keeps it.
-        original: Option<TraceRef>,
-    },
-    /// The record went away between the reserve and its fetch: reserve again.
-    Gone,
-}
-
-impl Judged {
-    /// The reserve took the key.
-    const OURS: Judged = Judged::Verdict {
-        verdict: Verdict::Ours,
-        ttl: None,
-        room: None,
-        original: None,
-    };
-
-    /// A verdict with no TTL known and no room of its own.
-    fn verdict(verdict: Verdict) -> Judged {
-        Judged::Verdict {
-            verdict,
-            ttl: None,
-            room: None,
-            original: None,
-        }
-    }
-}
-
-/// A record too large for the reserve's answer, read by itself (taken
-/// apart at once: not boxed, as `Verdict`).
-#[allow(clippy::large_enum_variant)]
-enum Fetched {
-    Record(Record, Duration, Room),
-    /// The key went away in between.
-    Gone,
-    Unreadable(DecodeError),
-}
-
-/// Reads a record too large for the reserve's answer, with room for its
-/// `len` bytes in the budget, its turn among large reads first: a request
-/// waiting for one holds no room for the record (only the reserve's
-/// `INLINE_RECORD`). The wait is outside `op_timeout`; each turn is bounded by it.
-async fn fetch_large(ctx: &Ctx<'_>, id: &Identity, len: u64) -> Result<Fetched, Stop> {
-    let _turn = ctx.app.large_reads.acquire().await;
-    let Some(room) = ctx.app.budget.take(len) else {
-        return Err(Stop::Refuse(Problem::ProxyBusy));
-    };
-    match ctx.app.store.get(id.key.as_str()).await {
-        Ok(None) => Ok(Fetched::Gone),
-        Ok(Some(Inspected { record, ttl })) => Ok(Fetched::Record(record, ttl, room)),
-        Err(StoreError::Decode(e)) => Ok(Fetched::Unreadable(e)),
-        Err(e) => Err(store_down(ctx, id, e, Taken::Yes)),
-    }
-}
-
-/// Whether the store had said the key is taken before it failed.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Taken {
-    No,
-    /// A record holds the key (its read, or its remaining lease, failed).
-    Yes,
-}
-
-/// The store failed while reserving. The claim (still armed) releases whatever
-/// the reserve may have written. Never forwarded, whatever `on_store_error`
-/// says: a reservation that was written but not confirmed on the replicas, a
-/// memory store that is full (the store is there, and forwarding would drop
-/// protection silently), an answer that is not believed (a record longer than
-/// any the proxy writes: the key may be taken), and a key the reserve found
-/// taken whose record could not then be read in time (the operation may have
-/// run, or be running).
-fn store_down(ctx: &Ctx<'_>, id: &Identity, e: StoreError, taken: Taken) -> Stop {
-    let (trace_id, span_id) = ctx.log_ids();
-    warn!(request_id = %ctx.request_id, record_id = id.key.id(), error = %e, taken = taken == Taken::Yes, trace_id, span_id, "store unavailable while reserving");
-    Stop::StoreDown {
-        may_pass: taken == Taken::No
-            && !matches!(
-                e,
-                StoreError::NotReplicated { .. }
-                    | StoreError::Unconfirmed(_)
-                    | StoreError::Full
-                    | StoreError::Untrue(_)
-            ),
-    }
-}
-
 /// Phase 5: forward and complete in a task of its own (see [`Job`]), which
 /// holds the request's place in `idemproxy_inflight` and among the requests
-/// in progress (`held`) until it ends, whether or not the client is still
+/// in progress (`place`) until it ends, whether or not the client is still
 /// there (docs/reference/behaviour.md#request-id). The upstream learns the request id, to match
 /// its logs with the record.
 async fn forward_reserved(
@@ -1140,7 +470,7 @@ async fn forward_reserved(
     reserved: Reserved,
     mut parts: http::request::Parts,
     (body, room): (Bytes, Room),
-    held: Held,
+    place: RequestPlace,
 ) -> Handled {
     let app = ctx.app;
     if !parts.headers.contains_key(X_REQUEST_ID) {
@@ -1179,7 +509,7 @@ async fn forward_reserved(
         unsaved: None,
         request_room: Some(room),
         typical: route.typical.clone(),
-        _held: held,
+        _place: place,
     };
     let (tx, rx) = oneshot::channel();
     // Boxed here, once: the task's state (the exchange and the store's
@@ -1204,204 +534,5 @@ async fn forward_reserved(
         Ok((response, outcome)) => Handled::new(response, outcome),
         // The task panicked: nothing sensible was stored; the lease frees the key.
         Err(_) => ctx.problem(&Problem::UpstreamReset { released: true }),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::budget::Budget;
-    use crate::policy::KeySource;
-
-    /// What a disposition says, in a form tests compare.
-    #[derive(Debug, PartialEq, Eq)]
-    enum Seen {
-        Answer(Outcome),
-        Replay,
-        Forward(Outcome),
-        Shadow(Option<Outcome>),
-        Tunnel,
-    }
-
-    fn seen(d: &Disposition) -> Seen {
-        match d {
-            Disposition::Answer(p) => Seen::Answer(p.outcome()),
-            Disposition::Replay(..) => Seen::Replay,
-            Disposition::Forward(o) => Seen::Forward(*o),
-            Disposition::Shadow { would_be } => Seen::Shadow(*would_be),
-            Disposition::Tunnel => Seen::Tunnel,
-        }
-    }
-
-    fn replay() -> Stop {
-        let f = Finished {
-            token: Token::new(),
-            fingerprint: [1; 32],
-            created_ms: 1,
-            route: "r".into(),
-            trace: None,
-            completed_ms: 2,
-            status: 200,
-            reason: None,
-            body_stored: true,
-            headers: vec![],
-            body: Bytes::from_static(b"done"),
-            trailers: vec![],
-        };
-        Stop::Replay(Box::new(f), Budget::new(1 << 20).nothing())
-    }
-
-    /// Every kind of stop, made afresh (a replay holds room: stops are not cloned).
-    fn every_stop() -> Vec<Stop> {
-        vec![
-            Stop::Refuse(Problem::Mismatch),
-            Stop::Refuse(Problem::BodyTooLarge { limit: 1 }),
-            replay(),
-            Stop::Unprotected,
-            Stop::StoreDown { may_pass: true },
-            Stop::StoreDown { may_pass: false },
-        ]
-    }
-
-    fn policy(mode: Mode, on_store_error: OnStoreError) -> Policy {
-        Policy {
-            mode,
-            on_store_error,
-            ..Policy::default()
-        }
-    }
-
-    fn decided(mode: Mode, on_store_error: OnStoreError, upgrade: bool) -> Vec<Seen> {
-        let policy = policy(mode, on_store_error);
-        every_stop()
-            .into_iter()
-            .map(|stop| seen(&Disposition::of(stop, &policy, upgrade)))
-            .collect()
-    }
-
-    #[test]
-    fn every_stop_in_every_mode_has_its_disposition() {
-        use Outcome::{Mismatch, Passthrough, Replayed, StoreBypass, StoreError, TooLarge};
-        let cases = [
-            (
-                OnStoreError::Reject,
-                false,
-                [Seen::Forward(Passthrough), Seen::Answer(StoreError)],
-            ),
-            (
-                OnStoreError::Reject,
-                true,
-                [Seen::Tunnel, Seen::Answer(StoreError)],
-            ),
-            (
-                OnStoreError::Pass,
-                false,
-                [Seen::Forward(Passthrough), Seen::Forward(StoreBypass)],
-            ),
-            (
-                OnStoreError::Pass,
-                true,
-                [Seen::Tunnel, Seen::Forward(StoreBypass)],
-            ),
-        ];
-        for (on_store_error, upgrade, [unprotected, may_pass]) in cases {
-            // Refusals and replays are answered whatever the route says of the store.
-            let mut want = vec![Seen::Answer(Mismatch), Seen::Answer(TooLarge), Seen::Replay];
-            want.extend([unprotected, may_pass, Seen::Answer(StoreError)]);
-            let got = decided(Mode::Enforce, on_store_error, upgrade);
-            assert_eq!(got, want, "enforce, {on_store_error:?}, upgrade {upgrade}");
-            // Shadow mode forwards all of them, counting what enforcement would answer.
-            let got = decided(Mode::Shadow, on_store_error, upgrade);
-            let want = [
-                Seen::Shadow(Some(Mismatch)),
-                Seen::Shadow(None),
-                Seen::Shadow(Some(Replayed)),
-                Seen::Shadow(None),
-                Seen::Shadow(None),
-                Seen::Shadow(None),
-            ];
-            assert_eq!(got, want, "shadow, {on_store_error:?}, upgrade {upgrade}");
-        }
-    }
-
-    #[test]
-    fn only_answers_and_replays_are_answered_here() {
-        let answered = |d: Disposition| d.answered_here();
-        assert!(answered(Disposition::Answer(Problem::StoreUnavailable)));
-        let Stop::Replay(f, room) = replay() else {
-            unreachable!()
-        };
-        assert!(answered(Disposition::Replay(f, room)));
-        assert!(!answered(Disposition::Forward(Outcome::StoreBypass)));
-        assert!(!answered(Disposition::Forward(Outcome::Passthrough)));
-        assert!(!answered(Disposition::Shadow {
-            would_be: Some(Outcome::Replayed)
-        }));
-        assert!(!answered(Disposition::Tunnel));
-    }
-
-    #[test]
-    fn a_refusal_keeps_its_problem() {
-        let policy = policy(Mode::Enforce, OnStoreError::Pass);
-        let retry_after = Duration::from_secs(3);
-        let stop = Stop::Refuse(Problem::Conflict { retry_after });
-        let d = Disposition::of(stop, &policy, true);
-        assert!(
-            matches!(d, Disposition::Answer(Problem::Conflict { retry_after: r }) if r == retry_after)
-        );
-    }
-
-    #[test]
-    fn shadow_mode_counts_what_is_about_the_key_and_its_record() {
-        let from = KeySource::Header(HeaderName::from_static("idempotency-key"));
-        let counted = [
-            (
-                Problem::MissingKey { from: from.clone() },
-                Outcome::MissingKey,
-            ),
-            (
-                Problem::InvalidKey {
-                    from,
-                    why: key::KeyError::Empty,
-                },
-                Outcome::InvalidKey,
-            ),
-            (
-                Problem::Conflict {
-                    retry_after: Duration::from_secs(1),
-                },
-                Outcome::Conflict,
-            ),
-            (Problem::Mismatch, Outcome::Mismatch),
-            (Problem::NotStored, Outcome::NotStored),
-            (Problem::OutcomeUnknown, Outcome::UpstreamError),
-            (Problem::RecordUnreadable, Outcome::Unreadable),
-        ];
-        for (p, want) in counted {
-            let what = format!("{p:?}");
-            assert_eq!(Stop::Refuse(p).shadow_outcome(), Some(want), "{what}");
-        }
-        assert_eq!(replay().shadow_outcome(), Some(Outcome::Replayed));
-    }
-
-    #[test]
-    fn shadow_mode_does_not_count_the_body_the_store_or_the_proxy() {
-        let not_counted = [
-            Problem::BodyTooLarge { limit: 1 },
-            Problem::BodyTimeout {
-                after: Duration::from_secs(1),
-            },
-            Problem::BodyUnreadable,
-            Problem::ProxyBusy,
-            Problem::StoreUnavailable,
-            Problem::UpstreamUnreachable,
-        ];
-        for p in not_counted {
-            let what = format!("{p:?}");
-            assert_eq!(Stop::Refuse(p).shadow_outcome(), None, "{what}");
-        }
-        assert_eq!(Stop::Unprotected.shadow_outcome(), None);
-        assert_eq!(Stop::StoreDown { may_pass: true }.shadow_outcome(), None);
-        assert_eq!(Stop::StoreDown { may_pass: false }.shadow_outcome(), None);
     }
 }

@@ -1,36 +1,54 @@
 //! What a record found under the key means for this request: ours, a replay,
-//! in flight, or another request's — decided in one place, without I/O.
+//! in flight, or another request's — decided in one place, without I/O; and
+//! a replay's answer, and the headers a record keeps.
 
 use http::header::{HeaderValue, CONTENT_LENGTH, DATE, SET_COOKIE};
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 
-use crate::body::Body;
-use crate::record::{Afterlife, Finished, Head, Record, Token};
+use std::time::Duration;
 
-/// The meaning of the record that holds a key. (A replay's record is moved
-/// into the answer, not boxed: a boxed one would cost every replay an
-/// allocation to save the other verdicts' bytes.)
+use crate::body::Body;
+use crate::budget::Room;
+use crate::record::{Afterlife, Finished, Head, Record, Token, TraceRef};
+
+/// What the store's answer to a reserve means for this request: phase 4's
+/// one decision type, made from a [`Reservation`](crate::store::Reservation)
+/// (by [`Verdict::of`] for a record, [`Verdict::of_head`] for a large one's
+/// head) and carried out by `reserve`. It carries what the rest of phase 4
+/// needs: the room a record fetched by itself holds, what is left of a
+/// reservation's lease when the store said, and the trace context of the
+/// request that executed (a replay, a 409 or a 422 links to it). (A replay's
+/// record is moved into the answer, not boxed: a boxed one would cost every
+/// replay an allocation to save the other verdicts' bytes.)
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
 pub enum Verdict {
-    /// Our own reservation: a reserve sent twice (the client library re-sent it) finds it.
+    /// Our own reservation: the key was free, or a reserve sent twice (the
+    /// client library re-sent it) finds it.
     Ours,
-    /// The same request, finished: its answer is replayed.
-    Replay(Finished),
+    /// The same request, finished: its answer is replayed, in the room it
+    /// has held since it came from the store when it was fetched by itself
+    /// (a large record; `None`: the reserve's own room holds it).
+    Replay(Finished, Option<Room>),
     /// The same request, finished, but its answer was too large to keep.
-    NotStored,
+    NotStored { original: Option<TraceRef> },
     /// The same request, still in flight since `created_ms` (its reservation,
     /// Unix ms), or left behind by an `owner` that vanished: its reservation's
     /// `afterlife` says how to tell (docs/reference/behaviour.md#dead-owner).
+    /// `ttl`: what is left of its lease, when the store said.
     InFlight {
         created_ms: u64,
         owner: Token,
         afterlife: Option<Afterlife>,
+        ttl: Option<Duration>,
+        original: Option<TraceRef>,
     },
     /// Another request under the same key.
-    Mismatch,
+    Mismatch { original: Option<TraceRef> },
     /// A record this build cannot read: not ours, not to be replaced or bypassed.
     Unreadable,
+    /// A large record that went away between the reserve and its fetch: reserve again.
+    Gone,
 }
 
 impl Verdict {
@@ -39,38 +57,70 @@ impl Verdict {
         if matches!(&record, Record::Processing(p) if p.token == token) {
             return Verdict::Ours;
         }
+        let original = record.trace();
         if record.fingerprint() != fingerprint {
-            return Verdict::Mismatch;
+            return Verdict::Mismatch { original };
         }
         match record {
-            Record::Finished(f) if f.body_stored => Verdict::Replay(f),
-            Record::Finished(_) => Verdict::NotStored,
+            Record::Finished(f) if f.body_stored => Verdict::Replay(f, None),
+            Record::Finished(_) => Verdict::NotStored { original },
             Record::Processing(p) => Verdict::InFlight {
                 created_ms: p.created_ms,
                 owner: p.token,
                 afterlife: p.afterlife,
+                ttl: None,
+                original,
             },
         }
     }
-}
 
-impl Verdict {
     /// Judges a record by its clear head alone, as [`Verdict::of`] would
     /// judge it whole; `None` when the verdict is a replay, the one verdict
     /// that needs the answer itself (a large record is then fetched whole).
     /// A large reservation is a record being written piece by piece: its
     /// owner is at work, never judged gone (no afterlife).
     pub fn of_head(head: &Head, token: Token, fingerprint: &[u8; 32]) -> Option<Verdict> {
+        let original = head.trace;
         match head.finished {
             None if head.token == token => Some(Verdict::Ours),
-            _ if head.fingerprint != *fingerprint => Some(Verdict::Mismatch),
+            _ if head.fingerprint != *fingerprint => Some(Verdict::Mismatch { original }),
             None => Some(Verdict::InFlight {
                 created_ms: head.created_ms,
                 owner: head.token,
                 afterlife: None,
+                ttl: None,
+                original,
             }),
-            Some(answered) if !answered.body_stored => Some(Verdict::NotStored),
+            Some(answered) if !answered.body_stored => Some(Verdict::NotStored { original }),
             Some(_) => None,
+        }
+    }
+
+    /// The verdict with what the store said besides the record: what is
+    /// left of its lease or TTL (kept by a record in flight), and the room
+    /// of a record fetched by itself (kept by a replay).
+    pub fn with_lease_and_room(
+        mut self,
+        lease_left: Option<Duration>,
+        fetched: Option<Room>,
+    ) -> Verdict {
+        match &mut self {
+            Verdict::InFlight { ttl, .. } => *ttl = lease_left,
+            Verdict::Replay(_, room) => *room = fetched,
+            _ => {}
+        }
+        self
+    }
+
+    /// The trace context of the request that executed, for a replay, a 409
+    /// or a 422 to link to, when its record keeps it.
+    pub fn original(&self) -> Option<TraceRef> {
+        match self {
+            Verdict::Replay(f, _) => f.trace,
+            Verdict::NotStored { original }
+            | Verdict::Mismatch { original }
+            | Verdict::InFlight { original, .. } => *original,
+            Verdict::Ours | Verdict::Unreadable | Verdict::Gone => None,
         }
     }
 }
@@ -175,19 +225,19 @@ mod tests {
     #[test]
     fn a_different_fingerprint_is_a_mismatch_in_flight_or_finished() {
         let v = Verdict::of(processing(Token::new(), [1; 32]), Token::new(), &[2; 32]);
-        assert!(matches!(v, Verdict::Mismatch));
+        assert!(matches!(v, Verdict::Mismatch { .. }));
         let v = Verdict::of(finished([1; 32], true), Token::new(), &[2; 32]);
-        assert!(matches!(v, Verdict::Mismatch));
+        assert!(matches!(v, Verdict::Mismatch { .. }));
         let v = Verdict::of(finished([1; 32], false), Token::new(), &[2; 32]);
-        assert!(matches!(v, Verdict::Mismatch));
+        assert!(matches!(v, Verdict::Mismatch { .. }));
     }
 
     #[test]
     fn a_finished_record_replays_unless_its_body_was_not_kept() {
         let v = Verdict::of(finished([1; 32], true), Token::new(), &[1; 32]);
-        assert!(matches!(v, Verdict::Replay(f) if f.status == 201));
+        assert!(matches!(v, Verdict::Replay(f, _) if f.status == 201));
         let v = Verdict::of(finished([1; 32], false), Token::new(), &[1; 32]);
-        assert!(matches!(v, Verdict::NotStored));
+        assert!(matches!(v, Verdict::NotStored { .. }));
     }
 
     #[test]
@@ -256,7 +306,7 @@ mod tests {
                 Token::new(),
                 &[2; 32],
             );
-            assert!(matches!(v, Some(Verdict::Mismatch)), "{finished:?}");
+            assert!(matches!(v, Some(Verdict::Mismatch { .. })), "{finished:?}");
         }
     }
 
@@ -267,7 +317,7 @@ mod tests {
             Token::new(),
             &[1; 32],
         );
-        assert!(matches!(v, Some(Verdict::NotStored)));
+        assert!(matches!(v, Some(Verdict::NotStored { .. })));
         let v = Verdict::of_head(
             &head(Token::new(), [1; 32], Some(true)),
             Token::new(),
@@ -281,6 +331,6 @@ mod tests {
         // A token is ours only while it reserves: a finished record is a replay.
         let t = Token::new();
         let v = Verdict::of_head(&head(t, [1; 32], Some(false)), t, &[1; 32]);
-        assert!(matches!(v, Some(Verdict::NotStored)));
+        assert!(matches!(v, Some(Verdict::NotStored { .. })));
     }
 }

@@ -536,7 +536,8 @@ impl Record {
     }
 }
 
-type Fields = Vec<(HeaderName, HeaderValue)>;
+/// Header or trailer fields as a record keeps them, in order (a name may repeat).
+pub type HeaderFields = Vec<(HeaderName, HeaderValue)>;
 
 fn fields_len(h: &[(HeaderName, HeaderValue)]) -> usize {
     2 + h
@@ -624,7 +625,7 @@ fn put_answer(b: &mut BytesMut, f: &Finished, trailers: bool) {
 }
 
 /// An answer section: headers, body, trailers, reason phrase.
-type Answer = (Fields, Bytes, Fields, Option<Bytes>);
+type Answer = (HeaderFields, Bytes, HeaderFields, Option<Bytes>);
 
 fn read_answer(mut b: Bytes, trailers: bool) -> Result<Answer, DecodeError> {
     let headers = get_fields(&mut b)?;

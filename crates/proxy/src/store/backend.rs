@@ -1,4 +1,4 @@
-//! What each backend (Redis, memory) implements, under [`Store`](super::Store).
+//! What each backend (memory, Redis, PostgreSQL) implements, under [`Store`](super::Store).
 
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -9,8 +9,10 @@ use super::{Completion, StoreError};
 use crate::deadline::Deadlines;
 use crate::record::Token;
 
-/// What a backend found under a key it was asked to reserve.
-pub(crate) enum Held {
+/// What a backend found under a key it was asked to reserve, as stored
+/// (not decoded: [`Store::reserve`](super::Store::reserve) decodes it into a
+/// [`Reservation`](super::Reservation)).
+pub(crate) enum Occupant {
     Value {
         value: Bytes,
         /// What is left of the key's lease or TTL, when the backend knows it without another round trip.
@@ -34,7 +36,7 @@ pub(crate) trait Operations {
         lease: Duration,
         inline: u64,
         taken: &AtomicBool,
-    ) -> Result<Option<Held>, StoreError>;
+    ) -> Result<Option<Occupant>, StoreError>;
     /// What is left of the key's lease or TTL; zero when it is gone.
     async fn pttl(&self, key: &str) -> Result<Duration, StoreError>;
     /// Writes the finished record if `token` still owns the key (or nobody

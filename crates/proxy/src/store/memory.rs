@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Completion, Held, Operations, StoreError};
+use super::{Completion, Occupant, Operations, StoreError};
 use crate::deadline::Deadlines;
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
@@ -130,11 +130,11 @@ impl Operations for MemoryStore {
         lease: Duration,
         _inline: u64,
         _taken: &std::sync::atomic::AtomicBool,
-    ) -> Result<Option<Held>, StoreError> {
+    ) -> Result<Option<Occupant>, StoreError> {
         let now = Instant::now();
         let mut map = self.lock();
         if let Some(e) = map.live(key, now) {
-            return Ok(Some(Held::Value {
+            return Ok(Some(Occupant::Value {
                 value: e.value.clone(),
                 ttl: Some(e.expires - now),
             }));
@@ -348,7 +348,7 @@ mod tests {
             .await
             .unwrap();
         let held = held.expect("the key is taken");
-        let Held::Value { value, ttl } = held else {
+        let Occupant::Value { value, ttl } = held else {
             panic!("the memory store shares values whatever their size")
         };
         assert_eq!(value, v());

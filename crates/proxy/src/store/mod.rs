@@ -1,25 +1,29 @@
-//! The store: one key per operation, the same semantics on Redis and in memory.
+//! The store: one key per operation, the same semantics on its three
+//! backends: in memory (`memory`), Redis — single, Sentinel or Cluster
+//! (`redis`, `redis_connections`, `redis_conn`, `ops`, `pieces`) — and
+//! PostgreSQL (`postgres`).
 //!
-//! Values are encoded [`Record`]s. Every operation is one round trip and
-//! touches exactly one key, so the code is the same on a single Redis,
-//! Sentinel or Cluster; every operation is safe to send twice.
+//! Values are encoded [`Record`]s. Every operation touches exactly one key
+//! (one round trip, but for a large record's pieces), so the code is the
+//! same on a single Redis, Sentinel or Cluster; every operation is safe to
+//! send twice.
 //!
 //! With `[store] encryption_key_file`, finished records are sealed here, the
-//! same on both backends ([`Store::encode`]), and opened where they are
+//! same on every backend ([`Store::encode`]), and opened where they are
 //! decoded. The associated data is the record id (with the record's clear
 //! head, see `record`): the store key is always `{prefix}:{id}`
 //! ([`Store::key_for`]), and the id is what follows the prefix.
 
 mod backend;
 mod cluster;
-mod conn;
-mod connections;
 mod error;
 mod memory;
 mod ops;
 mod pieces;
 pub mod postgres;
 mod redis;
+mod redis_conn;
+mod redis_connections;
 mod reply;
 mod sentinel;
 mod settings;
@@ -43,13 +47,14 @@ use crate::record::{DecodeError, Head, Record, Token, MAX_BODY, MAX_OVERHEAD};
 use crate::seal::{SealError, Sealing};
 use crate::workers::PerWorker;
 
-pub(crate) use self::backend::{Held, Operations};
+pub(crate) use self::backend::{Occupant, Operations};
 pub use self::error::{StoreError, StoreSetupError};
 pub(crate) use self::memory::MemoryStore;
 pub(crate) use self::postgres::PostgresStore;
 pub(crate) use self::redis::RedisStore;
 
-/// What `reserve` found.
+/// What `reserve` found, decoded: the store's one answer to a reserve (the
+/// proxy judges it into a `Verdict`, `proxy::reserve`).
 #[derive(Debug)]
 pub enum Reservation {
     /// The key was free and is ours now.
@@ -519,14 +524,14 @@ impl Store {
             })?;
         match found {
             None => Ok(Reservation::Reserved),
-            Some(Held::Large { len, .. }) if len > self.record_limit() => {
+            Some(Occupant::Large { len, .. }) if len > self.record_limit() => {
                 Err(StoreError::Untrue(format!(
                     "a record of {len} bytes; none is over {}",
                     self.record_limit()
                 )))
             }
-            Some(Held::Large { len, start }) => Ok(self.large(len, start)),
-            Some(Held::Value { value, ttl }) => Ok(match self.decode(key, value) {
+            Some(Occupant::Large { len, start }) => Ok(self.large(len, start)),
+            Some(Occupant::Value { value, ttl }) => Ok(match self.decode(key, value) {
                 Ok(record) => Reservation::Existing { record, ttl },
                 Err(e) => Reservation::Unreadable(e),
             }),

@@ -12,11 +12,11 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::{Pipeline, Script, Value};
 use tracing::{info, warn};
 
-use super::conn::{command, ms, run_script, Conn};
 use super::pieces::{self, Step};
 use super::redis::RedisStore;
+use super::redis_conn::{command, ms, run_script, Conn};
 use super::wire::{digits, pack};
-use super::{Completion, Held, Operations, StoreError};
+use super::{Completion, Occupant, Operations, StoreError};
 use crate::deadline::Deadlines;
 use crate::record::Token;
 
@@ -144,7 +144,7 @@ impl RedisStore {
     }
 
     /// `WAIT`; when it falls short, whether the master moved
-    /// ([`Connections::master_moved`](super::connections::Connections::master_moved)).
+    /// ([`Connections::master_moved`](super::redis_connections::Connections::master_moved)).
     async fn wait(&self, conn: &mut Conn, key: &str) -> redis::RedisResult<i64> {
         let waited = self.wait_once(conn, key).await;
         if !matches!(waited, Ok(acked) if acked >= i64::from(self.wait_replicas)) {
@@ -234,7 +234,7 @@ impl Operations for RedisStore {
         lease: Duration,
         inline: u64,
         taken: &std::sync::atomic::AtomicBool,
-    ) -> Result<Option<Held>, StoreError> {
+    ) -> Result<Option<Occupant>, StoreError> {
         let mut conn = self.conns.conn().await?;
         let mut tries = 0;
         let held = loop {
@@ -266,13 +266,13 @@ impl Operations for RedisStore {
                     .map_err(|e| self.backend(e))?
             };
             if len == head.len() as u64 {
-                break Some(Held::Value {
+                break Some(Occupant::Value {
                     value: Bytes::from(head),
                     ttl: None,
                 });
             }
             if len > 0 || tries >= RESERVE_TRIES {
-                break Some(Held::Large {
+                break Some(Occupant::Large {
                     len,
                     start: Bytes::from(head),
                 });

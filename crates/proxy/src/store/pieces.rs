@@ -24,7 +24,7 @@ use bytes::{Bytes, BytesMut};
 use redis::aio::ConnectionLike;
 use redis::Script;
 
-use super::conn::{ms, run_script, Conn};
+use super::redis_conn::{ms, run_script, Conn};
 use super::wire::digits;
 use super::{Completion, StoreError};
 use crate::deadline::{Deadlines, Within};

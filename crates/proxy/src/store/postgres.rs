@@ -31,7 +31,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
-use super::{Completion, Held, Operations, StoreError, StoreSetupError, PIECE};
+use super::{Completion, Occupant, Operations, StoreError, StoreSetupError, PIECE};
 use crate::config::{SslMode, StoreConfig};
 use crate::deadline::Deadlines;
 use crate::record::{Token, TOKEN_RANGE};
@@ -1107,7 +1107,7 @@ impl Operations for PostgresStore {
         lease: Duration,
         inline: u64,
         taken: &AtomicBool,
-    ) -> Result<Option<Held>, StoreError> {
+    ) -> Result<Option<Occupant>, StoreError> {
         let token = Token::of_record(&value)
             .ok_or_else(|| StoreError::Backend("a reservation without an owner token".into()))?;
         let inline = i32::try_from(inline.max(1)).unwrap_or(i32::MAX);
@@ -1137,12 +1137,12 @@ impl Operations for PostgresStore {
             }
             let len = len.max(0) as u64;
             return Ok(Some(if len == start.len() as u64 {
-                Held::Value {
+                Occupant::Value {
                     value: Bytes::from(start),
                     ttl: Some(Duration::from_millis(left.max(0) as u64)),
                 }
             } else {
-                Held::Large {
+                Occupant::Large {
                     len,
                     start: Bytes::from(start),
                 }

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::cluster::ClusterNodes;
-use super::conn::store_error;
-use super::connections::{Connections, Source};
+use super::redis_conn::store_error;
+use super::redis_connections::{Connections, Source};
 use super::sentinel::Sentinel;
 use super::settings::{manager_config, password, standalone, tls_certs, PASSWORD_ENV};
 use super::{StoreError, StoreSetupError};

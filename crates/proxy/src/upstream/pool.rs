@@ -30,7 +30,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::UpstreamError;
-use crate::body::{Body, Inbound, Lent};
+use crate::body::{Body, Inbound, LentConnection};
 
 /// Idle connections kept at most (as many as hyper-util's client kept per host).
 const MAX_IDLE: usize = 1024;
@@ -46,7 +46,7 @@ struct Conn {
     pool: Weak<Pool>,
 }
 
-impl Lent for Conn {
+impl LentConnection for Conn {
     /// Drives the connection's I/O; true while it is still open.
     fn drive(&mut self, cx: &mut Context<'_>) -> bool {
         if !self.done && Pin::new(&mut self.io).poll(cx).is_ready() {

@@ -10,7 +10,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tracing::warn;
 
 use super::cluster::ClusterNodes;
-use super::conn::{store_error, Conn};
+use super::redis_conn::{store_error, Conn};
 use super::sentinel::Sentinel;
 use super::wire::Wire;
 use super::StoreError;
