@@ -8,21 +8,22 @@ WORKDIR /src
 # Cargo to read the workspace; tests/dockerfile.rs runs these steps).
 COPY Cargo.toml Cargo.lock ./
 COPY crates/proxy/Cargo.toml crates/proxy/
+COPY crates/store/Cargo.toml crates/store/
 COPY crates/kube/Cargo.toml crates/kube/
 COPY crates/campaign/Cargo.toml crates/campaign/
-RUN mkdir -p src examples/demo-upstream crates/proxy/src crates/kube/src crates/campaign/src \
+RUN mkdir -p src examples/demo-upstream crates/proxy/src crates/store/src crates/kube/src crates/campaign/src \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > examples/demo-upstream/main.rs \
  && echo 'fn main() {}' > crates/campaign/src/main.rs \
- && touch crates/proxy/src/lib.rs crates/kube/src/lib.rs \
+ && touch crates/proxy/src/lib.rs crates/store/src/lib.rs crates/kube/src/lib.rs \
  && cargo build --release --locked --bin idemproxy --bin demo-upstream \
- && rm -rf src examples crates/proxy/src crates/kube/src crates/campaign/src
+ && rm -rf src examples crates/proxy/src crates/store/src crates/kube/src crates/campaign/src
 COPY src ./src
 COPY crates ./crates
 COPY examples ./examples
 # The PostgreSQL store's schema is compiled in (include_str!).
 COPY deploy/postgres/schema.sql ./deploy/postgres/
-RUN touch src/main.rs crates/proxy/src/lib.rs crates/kube/src/lib.rs examples/demo-upstream/main.rs \
+RUN touch src/main.rs crates/proxy/src/lib.rs crates/store/src/lib.rs crates/kube/src/lib.rs examples/demo-upstream/main.rs \
  && cargo build --release --locked --bin idemproxy --bin demo-upstream
 
 FROM gcr.io/distroless/cc-debian12:nonroot

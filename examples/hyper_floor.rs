@@ -128,7 +128,7 @@ impl Source {
             }
             Source::Wire(wire, sha) => {
                 let mut cmd = redis::Cmd::with_capacity(7, 160);
-                // As the store builds it (`send_script` in crates/proxy/src/store/conn.rs).
+                // As the store builds it (`send_script` in crates/store/src/redis_conn.rs).
                 cmd.arg("EVALSHA").arg(sha.as_str()).arg(1).arg(KEY);
                 cmd.arg(PROCESSING).arg(30_000).arg(65_536);
                 let (value, _ttl): (Vec<u8>, i64) = cmd

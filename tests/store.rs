@@ -772,7 +772,7 @@ async fn a_large_record_is_written_in_pieces_and_never_read_half_written() {
         .unwrap();
     let mid_way = big().await;
     assert_eq!(mid_way.status, 409, "half written: in progress");
-    let script = redis::Script::new(include_str!("../crates/proxy/src/store/piece.lua"));
+    let script = redis::Script::new(include_str!("../crates/store/src/piece.lua"));
     let token = &whole[2..18];
     // Out of step (a piece for an offset the record has not reached): refused.
     let n: i64 = script

@@ -256,18 +256,7 @@ pub fn request_record_digest(
     h.finalize().into()
 }
 
-/// Appends a digest in lower-case hex: the `hex` crate's encoder goes through
-/// a char iterator (1.7k instructions for 32 bytes, callgrind); this is a
-/// table lookup.
-pub fn push_hex(out: &mut String, digest: &[u8; 32]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut hex = [0u8; 64];
-    for (pair, &b) in hex.chunks_exact_mut(2).zip(digest) {
-        pair[0] = DIGITS[usize::from(b >> 4)];
-        pair[1] = DIGITS[usize::from(b & 0xf)];
-    }
-    out.push_str(std::str::from_utf8(&hex).expect("hex digits are ASCII"));
-}
+pub use idemproxy_store::push_hex;
 
 /// SHA-256 over method, path, query, the fingerprint headers (sorted by name) and the body.
 pub fn fingerprint(

@@ -49,8 +49,9 @@ pub mod serve;
 pub mod conn;
 // The send deadline of HTTP/2 answers.
 pub(crate) mod stall;
-// Deadlines of one length for many operations, kept by one timer.
-pub(crate) mod deadline;
+// Deadlines of one length for many operations, kept by one timer (the
+// store's crate has them; the upstream's timeouts use them too).
+pub(crate) use idemproxy_store::deadline;
 // TLS on the client-facing listener.
 pub mod tls;
 // Worker threads with a runtime each.
@@ -92,13 +93,14 @@ pub(crate) mod grpc;
 // The pooled upstream client and header hygiene.
 pub mod upstream;
 
-// What is kept.
+// What is kept: a crate of its own (crates/store), under the names the
+// proxy has always used.
 // What is stored under a key, in its binary format.
-pub mod record;
+pub use idemproxy_store::record;
 // Records sealed at rest (AES-256-GCM).
-pub mod seal;
+pub use idemproxy_store::seal;
 // The store: one key per operation, in memory, on Redis or on PostgreSQL.
-pub mod store;
+pub use idemproxy_store as store;
 // Prometheus metrics.
 pub mod metrics;
 // Distributed tracing: spans exported over OTLP (`[telemetry]`).

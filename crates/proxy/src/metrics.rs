@@ -589,6 +589,17 @@ impl prometheus_client::encoding::EncodeLabelValue for RouteName {
     }
 }
 
+/// The store (its own crate) reports each operation's time and outcome here.
+impl idemproxy_store::StoreMetrics for Metrics {
+    fn store_op(&self, op: &'static str, took: Duration, ok: bool) {
+        Metrics::store_op(self, op, took, ok);
+    }
+
+    fn store_sweep_failed(&self) {
+        Metrics::store_sweep_failed(self);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

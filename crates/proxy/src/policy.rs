@@ -188,25 +188,9 @@ pub enum LeaseExpiry {
     ReExecute,
 }
 
-/// What becomes of a dead owner's key, as the reservation records it
-/// (see [`Policy::dead_owner`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeadOwner {
-    /// The next request with the key stores and answers the 502 `outcome-unknown`.
-    StoreUnknown,
-    /// The next request with the key takes it over and runs again.
-    ReExecute,
-}
-
-impl DeadOwner {
-    /// The `handling` label of `idemproxy_lease_expired_total`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeadOwner::StoreUnknown => "unknown_outcome",
-            DeadOwner::ReExecute => "re_execute",
-        }
-    }
-}
+/// What becomes of a dead owner's key (see [`Policy::dead_owner`]): the
+/// store records it in the reservation.
+pub use idemproxy_store::record::DeadOwner;
 
 impl Policy {
     /// How a dead owner's key is handled: stored as an unknown outcome when

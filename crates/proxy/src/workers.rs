@@ -23,7 +23,6 @@
 //! plane, blocking tasks, a test's runtime; with `runtime =
 //! "work_stealing"` there is only slot 0).
 
-use std::cell::Cell;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -33,37 +32,8 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-thread_local! {
-    static SLOT: Cell<usize> = const { Cell::new(0) };
-}
-
-/// This thread's place among the per-worker things: its worker's number,
-/// or 0 on a thread that is not a worker.
-pub fn slot() -> usize {
-    SLOT.with(Cell::get)
-}
-
-/// One value per slot: index 0 for the threads that are not workers, then
-/// one per worker. Read through [`PerWorker::get`], which picks the calling
-/// thread's; a slot beyond the values (one value: work stealing) reads the first.
-pub struct PerWorker<T>(Box<[T]>);
-
-impl<T> PerWorker<T> {
-    /// `slots` values, made by `make(slot)`; at least one.
-    pub fn new(slots: usize, make: impl FnMut(usize) -> T) -> Self {
-        PerWorker((0..slots.max(1)).map(make).collect())
-    }
-
-    /// The calling thread's value.
-    pub fn get(&self) -> &T {
-        self.0.get(slot()).unwrap_or(&self.0[0])
-    }
-
-    /// Every value, slot 0 first.
-    pub fn all(&self) -> &[T] {
-        &self.0
-    }
-}
+use idemproxy_store::per_worker::set_slot;
+pub use idemproxy_store::per_worker::PerWorker;
 
 /// A connection's work, handed to a worker: first polled there, so that it
 /// runs on that worker's thread from start to end.
@@ -97,7 +67,7 @@ impl Workers {
             std::thread::Builder::new()
                 .name(format!("idemproxy-worker-{worker}"))
                 .spawn(move || {
-                    SLOT.with(|s| s.set(worker));
+                    set_slot(worker);
                     // Runs what is spawned onto it (from the accepting thread)
                     // until draining is over.
                     runtime.block_on(finish.cancelled());
@@ -179,10 +149,10 @@ mod tests {
         assert_eq!(values.all(), &[0, 10, 20]);
         let one = PerWorker::new(0, |slot| slot + 7);
         assert_eq!(one.all(), &[7]);
-        SLOT.with(|s| s.set(2));
+        set_slot(2);
         assert_eq!(*values.get(), 20);
         assert_eq!(*one.get(), 7, "beyond the values: the first");
-        SLOT.with(|s| s.set(0));
+        set_slot(0);
     }
 
     #[tokio::test]
@@ -202,7 +172,9 @@ mod tests {
             let seen = seen.clone();
             let job: WorkerFuture = Box::pin(async move {
                 let name = std::thread::current().name().map(str::to_string);
-                seen.lock().unwrap().push((slot(), name));
+                seen.lock()
+                    .unwrap()
+                    .push((idemproxy_store::per_worker::slot(), name));
                 let _ = tx.send(());
             });
             assert!(workers.run(worker, || Some(job)));

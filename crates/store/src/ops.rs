@@ -478,7 +478,7 @@ impl Operations for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Config, Overrides};
+    use crate::config::{Backend, RedisMode, SslMode, StoreConfig};
 
     /// A future is copied whole where it is made and where it is awaited, so
     /// the per-request operations carry only their common path: connecting,
@@ -488,16 +488,28 @@ mod tests {
     #[test]
     fn the_per_request_operations_futures_stay_small() {
         // Never connected: the futures are made, measured and dropped.
-        let toml = r#"
-            [server]
-            upstream = "http://127.0.0.1:1"
-            [store]
-            backend = "redis"
-            url = "redis://127.0.0.1:1"
-            wait_replicas = 1
-        "#;
-        let config = Config::from_toml(toml, "<test>", &Overrides::default()).unwrap();
-        let store = RedisStore::new(&config.store, 1).unwrap();
+        let config = StoreConfig {
+            backend: Backend::Redis,
+            url: "redis://127.0.0.1:1".into(),
+            key_prefix: "idem".into(),
+            op_timeout: Duration::from_millis(500),
+            password_file: None,
+            mode: RedisMode::Standalone,
+            nodes: Vec::new(),
+            sentinels: Vec::new(),
+            master_name: None,
+            username: None,
+            tls_ca_file: None,
+            wait_replicas: 1,
+            wait_timeout: Duration::from_millis(500),
+            memory_limit: 0,
+            encryption_key_file: None,
+            require_sealed: false,
+            sslmode: SslMode::Disable,
+            table: "idempotency_records".into(),
+            pool_size: 1,
+        };
+        let store = RedisStore::new(&config, 1).unwrap();
         let (lease, token) = (Duration::from_secs(1), Token([7; 16]));
         let steps = Deadlines::new(lease);
         let taken = std::sync::atomic::AtomicBool::new(false);

@@ -34,15 +34,15 @@ use tokio_postgres::NoTls;
 use super::{Completion, Occupant, Operations, StoreError, StoreSetupError, PIECE};
 use crate::config::{SslMode, StoreConfig};
 use crate::deadline::Deadlines;
+use crate::per_worker::PerWorker;
 use crate::record::{Token, TOKEN_RANGE};
-use crate::workers::PerWorker;
 
 /// The env var that carries the PostgreSQL password (wins over `password_file`).
 pub const PASSWORD_ENV: &str = "IDEMPROXY_POSTGRES_PASSWORD";
 
 /// The table's definition, as shipped; `--init-store` runs it with the
 /// configured table name in place of [`SCHEMA_TABLE`].
-pub const SCHEMA: &str = include_str!("../../../../deploy/postgres/schema.sql");
+pub const SCHEMA: &str = include_str!("../../../deploy/postgres/schema.sql");
 const SCHEMA_TABLE: &str = "idemproxy_records";
 
 /// The columns the proxy reads and writes, and their types as

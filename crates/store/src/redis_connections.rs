@@ -14,7 +14,7 @@ use super::redis_conn::{store_error, Conn};
 use super::sentinel::Sentinel;
 use super::wire::Wire;
 use super::StoreError;
-use crate::workers::PerWorker;
+use crate::per_worker::PerWorker;
 
 /// After this many store failures in a row (timeouts, broken or refused
 /// connections, a demoted master) the connection is made anew: a blackholed
@@ -81,7 +81,7 @@ impl Default for Backoff {
 pub(super) struct Connections {
     source: Source,
     /// The connections: one per worker thread for a standalone server or
-    /// Sentinel's master (`crate::workers`: a request's round trips then wake
+    /// Sentinel's master (the proxy's workers, `per_worker`: a request's round trips then wake
     /// no other thread), one for every thread in a cluster (redis-rs's
     /// cluster connection already holds one per node).
     slots: PerWorker<Slot>,

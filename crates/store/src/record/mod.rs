@@ -72,7 +72,6 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue};
 
-use crate::policy::DeadOwner;
 use crate::seal::{self, Keyring, OpenError, SealError, NONCE_BYTES, TAG_LEN};
 
 /// A clear record without trailers: every reservation, and most answers.
@@ -718,3 +717,23 @@ pub fn now_ms() -> u64 {
 
 #[cfg(test)]
 mod tests;
+
+/// What becomes of a dead owner's key, as the reservation records it
+/// (the route's `lease_expiry` and `unknown_outcome`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeadOwner {
+    /// The next request with the key stores and answers the 502 `outcome-unknown`.
+    StoreUnknown,
+    /// The next request with the key takes it over and runs again.
+    ReExecute,
+}
+
+impl DeadOwner {
+    /// The `handling` label of `idemproxy_lease_expired_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadOwner::StoreUnknown => "unknown_outcome",
+            DeadOwner::ReExecute => "re_execute",
+        }
+    }
+}

@@ -454,7 +454,7 @@ async fn read_replies(shared: Arc<Shared>) {
 /// The reply parser's entry points for `fuzz/fuzz_targets/wire.rs`; not an API.
 #[doc(hidden)]
 pub mod fuzzing {
-    pub use crate::store::reply::{in_reads as replies_in_reads, parse as reply};
+    pub use crate::reply::{in_reads as replies_in_reads, parse as reply};
 }
 
 /// The error a request on a failed connection gets. A reply the reader
