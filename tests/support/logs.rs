@@ -25,8 +25,10 @@ thread_local! {
 }
 
 /// The lines of every proxy with lines of its own, while it lives.
-fn apart() -> &'static Mutex<Vec<Weak<Mutex<Vec<String>>>>> {
-    static APART: OnceLock<Mutex<Vec<Weak<Mutex<Vec<String>>>>>> = OnceLock::new();
+type Apart = Mutex<Vec<Weak<Mutex<Vec<String>>>>>;
+
+fn apart() -> &'static Apart {
+    static APART: OnceLock<Apart> = OnceLock::new();
     APART.get_or_init(Mutex::default)
 }
 
