@@ -3,7 +3,8 @@
 //! reached the upstream. The outcome is unknown, so it is stored as the 502
 //! `outcome-unknown` and replayed, never executed again; `lease_expiry =
 //! "re_execute"` runs it again (docs/reference/behaviour.md#dead-owner).
-//! Real processes: only a process can be killed.
+//! The killed proxy is a real process (only a process can be killed); the
+//! one that answers next is served in-process.
 
 mod support;
 
@@ -76,15 +77,16 @@ async fn killed_owner_is_an_unknown_outcome(backend: Backend, replica: bool) {
     let store = Shared::start(backend).await;
     let upstream = TestUpstream::start().await;
     let text = store.config(&upstream, "lease = \"1s\"");
+    // The binary: it is killed (SIGKILL).
     let mut a = Proxy::start(&text).await;
     let b = match replica {
-        true => Some(Proxy::start(&text).await),
+        true => Some(Proxy::in_process(&text, &[]).await),
         false => None,
     };
     held_then_killed(&mut a, &upstream, "k-dead").await;
     let next = match b {
         Some(b) => b,
-        None => Proxy::start(&text).await,
+        None => Proxy::in_process(&text, &[]).await,
     };
     let url = next.url("/v1/payments");
     let r = after_the_lease(&url, "k-dead").await;
@@ -136,9 +138,10 @@ async fn re_execute_runs_a_killed_owners_request_again() {
     let store = Shared::start(Backend::Redis).await;
     let upstream = TestUpstream::start().await;
     let text = store.config(&upstream, "lease = \"1s\"\nlease_expiry = \"re_execute\"");
+    // The binary: it is killed (SIGKILL).
     let mut a = Proxy::start(&text).await;
     held_then_killed(&mut a, &upstream, "k-again").await;
-    let b = Proxy::start(&text).await;
+    let b = Proxy::in_process(&text, &[]).await;
     let url = b.url("/v1/payments");
     let r = Call::post(&url).key("k-again").body("pay").await;
     if r.status == 409 {
@@ -167,9 +170,10 @@ async fn release_routes_run_a_killed_owners_request_again() {
     let store = Shared::start(Backend::Postgres).await;
     let upstream = TestUpstream::start().await;
     let text = store.config(&upstream, "lease = \"1s\"\nunknown_outcome = \"release\"");
+    // The binary: it is killed (SIGKILL).
     let mut a = Proxy::start(&text).await;
     held_then_killed(&mut a, &upstream, "k-released").await;
-    let b = Proxy::start(&text).await;
+    let b = Proxy::in_process(&text, &[]).await;
     let fresh = after_the_lease(&b.url("/v1/payments"), "k-released").await;
     assert_eq!(fresh.status, 201);
     assert_eq!(upstream.hits(), 2);
@@ -188,8 +192,9 @@ async fn a_waiting_duplicate_learns_of_a_killed_owner_when_the_lease_ends() {
     let upstream = TestUpstream::start().await;
     let wait = "lease = \"3s\"\nconcurrent = \"wait\"\nwait_timeout = \"20s\"";
     let text = store.config(&upstream, wait);
+    // The binary: it is killed (SIGKILL).
     let mut a = Proxy::start(&text).await;
-    let b = Proxy::start(&text).await;
+    let b = Proxy::in_process(&text, &[]).await;
     held_then_killed(&mut a, &upstream, "k-waited").await;
     // Sent within the lease (renewed every second until the kill): it waits.
     let sent = std::time::Instant::now();

@@ -588,9 +588,9 @@ async fn three_proxies_300_concurrent_same_key_requests_one_execution() {
     let upstream = TestUpstream::start().await;
     let text = ConfigBuilder::new(&upstream.url()).redis(&redis).build();
     let proxies = [
-        Proxy::start(&text).await,
-        Proxy::start(&text).await,
-        Proxy::start(&text).await,
+        Proxy::in_process(&text, &[]).await,
+        Proxy::in_process(&text, &[]).await,
+        Proxy::in_process(&text, &[]).await,
     ];
     let mut tasks = Vec::new();
     for i in 0..300 {
@@ -626,6 +626,7 @@ async fn shutdown_grace_running_out_stores_the_unknown_outcome_and_exits_0() {
         .server("shutdown_grace = \"500ms\"")
         .redis(&redis)
         .build();
+    // The binary: SIGTERM is sent to it, and its exit code read.
     let mut proxy = Proxy::start(&text).await;
     let stuck = tokio::spawn({
         let url = proxy.url("/v1/payments");
@@ -649,7 +650,7 @@ async fn shutdown_grace_running_out_stores_the_unknown_outcome_and_exits_0() {
     // A warning names what was cut short (its line may still be on the way from stderr).
     proxy.wait_log("cutting them short").await;
     // The request cut short is treated like an upstream timeout: its 504 is stored.
-    let next = Proxy::start(&text).await;
+    let next = Proxy::in_process(&text, &[]).await;
     let r = Call::post(&next.url("/v1/payments"))
         .key("k-stuck")
         .body("x")

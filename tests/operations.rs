@@ -334,6 +334,7 @@ async fn admin_api_is_off_without_a_token() {
 async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_broken() {
     let upstream = TestUpstream::start().await;
     let one_route = ConfigBuilder::new(&upstream.url()).route("payments", "/v1/payments", "");
+    // The binary: its config file is rewritten and SIGHUP sent to it.
     let proxy = Proxy::start(&one_route.build()).await;
     let new_url = proxy.url("/v1/new");
     Call::post(&new_url).key("k-new").body("x").await;
@@ -384,6 +385,7 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_brok
 async fn a_failed_reload_keeps_the_config_and_a_later_reload_still_applies() {
     let upstream = TestUpstream::start().await;
     let one_route = ConfigBuilder::new(&upstream.url()).route("payments", "/v1/payments", "");
+    // The binary: its config file is rewritten and SIGHUP sent to it.
     let proxy = Proxy::start(&one_route.build()).await;
     let new_url = proxy.url("/v1/new");
 
@@ -431,7 +433,7 @@ async fn the_admin_listener_caps_its_connections_without_locking_probes_out() {
     let config = ConfigBuilder::new("http://127.0.0.1:1")
         .server("idle_timeout = \"60s\"")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     // The cap (32) taken by connections that say nothing, for a minute.
     let mut held = idle_admin_connections(&proxy, 32).await;
     // A probe still gets in: it takes the place of the oldest idle one.
@@ -464,7 +466,7 @@ async fn idle_admin_connections_are_closed_after_idle_timeout() {
     let config = ConfigBuilder::new("http://127.0.0.1:1")
         .server("idle_timeout = \"1s\"")
         .build();
-    let proxy = Proxy::start(&config).await;
+    let proxy = Proxy::in_process(&config, &[]).await;
     // Kept alive after a scrape, and left open: closed once idle for 1 s
     // (well before the 10 s the header timeout would take).
     let mut held = idle_admin_connections(&proxy, 8).await;

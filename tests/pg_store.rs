@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use support::*;
 
+/// The binary run to its end: its exit code and output are what is tested.
 fn idemproxy(config: &std::path::Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idemproxy"))
         .env_remove("IDEMPROXY_CONFIG")
@@ -498,8 +499,8 @@ async fn tls_to_postgres_is_verified_against_the_ca_file() {
         .store(&store("other.pem"))
         .routes(ROUTES)
         .build();
-    // The binary, waited for until it listens (it never becomes ready).
-    let proxy = Proxy::spawn(&text, &[]).await;
+    // Not waited for until ready: it never becomes ready.
+    let proxy = Proxy::spawn_in_process(&text, &[]).await;
     let failed = proxy.wait_log("store ping failed").await;
     assert!(
         failed["error"]
@@ -631,7 +632,8 @@ async fn a_read_only_server_is_not_ready_until_writable_again() {
         .store("op_timeout = \"300ms\"")
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::in_process(&text, &[]).await;
+    // Two proxies, each with its own logs: "store ping failed" is the late one's.
+    let proxy = Proxy::in_process_apart(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     assert_eq!(
         Call::post(&url).key("k-ro-before").body("x").await.status,
@@ -667,7 +669,7 @@ async fn a_read_only_server_is_not_ready_until_writable_again() {
         .store("op_timeout = \"300ms\"")
         .routes(ROUTES)
         .build();
-    let late = Proxy::spawn(&text, &[]).await;
+    let late = Proxy::spawn_in_process_apart(&text, &[]).await;
     let failed = late.wait_log("store ping failed").await;
     assert!(
         failed["error"]
@@ -745,7 +747,7 @@ async fn a_table_checked_after_a_late_start_is_not_written_to_until_it_is_right(
         .store("op_timeout = \"300ms\"")
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::spawn(&config, &[]).await;
+    let proxy = Proxy::spawn_in_process(&config, &[]).await;
     let url = proxy.url("/v1/payments");
     assert_eq!(Call::post(&url).key("k-1").body("x").await.status, 503);
 
@@ -796,6 +798,7 @@ async fn debug_logging_does_not_log_the_statements_parameters() {
         ("info,tokio_postgres:=debug", false),
         ("debug,tokio_postgres::query=debug", true),
     ] {
+        // The binary: RUST_LOG is the process's environment, read by its logging.
         let proxy = Proxy::spawn(&config, &[("RUST_LOG", filter)]).await;
         proxy.wait_ready().await;
         let key = format!("k-{}", filter.len());
@@ -920,7 +923,7 @@ async fn the_late_table_check_is_not_cut_short_by_op_timeout() {
         .store("op_timeout = \"300ms\"")
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::spawn(&text, &[]).await;
+    let proxy = Proxy::spawn_in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     pg.restart().await;
     proxy.wait_log("the table is as the proxy needs it").await;
@@ -955,7 +958,7 @@ async fn a_table_that_turns_unlogged_while_the_proxy_runs_stops_new_keys_until_i
         .postgres(&pg)
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::spawn(&config, &[]).await;
+    let proxy = Proxy::spawn_in_process(&config, &[]).await;
     proxy.wait_ready().await;
     let url = proxy.url("/v1/payments");
     assert_eq!(Call::post(&url).key("k-before").body("x").await.status, 201);

@@ -19,10 +19,11 @@ async fn core_behaviour_on_a_three_master_cluster() {
     let text = ConfigBuilder::new(&upstream.url())
         .redis_store(&one_seed)
         .build();
+    // Three proxies, each with its own logs (read below).
     let proxies = [
-        Proxy::start(&text).await,
-        Proxy::start(&text).await,
-        Proxy::start(&text).await,
+        Proxy::in_process_apart(&text, &[]).await,
+        Proxy::in_process_apart(&text, &[]).await,
+        Proxy::in_process_apart(&text, &[]).await,
     ];
     let url = |i: usize, path: &str| proxies[i % 3].url(path);
 
@@ -165,10 +166,11 @@ async fn a_live_resharding_fails_no_request() {
         "mode = \"cluster\"\nnodes = [\"redis://127.0.0.1:{}\"]",
         cluster.nodes[0].port
     );
-    let proxy = Proxy::start(
+    let proxy = Proxy::in_process(
         &ConfigBuilder::new(&upstream.url())
             .redis_store(&seed)
             .build(),
+        &[],
     )
     .await;
     let slot = slot_of(&store_key("move-0"));
@@ -343,7 +345,7 @@ async fn sentinel_failover_recovers_without_restarting_the_proxy() {
     let text = ConfigBuilder::new(&upstream.url())
         .redis_store(&setup.store_lines())
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     let before = Call::post(&url).key("s-before").body("x").await;
     assert_eq!(before.status, 201);
@@ -414,7 +416,7 @@ async fn wait_replicas_refuses_to_forward_when_the_replica_does_not_acknowledge(
         .store("wait_replicas = 1\nwait_timeout = \"100ms\"")
         .route("payments", "/v1/payments", "on_store_error = \"pass\"")
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     // The event, not a time: a key answered while the replica acknowledges
     // within `wait_timeout` (on a loaded machine one may miss it and get
@@ -484,7 +486,7 @@ async fn wait_replicas_writes_a_completion_again_when_the_replica_missed_it() {
         .store("wait_replicas = 1\nwait_timeout = \"100ms\"")
         .route("payments", "/v1/payments", "lease = \"60s\"")
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
 
     // Reserved and replicated (the reserve's WAIT), then held at the upstream.
@@ -579,7 +581,8 @@ async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
         .clone()
         .store(&format!("tls_ca_file = \"{}\"", ca.display()))
         .build();
-    let proxy = Proxy::start_with_env(&text, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
+    // Three proxies, each with its own logs: each one's "store ping failed" is its own.
+    let proxy = Proxy::in_process_apart(&text, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
     let url = proxy.url("/v1/payments");
     let first = Call::post(&url).key("t-1").body("x").await;
     assert_eq!(first.status, 201);
@@ -607,14 +610,15 @@ async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
 
     // Without the CA, the server's certificate is not trusted: never ready.
     let no_ca = tls.store("op_timeout = \"300ms\"").build();
-    let untrusting = Proxy::spawn(&no_ca, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
+    let untrusting =
+        Proxy::spawn_in_process_apart(&no_ca, &[("IDEMPROXY_REDIS_PASSWORD", "idem-pw")]).await;
     untrusting.wait_log("store ping failed").await;
     assert_eq!(
         get(&untrusting.admin_url("/readyz")).await.unwrap().status,
         503
     );
     // A wrong password is refused too.
-    let wrong = Proxy::spawn(&text, &[("IDEMPROXY_REDIS_PASSWORD", "nope")]).await;
+    let wrong = Proxy::spawn_in_process_apart(&text, &[("IDEMPROXY_REDIS_PASSWORD", "nope")]).await;
     wrong.wait_log("store ping failed").await;
     assert_eq!(get(&wrong.admin_url("/readyz")).await.unwrap().status, 503);
 }
@@ -626,14 +630,17 @@ async fn tls_with_a_test_ca_and_a_least_privilege_acl_user() {
 async fn startup_check_warns_about_eviction_and_missing_persistence() {
     let upstream = TestUpstream::start().await;
     let evicting = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]).await;
-    let proxy = Proxy::start(&ConfigBuilder::new(&upstream.url()).redis(&evicting).build()).await;
+    // Two proxies, each with its own logs: the second's must not hold the first's warnings.
+    let evicting_config = ConfigBuilder::new(&upstream.url()).redis(&evicting).build();
+    let proxy = Proxy::in_process_apart(&evicting_config, &[]).await;
     let line = proxy.wait_log("set maxmemory-policy noeviction").await;
     assert_eq!(line["level"], "WARN");
     assert_eq!(line["maxmemory_policy"], "allkeys-lru");
     proxy.wait_log("no persistence").await;
 
     let durable = RedisServer::start_with(&["--appendonly", "yes"]).await;
-    let proxy = Proxy::start(&ConfigBuilder::new(&upstream.url()).redis(&durable).build()).await;
+    let durable_config = ConfigBuilder::new(&upstream.url()).redis(&durable).build();
+    let proxy = Proxy::in_process_apart(&durable_config, &[]).await;
     proxy.wait_log("store durability check").await;
     assert!(!proxy
         .logs()

@@ -165,6 +165,7 @@ async fn a_sealed_record_replays_and_is_stored_sealed(backend: Backend) {
 /// Keys are reloaded on SIGHUP, by the binary: this scenario starts it.
 async fn rotation_keeps_old_records_until_their_key_is_removed(backend: Backend) {
     let keys = KeyFile::new(&[K1]);
+    // The binary: the keys are reloaded on SIGHUP sent to it.
     let env = sealed_env(backend, &keys).binary().start().await;
     let url = env.url("/v1/payments");
     let old = Call::post(&url).key("k-old").body("x").await;
@@ -244,6 +245,7 @@ async fn large_records_are_sealed_and_replayed(backend: Backend) {
 /// Keys are reloaded on SIGHUP, by the binary: this scenario starts it.
 async fn a_failed_key_reload_keeps_the_keys_in_use(backend: Backend) {
     let keys = KeyFile::new(&[K1]);
+    // The binary: the keys are reloaded on SIGHUP sent to it.
     let env = sealed_env(backend, &keys).binary().start().await;
     let url = env.url("/v1/payments");
     assert_eq!(Call::post(&url).key("k-a").body("x").await.status, 201);
@@ -290,6 +292,7 @@ async fn clear_records_written_before_sealing_was_switched_on_still_replay() {
     let redis = RedisServer::start().await;
     let upstream = TestUpstream::start().await;
     let plain = ConfigBuilder::new(&upstream.url()).redis(&redis);
+    // The binary: SIGTERM is sent to it, and its exit code read.
     let mut proxy = Proxy::start(&plain.build()).await;
     let first = Call::post(&proxy.url("/v1/payments"))
         .key("k-clear")
@@ -301,7 +304,7 @@ async fn clear_records_written_before_sealing_was_switched_on_still_replay() {
     assert_eq!(proxy.wait_exit().await, Some(0));
 
     let keys = KeyFile::new(&[K1]);
-    let proxy = Proxy::start(&plain.store(&keys.store_line()).build()).await;
+    let proxy = Proxy::in_process(&plain.store(&keys.store_line()).build(), &[]).await;
     let again = Call::post(&proxy.url("/v1/payments"))
         .key("k-clear")
         .body("x")
@@ -422,6 +425,7 @@ async fn with_require_sealed_a_clear_record_is_never_replayed() {
     let upstream = TestUpstream::start().await;
     // A clear record, as anyone who can write to the store could plant one.
     let plain = ConfigBuilder::new(&upstream.url()).redis(&redis);
+    // The binary: SIGTERM is sent to it, and its exit code read.
     let mut proxy = Proxy::start(&plain.build()).await;
     let url = proxy.url("/v1/payments");
     assert_eq!(
@@ -436,7 +440,7 @@ async fn with_require_sealed_a_clear_record_is_never_replayed() {
     let strict = plain
         .store(&keys.store_line())
         .store("require_sealed = true");
-    let proxy = Proxy::start(&strict.build()).await;
+    let proxy = Proxy::in_process(&strict.build(), &[]).await;
     let url = proxy.url("/v1/payments");
     let r = Call::post(&url).key("k-planted").body("x").await;
     assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
@@ -494,6 +498,7 @@ async fn a_large_record_sealed_under_a_key_no_longer_held_is_unreadable_from_its
     let upstream = TestUpstream::start().await;
     let old = KeyFile::new(&[K1]);
     let base = ConfigBuilder::new(&upstream.url()).redis(&redis);
+    // The binary: SIGTERM is sent to it, and its exit code read.
     let mut proxy = Proxy::start(&base.clone().store(&old.store_line()).build()).await;
     let large = Call::post(&proxy.url("/v1/payments"))
         .key("k-large-sealed")
@@ -506,7 +511,7 @@ async fn a_large_record_sealed_under_a_key_no_longer_held_is_unreadable_from_its
     // K1 removed: its records do not open; a large one is judged from its
     // head, and that head names a key this proxy does not hold.
     let new = KeyFile::new(&[K2]);
-    let proxy = Proxy::start(&base.store(&new.store_line()).build()).await;
+    let proxy = Proxy::in_process(&base.store(&new.store_line()).build(), &[]).await;
     for body in ["x", "another body"] {
         let r = Call::post(&proxy.url("/v1/payments"))
             .key("k-large-sealed")

@@ -193,7 +193,7 @@ async fn a_graceful_restart_while_a_large_completion_fails_leaves_the_410_record
         .redis(redis)
         .routes(ROUTES)
         .build();
-    let next = Proxy::start(&text).await;
+    let next = Proxy::in_process(&text, &[]).await;
     let retry = Call::post(&next.url("/v1/payments"))
         .key("k-restart")
         .body("x")
@@ -255,7 +255,7 @@ async fn the_completion_is_followed_by_wait_and_a_shortfall_is_counted() {
         .store("wait_replicas = 1\nwait_timeout = \"2s\"")
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     let waits = || async move {
         let info = reply_text(redis_cmd(mp, &["INFO", "commandstats"]).await.unwrap());
@@ -310,7 +310,7 @@ async fn a_reservation_waits_for_its_replica_as_long_as_wait_timeout_says() {
         .store("wait_replicas = 1\nwait_timeout = \"5s\"\nop_timeout = \"300ms\"")
         .routes(ROUTES)
         .build();
-    let proxy = Proxy::start(&text).await;
+    let proxy = Proxy::in_process(&text, &[]).await;
     let url = proxy.url("/v1/payments");
     // The replica stops for a while (the fault's length, not a wait for an event).
     replica.signal("STOP");

@@ -313,6 +313,7 @@ async fn survives(lie: Lie) {
         );
     }
     let config = config.build();
+    // The binary: the resident memory of its process is measured.
     let proxy = Proxy::spawn(&config, &[]).await;
     let rss_at_start = vm_rss(proxy.pid()).expect("the proxy runs");
 
@@ -489,7 +490,7 @@ async fn never_passed(lie: PassLie) {
             "[defaults]\non_store_error = \"pass\"\n[[routes]]\nname = \"payments\"\npath = \"/v1/payments\"\n",
         )
         .build();
-    let proxy = Proxy::spawn(&config, &[]).await;
+    let proxy = Proxy::spawn_in_process(&config, &[]).await;
     let r = Call::post(&proxy.url("/v1/payments"))
         .key("review-never-pass")
         .body("x")

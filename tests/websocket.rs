@@ -155,14 +155,26 @@ mode = "shadow"
     )
 }
 
+/// The echo server and the proxy in front of it, served in-process.
 async fn start(server_extra: &str) -> (EchoServer, Proxy) {
     let server = EchoServer::start().await;
+    let proxy = Proxy::in_process(&config(server.addr, &with_grace(server_extra)), &[]).await;
+    (server, proxy)
+}
+
+/// As [`start`], the binary: for what only a process has (SIGTERM, its exit code).
+async fn start_binary(server_extra: &str) -> (EchoServer, Proxy) {
+    let server = EchoServer::start().await;
+    let proxy = Proxy::start(&config(server.addr, &with_grace(server_extra))).await;
+    (server, proxy)
+}
+
+fn with_grace(server_extra: &str) -> String {
     let mut extra = server_extra.to_string();
     if !extra.contains("shutdown_grace") {
         extra.push_str("\nshutdown_grace = \"10s\"");
     }
-    let proxy = Proxy::start(&config(server.addr, &extra)).await;
-    (server, proxy)
+    extra
 }
 
 async fn connect(proxy: &Proxy, path: &str) -> Client {
@@ -419,7 +431,8 @@ async fn a_quiet_tunnel_outlives_the_idle_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_closes_a_live_tunnel_at_the_end_of_the_grace() {
     let grace = Duration::from_secs(2);
-    let (_server, mut proxy) = start("shutdown_grace = \"2s\"").await;
+    // The binary: SIGTERM is sent to it, and its exit code read.
+    let (_server, mut proxy) = start_binary("shutdown_grace = \"2s\"").await;
     let mut ws = connect(&proxy, "/chat").await;
     echoes(&mut ws, Message::text("before SIGTERM")).await;
     let signalled = Instant::now();

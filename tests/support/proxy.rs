@@ -1,27 +1,28 @@
 //! The proxy under test: the real binary (`idemproxy --config <file>`), with its
 //! addresses, JSON logs, signals and exit code; or the library's server in the test's
-//! own runtime ([`Proxy::in_process`]), with the same addresses and logs and no process.
+//! own runtime ([`Proxy::in_process`], in `inprocess.rs`), with the same addresses and logs
+//! and no process.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
-use idemproxy::config::{Config, Overrides};
-use idemproxy::server::Server;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::{captured_logs, eventually, get, kill_child, DEADLINE};
+use super::{eventually, get, kill_child, DEADLINE};
 
 pub struct Proxy {
-    child: Option<Child>,
+    pub(super) child: Option<Child>,
     /// The server as a task of the test's runtime (instead of `child`).
-    task: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+    pub(super) task: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+    /// The runtime of a proxy served apart ([`Proxy::in_process_apart`]).
+    pub(super) runtime: Option<tokio::runtime::Runtime>,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
-    logs: Arc<Mutex<Vec<String>>>,
-    _config: Option<tempfile::NamedTempFile>,
+    pub(super) logs: Arc<Mutex<Vec<String>>>,
+    pub(super) _config: Option<tempfile::NamedTempFile>,
 }
 
 pub fn write_config(toml: &str) -> tempfile::NamedTempFile {
@@ -61,40 +62,6 @@ pub fn run_to_exit(text: &str, check: bool) -> std::process::Output {
 }
 
 impl Proxy {
-    /// Serves `toml` from the library (`Server::bind`, then `run` as a task of the test's
-    /// runtime) and waits until `/readyz` is 200. `env` is set while the server is built
-    /// (the admin token is read then) and removed after. Logs are captured in-process
-    /// (`captured_logs`); signals, the config file and the exit code are the binary's.
-    pub async fn in_process(toml: &str, env: &[(&str, &str)]) -> Proxy {
-        let logs = captured_logs();
-        let config = Config::from_toml(toml, "inprocess.toml", &Overrides::default())
-            .unwrap_or_else(|e| panic!("{e}\n{toml}"));
-        for (k, v) in env {
-            std::env::set_var(k, v);
-        }
-        let server = Server::bind(config).await;
-        for (k, _) in env {
-            std::env::remove_var(k);
-        }
-        let server = server.expect("bind the proxy");
-        let addr = server.local_addr().expect("proxy address");
-        let admin = server.admin_addr().expect("admin address");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.run(async {
-            let _ = stopped.await;
-        }));
-        let proxy = Proxy {
-            child: None,
-            task: Some((stop, task)),
-            addr,
-            admin,
-            logs,
-            _config: None,
-        };
-        proxy.wait_ready().await;
-        proxy
-    }
-
     /// Starts `idemproxy --config <toml> --log-format json` and waits until `/readyz` is 200.
     pub async fn start(toml: &str) -> Proxy {
         Self::start_with_env(toml, &[]).await
@@ -163,6 +130,7 @@ impl Proxy {
         Proxy {
             child: Some(child),
             task: None,
+            runtime: None,
             addr,
             admin,
             logs,
@@ -285,6 +253,10 @@ impl Proxy {
             let _ = stop.send(());
             // The runtime ends with the test; nothing needs the drain to finish.
             task.abort();
+        }
+        // Apart: its runtime's tasks (store pings, sweeps, admin) end with it.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
         }
     }
 }
