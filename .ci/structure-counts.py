@@ -13,7 +13,8 @@ A function's length runs from the line of `fn` to its closing brace.
 Tests that start the binary: test functions in `tests/*.rs` (the workspace's
 integration tests) whose body, or a helper function of the same file that
 the body calls, starts the proxy as a process (`Proxy::start`,
-`Proxy::start_with_env`, `Proxy::spawn`, `.binary()`, `CARGO_BIN_EXE_idemproxy`).
+`Proxy::start_with_env`, `Proxy::spawn`, `.binary()`, `run_to_exit`,
+`CARGO_BIN_EXE_idemproxy`); a scenario of `on_every_backend!` counts three times.
 """
 
 import os
@@ -149,25 +150,32 @@ def crate_sources(root):
 PUB = re.compile(r"^\s*pub\s+(?:(?:async|const|unsafe|extern\s+\"C\")\s+)*(fn|struct|enum|trait|type|const|static|mod|use)\b", re.M)
 PUB_CRATE = re.compile(r"^\s*pub\((crate|super|in [^)]*)\)\s", re.M)
 
-STARTS = re.compile(r"Proxy::(start|start_with_env|spawn)\b|\.binary\(\)|CARGO_BIN_EXE_idemproxy\b")
+STARTS = re.compile(r"Proxy::(start|start_with_env|spawn)\b|\.binary\(\)|CARGO_BIN_EXE_idemproxy\b|\brun_to_exit\(")
 
 
 def binary_tests(root):
-    """(test files, test functions, those starting the binary)."""
+    """(test cases, those starting the binary). A scenario declared with
+    `on_every_backend!` is a test case per backend (three)."""
     tests_dir = os.path.join(root, "tests")
     total = starting = 0
     for f in sorted(os.listdir(tests_dir)):
         if not f.endswith(".rs"):
             continue
-        code = strip_literals(open(os.path.join(tests_dir, f)).read())
+        raw = open(os.path.join(tests_dir, f)).read()
+        code = strip_literals(raw)
         bodies = {}
         tests = []
         for m in re.finditer(r"\bfn\s+(\w+)[^{;]*\{", code):
             end = closing(code, m.end() - 1)
-            bodies[m.group(1)] = code[m.end():end]
+            # The raw text: a binary named in a string (`env!("CARGO_BIN_EXE_...")`) counts.
+            bodies[m.group(1)] = raw[m.end():end]
             head = code[max(0, m.start() - 120):m.start()]
             if re.search(r"#\[(tokio::)?test[^\]]*\]\s*(async\s+)?$", head):
-                tests.append(m.group(1))
+                tests.append((m.group(1), 1))
+        for m in re.finditer(r"on_every_backend!\s*\(([^)]*)\)", code):
+            for name in re.findall(r"\b(\w+)\b", m.group(1)):
+                if name in bodies and name != "current_thread":
+                    tests.append((name, 3))
 
         def starts(name, seen):
             if name in seen:
@@ -178,9 +186,9 @@ def binary_tests(root):
                 return True
             return any(starts(c, seen) for c in set(re.findall(r"\b(\w+)\s*\(", body)) if c in bodies)
 
-        for t in tests:
-            total += 1
-            starting += starts(t, set())
+        for t, cases in tests:
+            total += cases
+            starting += cases * starts(t, set())
     return total, starting
 
 
