@@ -93,24 +93,14 @@ pub async fn attempt(
         .header("idempotency-key", &op.key)
         .body(Full::new(op.body.clone()))
         .expect("a request");
-    let sent = async {
-        let resp = http.request(req).await.map_err(classify)?;
-        let (parts, body) = resp.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|_| "reset".to_string())?
-            .to_bytes();
-        Ok::<_, String>((parts, body))
-    };
-    let result = tokio::time::timeout(timeout, sent).await;
+    let result = send(http, req, timeout).await;
     let latency_ms = started.elapsed().as_secs_f64() * 1e3;
     let (parts, body) = match result {
-        Err(_) => {
+        Err(error) => {
             rec.record(Event::Error {
                 t: rec.now(),
                 op: id,
-                error: "timeout".into(),
+                error,
                 latency_ms,
             });
             return Outcome {
@@ -118,19 +108,7 @@ pub async fn attempt(
                 after: None,
             };
         }
-        Ok(Err(e)) => {
-            rec.record(Event::Error {
-                t: rec.now(),
-                op: id,
-                error: e,
-                latency_ms,
-            });
-            return Outcome {
-                status: None,
-                after: None,
-            };
-        }
-        Ok(Ok(v)) => v,
+        Ok(v) => v,
     };
     let status = parts.status.as_u16();
     let replayed = parts
@@ -159,6 +137,29 @@ pub async fn attempt(
     Outcome {
         status: Some(status),
         after,
+    }
+}
+
+/// Sends `req` and reads its whole answer within `timeout`; the error as
+/// the history names it ("timeout", "connect", "reset", ...).
+async fn send(
+    http: &Http,
+    req: hyper::Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Result<(http::response::Parts, Bytes), String> {
+    let sent = async {
+        let resp = http.request(req).await.map_err(classify)?;
+        let (parts, body) = resp.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|_| "reset".to_string())?
+            .to_bytes();
+        Ok::<_, String>((parts, body))
+    };
+    match tokio::time::timeout(timeout, sent).await {
+        Err(_) => Err("timeout".into()),
+        Ok(r) => r,
     }
 }
 

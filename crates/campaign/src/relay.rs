@@ -96,46 +96,54 @@ impl Owners {
     }
 }
 
+/// `inet_diag_sockid`: a socket's four-tuple, as `sock_diag` takes and gives it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SockId {
+    sport: u16,
+    dport: u16,
+    src: [u32; 4],
+    dst: [u32; 4],
+    interface: u32,
+    cookie: [u32; 2],
+}
+
+/// `inet_diag_req_v2` behind its netlink header: the lookup [`socket_inode`] sends.
+#[repr(C)]
+struct Request {
+    header: libc::nlmsghdr,
+    family: u8,
+    protocol: u8,
+    ext: u8,
+    pad: u8,
+    states: u32,
+    id: SockId,
+}
+
+/// `inet_diag_msg`: the kernel's answer, with the socket's inode.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Message {
+    family: u8,
+    state: u8,
+    timer: u8,
+    retrans: u8,
+    id: SockId,
+    expires: u32,
+    rqueue: u32,
+    wqueue: u32,
+    uid: u32,
+    inode: u32,
+}
+
+/// The netlink message type of a `sock_diag` lookup.
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+
 /// The inode of the loopback socket from `local` to `remote` (ports),
 /// asked of the kernel by its four-tuple over netlink (`sock_diag`): one
 /// lookup, however many sockets the machine has (reading `/proc/net/tcp`
 /// takes seconds with ten thousand of them).
 fn socket_inode(local: u16, remote: u16) -> Option<u64> {
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct SockId {
-        sport: u16,
-        dport: u16,
-        src: [u32; 4],
-        dst: [u32; 4],
-        interface: u32,
-        cookie: [u32; 2],
-    }
-    #[repr(C)]
-    struct Request {
-        header: libc::nlmsghdr,
-        family: u8,
-        protocol: u8,
-        ext: u8,
-        pad: u8,
-        states: u32,
-        id: SockId,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct Message {
-        family: u8,
-        state: u8,
-        timer: u8,
-        retrans: u8,
-        id: SockId,
-        expires: u32,
-        rqueue: u32,
-        wqueue: u32,
-        uid: u32,
-        inode: u32,
-    }
-    const SOCK_DIAG_BY_FAMILY: u16 = 20;
     let loopback = u32::from_ne_bytes([127, 0, 0, 1]);
     let request = Request {
         header: libc::nlmsghdr {

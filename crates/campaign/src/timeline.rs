@@ -64,7 +64,42 @@ pub fn svg(events: &[Event]) -> String {
         esc(&title)
     );
 
-    // Time grid and axis.
+    time_axis(&mut s, &x, t_end);
+
+    faults(&mut s, &ev, &x, t_end);
+    rates(&mut s, &ev, &x, t_end);
+    latencies(&mut s, &ev, &x);
+
+    // The healed moment, over everything.
+    if let Some(t) = ev.iter().find_map(|e| match e {
+        Event::Healed { t } => Some(*t),
+        _ => None,
+    }) {
+        let hx = x(t as f64);
+        let _ = writeln!(
+            s,
+            r##"<line class="healed" x1="{hx:.1}" y1="{}" x2="{hx:.1}" y2="{AXIS_Y}" stroke="#2b8a3e" stroke-width="1.5" stroke-dasharray="6 3"/>"##,
+            LANES_TOP
+        );
+        // Beside the line, on the side with room, at the foot of the lanes.
+        let (lx, anchor) = if hx > LEFT + PLOT_W * 0.85 {
+            (hx - 4.0, "end")
+        } else {
+            (hx + 4.0, "start")
+        };
+        let _ = writeln!(
+            s,
+            r##"<text x="{lx:.1}" y="{}" text-anchor="{anchor}" fill="#2b8a3e">healed {:.1} s</text>"##,
+            LANES_TOP + LANES_H - 4.0,
+            t as f64 / 1000.0
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The time grid and axis, a tick every [`tick_step`], labelled in seconds.
+fn time_axis(s: &mut String, x: &impl Fn(f64) -> f64, t_end: u64) {
     let step = tick_step(t_end);
     let _ = writeln!(s, r##"<g class="x-axis" stroke="#e6e6e6">"##);
     let mut tick = 0u64;
@@ -99,37 +134,6 @@ pub fn svg(events: &[Event]) -> String {
         LEFT + PLOT_W,
         AXIS_Y + 28.0
     );
-
-    faults(&mut s, &ev, &x, t_end);
-    rates(&mut s, &ev, &x, t_end);
-    latencies(&mut s, &ev, &x);
-
-    // The healed moment, over everything.
-    if let Some(t) = ev.iter().find_map(|e| match e {
-        Event::Healed { t } => Some(*t),
-        _ => None,
-    }) {
-        let hx = x(t as f64);
-        let _ = writeln!(
-            s,
-            r##"<line class="healed" x1="{hx:.1}" y1="{}" x2="{hx:.1}" y2="{AXIS_Y}" stroke="#2b8a3e" stroke-width="1.5" stroke-dasharray="6 3"/>"##,
-            LANES_TOP
-        );
-        // Beside the line, on the side with room, at the foot of the lanes.
-        let (lx, anchor) = if hx > LEFT + PLOT_W * 0.85 {
-            (hx - 4.0, "end")
-        } else {
-            (hx + 4.0, "start")
-        };
-        let _ = writeln!(
-            s,
-            r##"<text x="{lx:.1}" y="{}" text-anchor="{anchor}" fill="#2b8a3e">healed {:.1} s</text>"##,
-            LANES_TOP + LANES_H - 4.0,
-            t as f64 / 1000.0
-        );
-    }
-    s.push_str("</svg>\n");
-    s
 }
 
 /// A fault from start to end (`None`: it never healed).

@@ -266,35 +266,7 @@ impl Store {
         )
         .await?;
         for i in 0..3 {
-            let port = free_port();
-            let name = format!("sentinel-{i}");
-            let d = self.dir.join(&name);
-            std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
-            let file = d.join("sentinel.conf");
-            std::fs::write(
-                &file,
-                format!(
-                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
-                     sentinel monitor mymaster 127.0.0.1 {} 2\n\
-                     sentinel down-after-milliseconds mymaster 1000\n\
-                     sentinel failover-timeout mymaster 4000\n\
-                     sentinel parallel-syncs mymaster 1\n",
-                    d.display(),
-                    self.relay_port(0)
-                ),
-            )
-            .map_err(|e| e.to_string())?;
-            let log = self.dir.join(format!("{name}.log"));
-            let p = Proc::start(
-                &name,
-                log,
-                Box::new(move || {
-                    let mut c = Command::new("redis-server");
-                    c.arg(&file).arg("--sentinel");
-                    c
-                }),
-            )
-            .map_err(|e| format!("redis-server --sentinel: {e}"))?;
+            let (p, port) = self.spawn_sentinel(i)?;
             self.sentinels.push(p);
             self.sentinel_ports.push(port);
         }
@@ -334,6 +306,41 @@ impl Store {
             .await?;
         }
         Ok(())
+    }
+
+    /// Sentinel `i`: its config (monitoring the master through its relay,
+    /// quorum 2), started; the process and its port.
+    fn spawn_sentinel(&self, i: usize) -> Res<(Proc, u16)> {
+        let port = free_port();
+        let name = format!("sentinel-{i}");
+        let d = self.dir.join(&name);
+        std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
+        let file = d.join("sentinel.conf");
+        std::fs::write(
+            &file,
+            format!(
+                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
+                 sentinel monitor mymaster 127.0.0.1 {} 2\n\
+                 sentinel down-after-milliseconds mymaster 1000\n\
+                 sentinel failover-timeout mymaster 4000\n\
+                 sentinel parallel-syncs mymaster 1\n",
+                d.display(),
+                self.relay_port(0)
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let log = self.dir.join(format!("{name}.log"));
+        let p = Proc::start(
+            &name,
+            log,
+            Box::new(move || {
+                let mut c = Command::new("redis-server");
+                c.arg(&file).arg("--sentinel");
+                c
+            }),
+        )
+        .map_err(|e| format!("redis-server --sentinel: {e}"))?;
+        Ok((p, port))
     }
 
     async fn start_cluster(&mut self) -> Res<()> {

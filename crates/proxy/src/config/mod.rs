@@ -18,7 +18,7 @@ use serde::Deserialize;
 use crate::routes::RouteTable;
 
 mod build;
-pub use build::shown_endpoint;
+pub use build::telemetry::shown_endpoint;
 mod grammar;
 mod raw;
 

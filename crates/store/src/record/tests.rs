@@ -1,5 +1,6 @@
 //! The record format: round trips of every version, sealed records, and bytes that are not records.
 
+use super::layout::get_fields;
 use super::*;
 
 #[test]
