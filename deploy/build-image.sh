@@ -19,10 +19,24 @@ fi
 image="${1:?usage: deploy/build-image.sh [--no-build] REGISTRY/NAME:TAG}"
 # Only the characters of an image reference (it is written into YAML with
 # sed, so nothing sed or YAML would read as syntax), with a registry path and
-# a tag or digest.
-reference='^[A-Za-z0-9][A-Za-z0-9._-]*(:[0-9]+)?(/[A-Za-z0-9._-]+)+((:[A-Za-z0-9._-]+)|(@sha256:[a-f0-9]{64}))$'
+# a tag, a digest, or both (TAG@sha256:DIGEST, the pinned form).
+reference='^[A-Za-z0-9][A-Za-z0-9._-]*(:[0-9]+)?(/[A-Za-z0-9._-]+)+((:[A-Za-z0-9._-]+)(@sha256:[a-f0-9]{64})?|(@sha256:[a-f0-9]{64}))$'
 if ! [[ "$image" =~ $reference ]]; then
-  echo "build-image.sh: not an image reference REGISTRY/NAME:TAG (or @sha256:DIGEST): $image" >&2
+  echo "build-image.sh: not an image reference REGISTRY/NAME:TAG (or @sha256:DIGEST, or TAG@sha256:DIGEST): $image" >&2
+  exit 2
+fi
+if $build && [[ "$image" == *@* ]]; then
+  echo "build-image.sh: a digest names an image already built; build and push with a tag, then pin with --no-build TAG@sha256:DIGEST" >&2
+  exit 2
+fi
+
+# Every reference to the published image in the manifests, `image:` fields
+# and the injector's `--image=` argument alike. None: they were pointed at
+# another image by an earlier run, and this one would push an image nothing
+# names (checked before building).
+mapfile -t files < <(grep -rlE 'ghcr\.io/idemproxy/idemproxy[:@]' deploy/kubernetes || true)
+if [ ${#files[@]} -eq 0 ]; then
+  echo "build-image.sh: no manifest under deploy/kubernetes names ghcr.io/idemproxy/idemproxy any more (an earlier run pointed them at another image); restore them first: git checkout -- deploy/kubernetes" >&2
   exit 2
 fi
 
@@ -32,9 +46,6 @@ if $build; then
   docker buildx build --platform "$platforms" -t "$image" --push .
 fi
 
-# Every reference to the published image in the manifests, `image:` fields
-# and the injector's `--image=` argument alike.
-mapfile -t files < <(grep -rlE 'ghcr\.io/idemproxy/idemproxy[:@]' deploy/kubernetes || true)
 for f in "${files[@]}"; do
   sed -i -E "s#ghcr\.io/idemproxy/idemproxy[:@][^\" ,]*#${image}#g" "$f"
   echo "== $f now names $image"

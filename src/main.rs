@@ -81,6 +81,11 @@ fn run_proxy(config: Config, source: ConfigSource) -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // Before anything that takes time (the store's schema check, key and
+        // certificate files, binding): a SIGHUP or SIGTERM sent while the
+        // proxy starts is then kept for when it serves, not the default
+        // action that ends the process with no word.
+        let signals = lifecycle::process_signals();
         let server = match Server::bind(config).await {
             Ok(s) => s,
             // Logs go to stderr: one line says it (in the chosen log format).
@@ -93,7 +98,7 @@ fn run_proxy(config: Config, source: ConfigSource) -> ExitCode {
                 return ExitCode::from(EXIT_START);
             }
         };
-        lifecycle::run(server, lifecycle::process_signals(), source).await;
+        lifecycle::run(server, signals, source).await;
         ExitCode::SUCCESS
     })
 }

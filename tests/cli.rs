@@ -433,3 +433,63 @@ fn inject_and_injector_are_subcommands_and_the_flags_still_parse() {
     // The injector without its certificate files: a usage error.
     assert_exit(&idemproxy().arg("injector").output().unwrap(), 2);
 }
+
+/// A SIGHUP or SIGTERM that comes while the proxy starts (here a PostgreSQL
+/// that accepts and never answers holds its schema check) is kept for when
+/// it serves, not the signal's default action, which ended the process with
+/// no word (exit 129 for a SIGHUP from a config watcher during a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_while_the_proxy_starts_does_not_end_it_unannounced() {
+    use std::os::unix::process::ExitStatusExt;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let store = silent.local_addr().unwrap().port();
+    let config = write_config(&format!(
+        r#"
+[server]
+listen = "127.0.0.1:{}"
+admin_listen = "127.0.0.1:{}"
+upstream = "http://127.0.0.1:9"
+
+[store]
+backend = "postgres"
+url = "postgres://idemproxy@127.0.0.1:{store}/idemproxy"
+sslmode = "disable"
+op_timeout = "2s"
+"#,
+        free_port(),
+        free_port()
+    ));
+    let child = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .arg("--config")
+        .arg(config.path())
+        .args(["--log-format", "json"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idemproxy");
+    // Starting: it has connected to the store and waits for its answer.
+    let (_held, _) = tokio::time::timeout(DEADLINE, silent.accept())
+        .await
+        .expect("the proxy connects to its store while it starts")
+        .unwrap();
+    for sig in ["-HUP", "-TERM"] {
+        let sent = Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+    let out = tokio::time::timeout(
+        DEADLINE,
+        tokio::task::spawn_blocking(move || child.wait_with_output()),
+    )
+    .await
+    .expect("the proxy ends")
+    .unwrap()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), None, "ended by a signal:\n{stderr}");
+    // It serves (the store is down: not ready), then the SIGTERM drains it: exit 0.
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("SIGTERM received"), "{stderr}");
+}

@@ -807,12 +807,50 @@ fn build_image_refuses_what_is_not_an_image_reference() {
     let after =
         std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
     assert_eq!(before, after);
+    let run = |args: &[&str]| {
+        std::process::Command::new("bash")
+            .arg(copy.path().join("deploy/build-image.sh"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    // A digest is for pinning an image already pushed, never for a build.
+    let digest = format!("@sha256:{}", "a".repeat(64));
+    let out = run(&[&format!(
+        "registry.example.com/team/idemproxy:1.2.3{digest}"
+    )]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        before,
+        std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap()
+    );
+    let out = run(&[
+        "--no-build",
+        "registry.example.com:5000/team/idemproxy:1.2.3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A second run finds nothing to point (an earlier one did): refused, before
+    // any build, rather than a success that changed nothing.
+    let out = run(&["--no-build", "registry.example.com/team/idemproxy:2.0.0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("git checkout -- deploy/kubernetes"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pointed =
+        std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
+    assert!(pointed.contains("registry.example.com:5000/team/idemproxy:1.2.3"));
+    // The pinned form the docs recommend, a tag and a digest.
+    let fresh = copy_of_deploy();
+    let pinned = format!("registry.example.com/team/idemproxy:1.2.3{digest}");
     let out = std::process::Command::new("bash")
-        .arg(copy.path().join("deploy/build-image.sh"))
-        .args([
-            "--no-build",
-            "registry.example.com:5000/team/idemproxy:1.2.3",
-        ])
+        .arg(fresh.path().join("deploy/build-image.sh"))
+        .args(["--no-build", &pinned])
         .output()
         .unwrap();
     assert!(
@@ -820,6 +858,9 @@ fn build_image_refuses_what_is_not_an_image_reference() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let pointed =
+        std::fs::read_to_string(fresh.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
+    assert!(pointed.contains(&pinned), "{pointed}");
 }
 
 /// A copy of `deploy/` in a temporary directory, for `deploy/build-image.sh` to rewrite.

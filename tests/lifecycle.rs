@@ -292,3 +292,37 @@ async fn presented(addr: std::net::SocketAddr, dir: &Path) -> CertificateDer<'st
     let certificates = tls.get_ref().1.peer_certificates().expect("a certificate");
     certificates[0].clone().into_owned()
 }
+
+/// A reload is judged against the running `[server]` too: a route whose
+/// `max_request_body` the file's new `max_buffered` allows, but the running
+/// one (which changes only with a restart) does not, is refused, and the
+/// route keeps its limit (413), where such bodies would have been 503 for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_whose_routes_exceed_the_running_max_buffered_is_refused() {
+    let upstream = TestUpstream::start().await;
+    let file = |buffered: &str, body: &str| {
+        ConfigBuilder::new(&upstream.url())
+            .server(&format!("max_buffered = \"{buffered}\""))
+            .route(
+                "payments",
+                "/v1/payments",
+                &format!("max_request_body = \"{body}\""),
+            )
+            .build()
+    };
+    let proxy = Running::start(&file("1MiB", "512KiB")).await;
+    proxy
+        .reload(&file("4MiB", "2MiB"), "configuration reload failed")
+        .await;
+    let big = vec![b'a'; 1_500_000];
+    let answer = Call::post(&proxy.url("/v1/payments"))
+        .key("k-big")
+        .body(big)
+        .await;
+    assert_eq!(answer.status, 413, "{:?}", answer.body);
+    // A reload within the running limits still applies.
+    proxy
+        .reload(&file("1MiB", "768KiB"), "configuration reloaded")
+        .await;
+    assert!(protected(&proxy, "/v1/payments", "k-1").await);
+}

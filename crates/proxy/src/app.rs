@@ -97,6 +97,24 @@ impl App {
     /// (a warning names each such change, which needs a restart).
     pub fn reload(&self, new: &Config) {
         let old = &self.started_with;
+        // The new routes meet the file's own [server], which `Config::load`
+        // checked; they must meet the running one too, which keeps its
+        // limits until a restart: a body the route admits but the running
+        // `max_buffered` cannot hold would be refused 503 for ever.
+        if let Some(route) = new
+            .routes
+            .iter()
+            .find(|r| r.policy.max_request_body > old.server.max_buffered)
+        {
+            tracing::error!(
+                route = %route.name,
+                max_request_body = route.policy.max_request_body,
+                running_max_buffered = old.server.max_buffered,
+                "configuration reload failed: the route's max_request_body is more than the running \
+                 server.max_buffered, which changes only with a restart; keeping the current configuration"
+            );
+            return;
+        }
         let mut restart_needed = Vec::new();
         let s = (&old.server, &new.server);
         if s.0.listen != s.1.listen {
