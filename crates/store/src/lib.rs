@@ -27,7 +27,9 @@ pub mod per_worker;
 
 mod backend;
 mod cluster;
+mod codec;
 mod error;
+mod keys;
 mod memory;
 mod ops;
 mod pieces;
@@ -38,6 +40,7 @@ mod redis_connections;
 mod reply;
 mod sentinel;
 mod settings;
+mod timing;
 pub mod wire;
 
 /// The most of a record one command or reply carries (`pieces` writes and
@@ -55,32 +58,13 @@ use crate::config::{Backend, StoreConfig};
 use crate::deadline::Deadlines;
 use crate::per_worker::PerWorker;
 use crate::record::{DecodeError, Head, Record, Token, MAX_BODY, MAX_OVERHEAD};
-use crate::seal::{SealError, Sealing};
+use crate::seal::Sealing;
 
 pub(crate) use self::backend::{Occupant, Operations};
 pub use self::error::{StoreError, StoreSetupError};
+pub use self::keys::{push_hex, RecordKey};
+pub use self::timing::{retry, StoreMetrics};
 
-/// Where the store reports each operation's time and outcome (the proxy's
-/// Prometheus metrics).
-pub trait StoreMetrics: Send + Sync {
-    /// One operation `op` took `took`; `ok` unless the store failed it.
-    fn store_op(&self, op: &'static str, took: Duration, ok: bool);
-    /// A sweep of expired records failed (PostgreSQL).
-    fn store_sweep_failed(&self);
-}
-
-/// Appends a digest in lower-case hex: the `hex` crate's encoder goes through
-/// a char iterator (1.7k instructions for 32 bytes, callgrind); this is a
-/// table lookup.
-pub fn push_hex(out: &mut String, digest: &[u8; 32]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut hex = [0u8; 64];
-    for (pair, &b) in hex.chunks_exact_mut(2).zip(digest) {
-        pair[0] = DIGITS[usize::from(b >> 4)];
-        pair[1] = DIGITS[usize::from(b & 0xf)];
-    }
-    out.push_str(std::str::from_utf8(&hex).expect("hex digits are ASCII"));
-}
 pub(crate) use self::memory::MemoryStore;
 pub(crate) use self::postgres::PostgresStore;
 pub(crate) use self::redis::RedisStore;
@@ -106,25 +90,6 @@ pub enum Reservation {
     /// needs; a replay fetches it whole with [`Store::get`] once there is
     /// room for `len` bytes.
     Large { len: u64, head: Head },
-}
-
-/// A record's store key (`prefix:id`) and where its id begins; clones share it.
-#[derive(Clone, Debug)]
-pub struct RecordKey {
-    key: Arc<str>,
-    id_at: usize,
-}
-
-impl RecordKey {
-    /// The key in the store.
-    pub fn as_str(&self) -> &str {
-        &self.key
-    }
-
-    /// The record id (what follows the prefix), as logs and the admin API name it.
-    pub fn id(&self) -> &str {
-        &self.key[self.id_at..]
-    }
 }
 
 /// What `complete` did.
@@ -163,31 +128,6 @@ pub const INLINE_RECORD: u64 = 64 * 1024;
 /// for small keys' reserves and completions, which otherwise queue behind
 /// a stream of 256 KiB pieces (`docs/dev/benchmarks-journal.md`, "Large replays").
 pub const LARGE_READS: usize = 2;
-
-/// Runs `op` up to `attempts` times, doubling a pause of `first_pause` between
-/// attempts (none after the last: a failure is reported at once).
-pub async fn retry<T, F, Fut>(
-    attempts: u32,
-    first_pause: Duration,
-    mut op: F,
-) -> Result<T, StoreError>
-where
-    F: FnMut(u32) -> Fut,
-    Fut: std::future::Future<Output = Result<T, StoreError>>,
-{
-    let mut pause = first_pause;
-    let mut attempt = 1;
-    loop {
-        match op(attempt).await {
-            Err(_) if attempt < attempts => {
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-                attempt += 1;
-            }
-            done => return done,
-        }
-    }
-}
 
 enum Inner {
     Memory(MemoryStore),
@@ -262,68 +202,6 @@ impl Store {
         })
     }
 
-    /// Records are at most `max_body` (the largest `max_response_body` of
-    /// the routes) plus a record's overhead: a store that says a record is
-    /// longer is not believed. Until this is called, the limit is the
-    /// largest body any configuration allows.
-    pub fn limit_records(&self, max_body: u64) {
-        self.record_limit
-            .store(max_body.saturating_add(MAX_OVERHEAD), Ordering::Relaxed);
-    }
-
-    /// After a reload: a larger `max_body` raises the limit, a smaller one
-    /// leaves it, so that the records written before stay readable.
-    pub fn raise_record_limit(&self, max_body: u64) {
-        self.record_limit
-            .fetch_max(max_body.saturating_add(MAX_OVERHEAD), Ordering::Relaxed);
-    }
-
-    /// The longest record believed.
-    pub fn record_limit(&self) -> u64 {
-        self.record_limit.load(Ordering::Relaxed)
-    }
-
-    /// The keys and their file, when records are sealed (for reloads on SIGHUP).
-    pub fn sealing(&self) -> Option<&Sealing> {
-        self.sealing.as_ref()
-    }
-
-    /// The record id of a store key made by [`Store::key_for`].
-    fn record_id<'k>(&self, key: &'k str) -> &'k str {
-        key.strip_prefix(self.prefix.as_str())
-            .and_then(|id| id.strip_prefix(':'))
-            .unwrap_or(key)
-    }
-
-    /// The value to store under `key`: a finished record sealed with the
-    /// first key of the key file, when there is one; clear otherwise.
-    pub fn encode(&self, key: &str, record: &Record) -> Result<Bytes, SealError> {
-        match &self.sealing {
-            Some(sealing) => record.seal(&sealing.keys(), self.record_id(key)),
-            None => Ok(record.encode()),
-        }
-    }
-
-    /// Does the key file hold the key `id` (a record sealed under it opens)?
-    fn opens(&self, id: &str) -> bool {
-        self.sealing
-            .as_ref()
-            .is_some_and(|s| s.keys().ids().any(|k| k == id))
-    }
-
-    /// A value read from `key`, opened when it is sealed. With
-    /// `require_sealed`, a finished record in the clear is not an answer:
-    /// someone who can write to the store may have planted it.
-    fn decode(&self, key: &str, value: Bytes) -> Result<Record, DecodeError> {
-        let sealed = crate::record::is_sealed(&value);
-        let keys = self.sealing.as_ref().map(Sealing::keys);
-        let record = Record::open(value, keys.as_deref(), self.record_id(key))?;
-        if self.require_sealed && !sealed && matches!(record, Record::Finished(_)) {
-            return Err(DecodeError::NotSealed);
-        }
-        Ok(record)
-    }
-
     pub fn is_memory(&self) -> bool {
         matches!(self.inner, Inner::Memory(_))
     }
@@ -389,132 +267,6 @@ impl Store {
         }
     }
 
-    /// The store key of the record whose id is `digest` in hex, made once per
-    /// request and shared (a reference count) by its phases, its claim and
-    /// its log line.
-    pub fn record_key(&self, digest: &[u8; 32]) -> RecordKey {
-        let mut k = String::with_capacity(self.prefix.len() + 1 + 64);
-        k.push_str(&self.prefix);
-        k.push(':');
-        crate::push_hex(&mut k, digest);
-        RecordKey {
-            id_at: self.prefix.len() + 1,
-            key: Arc::from(k),
-        }
-    }
-
-    /// The store key for a record id: `{prefix}:{id}`. The id is a hash, never the raw key.
-    pub fn key_for(&self, id: &str) -> String {
-        let mut k = String::with_capacity(self.prefix.len() + 1 + id.len());
-        k.push_str(&self.prefix);
-        k.push(':');
-        k.push_str(id);
-        k
-    }
-
-    /// An operation with its timeout, its metric and the reconnect count.
-    /// The backend's future is boxed here, in a plain function: it is the
-    /// large part (the client's command and connection futures), and the
-    /// request's own future would otherwise carry it, and copy it whole.
-    fn timed<'a, T: 'a, F>(
-        &'a self,
-        op: &'static str,
-        fut: F,
-    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a
-    where
-        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
-    {
-        self.timed_from(None, op, fut)
-    }
-
-    /// [`Store::timed`], its time counted from `start` when the caller has
-    /// read the clock already (`None`: from now).
-    fn timed_from<'a, T: 'a, F>(
-        &'a self,
-        start: Option<tokio::time::Instant>,
-        op: &'static str,
-        fut: F,
-    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a
-    where
-        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
-    {
-        let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
-            Box::pin(fut);
-        self.timed_boxed(start, op, fut, Some(Duration::ZERO))
-    }
-
-    /// How much longer than `op_timeout` a reservation may take: a Redis
-    /// store with `wait_replicas` sends `WAIT`, which the server holds for up
-    /// to `wait_timeout` (cut at `op_timeout`, a `wait_timeout` as long would
-    /// refuse every reservation the replicas are that slow to acknowledge).
-    fn reserve_allowance(&self) -> Duration {
-        match &self.inner {
-            Inner::Redis(r) if r.wait_replicas > 0 => r.wait_timeout,
-            _ => Duration::ZERO,
-        }
-    }
-
-    /// An operation of several round trips, each bounded by `op_timeout` in
-    /// the backend (a large record's pieces, `WAIT`): its metric and the
-    /// reconnect count, no bound on the whole.
-    fn in_steps<'a, T: 'a, F>(
-        &'a self,
-        op: &'static str,
-        fut: F,
-    ) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a
-    where
-        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'a,
-    {
-        let fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + 'a>> =
-            Box::pin(fut);
-        self.timed_boxed(None, op, fut, None)
-    }
-
-    async fn timed_boxed<T>(
-        &self,
-        start: Option<tokio::time::Instant>,
-        op: &'static str,
-        fut: Pin<Box<dyn std::future::Future<Output = Result<T, StoreError>> + Send + '_>>,
-        // `op_timeout` and this much more; `None`: no bound on the whole.
-        bound: Option<Duration>,
-    ) -> Result<T, StoreError> {
-        let start = start.unwrap_or_else(tokio::time::Instant::now);
-        let res = match bound {
-            Some(extra) if extra.is_zero() => {
-                let deadlines = self.deadlines.get();
-                let timeout = deadlines.after();
-                match deadlines.within(start, fut).await {
-                    Some(r) => r,
-                    None => Err(StoreError::Timeout(timeout)),
-                }
-            }
-            Some(extra) => {
-                let timeout = self.deadlines.get().after() + extra;
-                match tokio::time::timeout_at(start + timeout, fut).await {
-                    Ok(r) => r,
-                    Err(_) => Err(StoreError::Timeout(timeout)),
-                }
-            }
-            None => fut.await,
-        };
-        // A decode error is an answer from a live store.
-        let store_ok = !matches!(
-            res,
-            Err(StoreError::Timeout(_)
-                | StoreError::Backend(_)
-                | StoreError::Unavailable(_)
-                | StoreError::Untrue(_))
-        );
-        if let Inner::Redis(r) = &self.inner {
-            r.note_result(matches!(
-                res,
-                Err(StoreError::Timeout(_) | StoreError::Unavailable(_))
-            ));
-        }
-        self.metrics.store_op(op, start.elapsed(), store_ok);
-        res
-    }
-
     /// Reserves `key` with a lease, or returns the record that holds it.
     pub async fn reserve(
         &self,
@@ -567,36 +319,6 @@ impl Store {
                 Ok(record) => Reservation::Existing { record, ttl },
                 Err(e) => Reservation::Unreadable(e),
             }),
-        }
-    }
-
-    /// A large record found by a reserve, judged from its head (409, 410,
-    /// 422), which came with the reserve's answer.
-    fn large(&self, len: u64, start: Bytes) -> Reservation {
-        match Head::decode(start) {
-            // With `require_sealed`, a finished one in the clear is
-            // unreadable from its head too.
-            Ok(head)
-                if self.require_sealed && head.finished.is_some() && head.sealed_with.is_none() =>
-            {
-                Reservation::Unreadable(DecodeError::NotSealed)
-            }
-            // Sealed under a key this proxy does not hold: unreadable, as
-            // the whole record would be (the head's own bytes are only
-            // authenticated when the seal is opened, for a replay).
-            Ok(head)
-                if head
-                    .sealed_with
-                    .as_deref()
-                    .is_some_and(|id| !self.opens(id)) =>
-            {
-                Reservation::Unreadable(match (&self.sealing, head.sealed_with) {
-                    (Some(_), Some(id)) => DecodeError::UnknownKey(id),
-                    _ => DecodeError::NoKeyFile,
-                })
-            }
-            Ok(head) => Reservation::Large { len, head },
-            Err(e) => Reservation::Unreadable(e),
         }
     }
 
