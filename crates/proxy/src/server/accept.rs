@@ -1,4 +1,5 @@
-//! Listeners, the accept loops, the store health check, and draining on shutdown.
+//! The client listener: the accept loop, each connection served (TLS,
+//! HTTP/1.1 or HTTP/2, its deadlines), its requests begun and their answers tracked.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -12,37 +13,27 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::server::conn::http2;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::warn;
 
 use crate::app::App;
 use crate::body::Body;
-use crate::config::{Config, Runtime, ServerConfig};
+use crate::config::ServerConfig;
 use crate::conn::{Busy, BusyGuard, Caller, Guarded};
 use crate::metrics::{Counted, Outcome};
 use crate::permit::Permit;
 use crate::problem::Problem;
 use crate::serve::{Builders, PARK_AFTER};
-use crate::store::StoreSetupError;
-use crate::tls::{Certificates, Tls, TlsError};
+use crate::tls::Tls;
 use crate::workers::Workers;
-use crate::{admin, grpc, proxy, serve, tls};
+use crate::{grpc, proxy, serve, tls};
 
-/// Admin requests' headers must arrive within this time.
-const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Admin connections open at once (docs/reference/behaviour.md#admin-limits): probes, a scrape
-/// or two and an
-/// operator need a handful; beyond it a new one takes an idle one's place.
-const ADMIN_MAX_CONNECTIONS: usize = 32;
-/// After `shutdown_grace`, how long requests cut short get to record their outcome.
-const HARD_STOP_WINDOW: Duration = Duration::from_secs(2);
-/// How often the store is pinged once it has answered (faster before that).
-const PING_EVERY: Duration = Duration::from_secs(2);
+use super::Connections;
+
 /// HTTP/2 streams one client connection may have open at once; beyond it a
 /// new stream is refused (`REFUSED_STREAM`, safe to retry).
 const H2_MAX_CONCURRENT_STREAMS: u32 = 100;
@@ -56,163 +47,9 @@ const H2_SEND_BUFFER: usize = 64 * 1024;
 /// How long an HTTP/2 keep-alive ping may go unanswered before the connection is closed.
 const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error("cannot listen on {addr} ({what}): {source}")]
-    Bind {
-        what: &'static str,
-        addr: String,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Store(#[from] StoreSetupError),
-    #[error(transparent)]
-    Tls(#[from] TlsError),
-    #[error("cannot start the worker threads: {0}")]
-    Workers(std::io::Error),
-}
-
-impl StartError {
-    /// A file the configuration names was read and is wrong (a certificate
-    /// that is not PEM, a key that does not match it): the configuration's
-    /// fault, as opposed to a file not there yet or a port in use.
-    pub fn is_configuration(&self) -> bool {
-        matches!(self, StartError::Tls(TlsError::Invalid { .. }))
-    }
-}
-
-/// A bound, not yet running proxy. `bind` then `run`: tests and `main` use the same path.
-pub struct Server {
-    app: Arc<App>,
-    config: Config,
-    listener: TcpListener,
-    admin: TcpListener,
-    tls: Option<Arc<Tls>>,
-    /// `runtime = "per_thread"`: the threads that serve the connections
-    /// (`None`: they are served by the runtime that runs the server).
-    workers: Option<Workers>,
-}
-
-async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind {
-            what,
-            addr: addr.to_string(),
-            source,
-        })
-}
-
-impl Server {
-    pub async fn bind(config: Config) -> Result<Server, StartError> {
-        let tls = match &config.server.tls {
-            Some(files) => Some(Arc::new(Tls::new(files)?)),
-            None => None,
-        };
-        let app = App::new(&config)?;
-        // PostgreSQL: a missing table, or one of another shape, stops the
-        // start (exit 1, naming `--init-store`); it is never created here.
-        app.store.check_schema().await?;
-        let listener = bind("proxy", &config.server.listen).await?;
-        let admin = bind("admin", &config.server.admin_listen).await?;
-        let workers = match config.server.runtime {
-            Runtime::PerThread => {
-                let load = app.metrics.worker_gauges(config.server.worker_threads());
-                Some(Workers::start(load).map_err(StartError::Workers)?)
-            }
-            Runtime::WorkStealing => None,
-        };
-        Ok(Server {
-            app,
-            config,
-            listener,
-            admin,
-            tls,
-            workers,
-        })
-    }
-
-    /// The listener's certificates, for the SIGHUP reload; `None` without TLS.
-    pub fn certificates(&self) -> Option<Arc<Certificates>> {
-        self.tls.as_ref().map(|t| t.certificates())
-    }
-
-    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.listener.local_addr()
-    }
-
-    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
-        self.admin.local_addr()
-    }
-
-    pub fn app(&self) -> Arc<App> {
-        self.app.clone()
-    }
-
-    /// Serves until `shutdown` resolves, then drains: readiness off, no new
-    /// connections, in-flight requests finish and their records are stored.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let Server {
-            app,
-            config,
-            listener,
-            admin,
-            tls,
-            workers,
-        } = self;
-        announce(&app, &config, &listener, &admin);
-        let pinger = tokio::spawn(ping_store(app.clone()));
-        let sweeper = tokio::spawn({
-            let app = app.clone();
-            async move { app.store.sweep_expired().await }
-        });
-        let trimmer = tokio::spawn(serve::give_back_freed_memory());
-        let admin_task = tokio::spawn(serve_admin(app.clone(), admin, config.server.clone()));
-        let connections = Connections::default();
-        let front = Arc::new(Front::new(&app, &config.server, tls, &connections));
-        accept(&front, listener, &connections, workers.as_ref(), shutdown).await;
-        drain(&app, config.server.shutdown_grace, connections).await;
-        // Whatever the workers still run (connections past the grace) ends with them.
-        if let Some(workers) = workers {
-            workers.stop().await;
-        }
-        pinger.abort();
-        sweeper.abort();
-        trimmer.abort();
-        admin_task.abort();
-        info!("stopped");
-    }
-}
-
-fn announce(app: &App, config: &Config, listener: &TcpListener, admin: &TcpListener) {
-    let addr = |l: &TcpListener| l.local_addr().map(|a| a.to_string()).unwrap_or_default();
-    info!(
-        proxy = %addr(listener),
-        admin = %addr(admin),
-        upstream = %config.server.upstream,
-        upstream_protocol = %config.server.upstream_protocol,
-        tls = config.server.tls.is_some(),
-        runtime = %config.server.runtime,
-        workers = config.server.worker_threads(),
-        store = ?config.store.backend,
-        routes = config.routes.len(),
-        "listening"
-    );
-    if app.store.is_memory() {
-        warn!("store backend is \"memory\": records live in this process only; run one replica, or use redis");
-    }
-}
-
-/// The client connections' tasks, and the signal that tells them to finish.
-#[derive(Default)]
-struct Connections {
-    tasks: TaskTracker,
-    stop: CancellationToken,
-}
-
 /// What every client connection needs, made once and shared by the accept
 /// loop and the workers.
-struct Front {
+pub(super) struct Front {
     app: Arc<App>,
     server: ServerConfig,
     /// Requests in progress at once, over all connections, `max_connections`
@@ -234,7 +71,7 @@ struct Front {
 }
 
 impl Front {
-    fn new(
+    pub(super) fn new(
         app: &Arc<App>,
         server: &ServerConfig,
         tls: Option<Arc<Tls>>,
@@ -256,7 +93,7 @@ impl Front {
 /// Accepts connections until `shutdown` resolves; each is served in a task of
 /// its own, tracked by `connections` for draining: on this runtime, or with
 /// `workers` on the worker that holds the fewest connections.
-async fn accept(
+pub(super) async fn accept(
     front: &Arc<Front>,
     listener: TcpListener,
     connections: &Connections,
@@ -541,165 +378,4 @@ impl http_body::Body for Tracked {
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
     }
-}
-
-/// Draining: readiness off, open connections finish, then the forward-and-store
-/// tasks; at the end of the grace, what still waits for the upstream is cut short.
-async fn drain(app: &App, grace: Duration, connections: Connections) {
-    app.draining.store(true, Ordering::Release);
-    let deadline = tokio::time::Instant::now() + grace;
-    info!(
-        grace_ms = grace.as_millis() as u64,
-        "shutting down: draining connections"
-    );
-    connections.stop.cancel();
-    connections.tasks.close();
-    if tokio::time::timeout_at(deadline, connections.tasks.wait())
-        .await
-        .is_err()
-    {
-        warn!("shutdown grace ran out with connections still open");
-    }
-    app.tasks.close();
-    if tokio::time::timeout_at(deadline, app.tasks.wait())
-        .await
-        .is_ok()
-    {
-        return;
-    }
-    // Requests still waiting for the upstream are treated like an upstream
-    // timeout (`unknown_outcome` applies); they get a moment to record that.
-    warn!(
-        requests = app.tasks.len(),
-        "shutdown grace ran out with requests in flight; cutting them short"
-    );
-    app.hard_stop.cancel();
-    if tokio::time::timeout(HARD_STOP_WINDOW, app.tasks.wait())
-        .await
-        .is_err()
-    {
-        warn!(
-            requests = app.tasks.len(),
-            "requests did not record their outcome in time; their leases will free the keys"
-        );
-    }
-}
-
-/// Pings the store: marks it answered (for `/readyz`) and keeps `idemproxy_store_up` current.
-async fn ping_store(app: Arc<App>) {
-    loop {
-        let ok = match app.store.ping().await {
-            Ok(()) => true,
-            Err(e) => {
-                warn!(error = %e, "store ping failed");
-                false
-            }
-        };
-        if ok && !app.store_answered.swap(true, Ordering::AcqRel) {
-            info!("store answered");
-        }
-        let wait = if app.store_answered.load(Ordering::Acquire) {
-            PING_EVERY
-        } else {
-            Duration::from_millis(250)
-        };
-        tokio::time::sleep(wait).await;
-    }
-}
-
-/// The admin listener: at most `ADMIN_MAX_CONNECTIONS` at once, each with the
-/// main listener's write and idle deadlines (a scraper that stops reading,
-/// or a connection left open, holds nothing for long). At the cap a new
-/// connection takes the place of the oldest one with no request in progress,
-/// so connections held open (or trickling a head) cannot keep the kubelet's
-/// probes out; only when every one is being answered is the new one closed.
-async fn serve_admin(app: Arc<App>, listener: TcpListener, server: ServerConfig) {
-    let open = Arc::new(std::sync::Mutex::new(AdminConnections::default()));
-    loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                error!(error = %e, "admin accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let busy = Busy::default();
-        let Some((id, evicted)) = admin_place(&open, &busy) else {
-            warn!("admin connection closed: every admin connection is being answered");
-            continue;
-        };
-        let io = Guarded::new(
-            stream,
-            busy.clone(),
-            server.client_write_timeout,
-            server.idle_timeout,
-        );
-        let app = app.clone();
-        let service = service_fn(move |req| {
-            let app = app.clone();
-            // Counted while it is answered: a connection with a request in
-            // progress is neither idle nor given up for a newer one.
-            let in_progress = busy.enter();
-            async move {
-                let resp = admin::handle(app, req).await;
-                drop(in_progress);
-                Ok::<_, Infallible>(resp)
-            }
-        });
-        let open = open.clone();
-        tokio::spawn(async move {
-            let serving = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(ADMIN_HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(io), service);
-            tokio::select! {
-                _ = serving => {}
-                () = evicted.cancelled() => {}
-            }
-            let mut open = open
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            open.list.retain(|c| c.id != id);
-        });
-    }
-}
-
-/// The admin connections open, oldest first.
-#[derive(Default)]
-struct AdminConnections {
-    next: u64,
-    list: std::collections::VecDeque<AdminConnection>,
-}
-
-struct AdminConnection {
-    id: u64,
-    busy: Busy,
-    /// Closes the connection when a newer one takes its place.
-    evict: CancellationToken,
-}
-
-/// A place among the admin connections for a new one (its id, and what closes
-/// it), giving up the oldest idle one at the cap; `None` when all are busy.
-fn admin_place(
-    open: &std::sync::Mutex<AdminConnections>,
-    busy: &Busy,
-) -> Option<(u64, CancellationToken)> {
-    let mut open = open
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if open.list.len() >= ADMIN_MAX_CONNECTIONS {
-        let oldest_idle = open.list.iter().position(|c| c.busy.idle())?;
-        if let Some(gone) = open.list.remove(oldest_idle) {
-            gone.evict.cancel();
-        }
-    }
-    open.next += 1;
-    let (id, evict) = (open.next, CancellationToken::new());
-    open.list.push_back(AdminConnection {
-        id,
-        busy: busy.clone(),
-        evict: evict.clone(),
-    });
-    Some((id, evict))
 }
