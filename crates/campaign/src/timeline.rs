@@ -146,6 +146,24 @@ struct Band<'a> {
 }
 
 fn faults(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64, t_end: u64) {
+    let bands = fault_bands(ev);
+    let lanes: BTreeMap<&str, usize> = bands
+        .iter()
+        .map(|b| b.target)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, i))
+        .collect();
+    fault_legend(s, &bands);
+    if lanes.is_empty() {
+        return;
+    }
+    fault_lanes(s, &bands, &lanes, x, t_end);
+}
+
+/// The faults of the history, start paired with end by id.
+fn fault_bands<'a>(ev: &[&'a Event]) -> Vec<Band<'a>> {
     let mut bands: Vec<Band> = Vec::new();
     let mut open: HashMap<u32, Vec<usize>> = HashMap::new();
     for e in ev {
@@ -176,14 +194,11 @@ fn faults(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64, t_end: u64) {
             }
         }
     }
-    let lanes: BTreeMap<&str, usize> = bands
-        .iter()
-        .map(|b| b.target)
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| (t, i))
-        .collect();
+    bands
+}
+
+/// The legend of the fault kinds present (or "none").
+fn fault_legend(s: &mut String, bands: &[Band]) {
     let kinds: BTreeSet<&str> = bands.iter().map(|b| b.kind).collect();
 
     // Legend of kinds.
@@ -204,14 +219,20 @@ fn faults(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64, t_end: u64) {
         lx += 26.0 + 6.5 * k.len() as f64;
     }
     s.push_str("</g>\n");
-    if lanes.is_empty() {
-        return;
-    }
+}
 
+/// A lane per fault target, and a band per fault in its lane.
+fn fault_lanes(
+    s: &mut String,
+    bands: &[Band],
+    lanes: &BTreeMap<&str, usize>,
+    x: &impl Fn(f64) -> f64,
+    t_end: u64,
+) {
     let lane_h = (LANES_H / lanes.len() as f64).min(18.0);
     let font = (lane_h - 3.0).clamp(5.0, 11.0);
     let _ = writeln!(s, r#"<g class="lanes" font-size="{font:.1}">"#);
-    for (target, &i) in &lanes {
+    for (target, &i) in lanes {
         let y = LANES_TOP + i as f64 * lane_h;
         let _ = writeln!(
             s,
@@ -224,7 +245,7 @@ fn faults(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64, t_end: u64) {
         );
     }
     s.push_str("</g>\n");
-    for b in &bands {
+    for b in bands {
         let y = LANES_TOP + lanes[b.target] as f64 * lane_h;
         let x0 = x(b.start as f64);
         let x1 = x(b.end.unwrap_or(t_end) as f64);
@@ -304,10 +325,30 @@ fn rates(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64, t_end: u64) {
 
 /// Latency (log scale, 1 ms to 10 s+) of every answer and error by outcome.
 fn latencies(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64) {
-    let y = |ms: f64| {
-        let l = ms.clamp(1.0, 10_000.0).log10() / 4.0;
-        LAT_TOP + LAT_H - l * LAT_H
-    };
+    latency_axis(s);
+    let points: Vec<(Outcome, f64, f64)> = ev
+        .iter()
+        .filter_map(|e| {
+            let o = outcome(e)?;
+            let ms = match e {
+                Event::Answer { latency_ms, .. } | Event::Error { latency_ms, .. } => *latency_ms,
+                _ => return None,
+            };
+            Some((o, x(e.t() as f64), latency_y(ms)))
+        })
+        .collect();
+    let drawn = latency_dots(s, &points);
+    outcome_legend(s, &points, drawn);
+}
+
+/// The latency plot's y of `ms` (log scale, 1 ms to 10 s+).
+fn latency_y(ms: f64) -> f64 {
+    let l = ms.clamp(1.0, 10_000.0).log10() / 4.0;
+    LAT_TOP + LAT_H - l * LAT_H
+}
+
+/// The latency plot's y axis: a line per decade, labelled.
+fn latency_axis(s: &mut String) {
     let _ = writeln!(
         s,
         r##"<g class="y-axis" stroke="#eee"><line x1="{LEFT}" y1="{LAT_TOP}" x2="{LEFT}" y2="{AXIS_Y}" stroke="#444"/>"##
@@ -319,7 +360,7 @@ fn latencies(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64) {
         (1000.0, "1 s"),
         (10_000.0, "10 s+"),
     ] {
-        let ty = y(ms);
+        let ty = latency_y(ms);
         let _ = writeln!(
             s,
             r##"<line x1="{LEFT}" y1="{ty:.1}" x2="{}" y2="{ty:.1}"/><text x="{}" y="{:.1}" text-anchor="end" stroke="none" fill="#222">{label}</text>"##,
@@ -333,28 +374,15 @@ fn latencies(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64) {
         r##"<text x="10" y="{:.1}" stroke="none" fill="#222">latency</text></g>"##,
         LAT_TOP + LAT_H / 2.0
     );
+}
 
-    let points: Vec<(Outcome, f64, f64)> = ev
-        .iter()
-        .filter_map(|e| {
-            let o = outcome(e)?;
-            let ms = match e {
-                Event::Answer { latency_ms, .. } | Event::Error { latency_ms, .. } => *latency_ms,
-                _ => return None,
-            };
-            Some((o, x(e.t() as f64), y(ms)))
-        })
-        .collect();
-    let mut counts: BTreeMap<Outcome, u64> = BTreeMap::new();
-    for p in &points {
-        *counts.entry(p.0).or_default() += 1;
-    }
-
+/// The points (outcome, x, y) as dots; returns how many were drawn.
+fn latency_dots(s: &mut String, points: &[(Outcome, f64, f64)]) -> usize {
     // One dot per occupied cell and outcome; cells grow until few enough.
     let mut cell = 1.0;
     let cells = loop {
         let mut cells: BTreeMap<Outcome, BTreeSet<(i32, i32)>> = BTreeMap::new();
-        for &(o, px, py) in &points {
+        for &(o, px, py) in points {
             cells
                 .entry(o)
                 .or_default()
@@ -392,7 +420,16 @@ fn latencies(s: &mut String, ev: &[&Event], x: &impl Fn(f64) -> f64) {
             outcome_colour(o)
         );
     }
+    drawn
+}
 
+/// The legend of the outcomes present with their counts, and how many
+/// answers and errors there were and dots drawn.
+fn outcome_legend(s: &mut String, points: &[(Outcome, f64, f64)], drawn: usize) {
+    let mut counts: BTreeMap<Outcome, u64> = BTreeMap::new();
+    for p in points {
+        *counts.entry(p.0).or_default() += 1;
+    }
     // Legend of outcomes present.
     let ly = HEIGHT - 18.0;
     let _ = write!(
