@@ -1,5 +1,5 @@
 -- The store's reserve until 2026-12-01, when it became two plain commands
--- (`SET NX PX`, `GETRANGE`: src/store/redis.rs). Kept for bench/floor.py
+-- (`SET NX PX`, `GETRANGE`: crates/store/src/redis.rs). Kept for bench/floor.py
 -- (examples/hyper_floor) and bench/redis_ops.py, so their figures stay comparable.
 -- Reserve a key, or say what holds it, in one round trip.
 -- KEYS[1] record key; ARGV[1] the encoded `processing` record; ARGV[2] lease
