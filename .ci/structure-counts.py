@@ -10,6 +10,15 @@ directory, and `#[cfg(test)]` modules (their lines are not counted and their
 functions not measured). A file's length is its lines outside such modules.
 A function's length runs from the line of `fn` to its closing brace.
 
+Public items named only inside their crate: the `pub` items (not
+`pub(crate)` and the like, not `pub use` or `pub mod`) of a library crate
+(`crates/*/` with a `src/lib.rs`) whose name appears in no code outside that
+crate's directory (other crates, the root package's `src/`, `tests/`,
+`examples/`, `bench/`, `fuzz/`); comments and strings do not count. A name
+used elsewhere for something else keeps an item in (the count is a floor).
+The binary crates' `pub` items (`src/`, `crates/campaign/`) are listed apart:
+no other crate can name them.
+
 Tests that start the binary: test functions in `tests/*.rs` (the workspace's
 integration tests) whose body, or a helper function of the same file that
 the body calls, starts the proxy as a process (`Proxy::start`,
@@ -192,6 +201,50 @@ def binary_tests(root):
     return total, starting
 
 
+ITEM = re.compile(r"^\s*pub\s+(?:(?:async|const|unsafe|extern\s+\"C\")\s+)*(?:fn|struct|enum|trait|type|const|static)\s+(\w+)", re.M)
+
+
+def rust_files(d):
+    for base, dirs, files in os.walk(d):
+        dirs[:] = [x for x in dirs if x not in ("target", ".git")]
+        for f in sorted(files):
+            if f.endswith(".rs"):
+                yield os.path.join(base, f)
+
+
+def inside_only(root):
+    """(library crate, [(file:line, name)]) of pub items named only inside their crate,
+    and the number of bare `pub` items of the binary crates."""
+    crates_dir = os.path.join(root, "crates")
+    libraries = []
+    if os.path.isdir(crates_dir):
+        libraries = [os.path.join(crates_dir, c) for c in sorted(os.listdir(crates_dir))
+                     if os.path.isfile(os.path.join(crates_dir, c, "src", "lib.rs"))]
+    every = [p for d in ("src", "tests", "examples", "bench", "fuzz", "crates")
+             for p in rust_files(os.path.join(root, d))]
+    words = {p: set(re.findall(r"\b\w+\b", strip_literals(open(p).read()))) for p in every}
+    found = []
+    for lib in libraries:
+        outside = set()
+        for p, w in words.items():
+            if not p.startswith(lib + os.sep):
+                outside |= w
+        items = []
+        for p in rust_files(os.path.join(lib, "src")):
+            code = strip_literals(open(p).read())
+            for m in ITEM.finditer(code):
+                if m.group(1) not in outside:
+                    items.append((f"{os.path.relpath(p, root)}:{line_of(code, m.start())}", m.group(1)))
+        found.append((os.path.relpath(lib, root), items))
+    binary_pub = 0
+    for d in [os.path.join(root, "src")] + [os.path.join(crates_dir, c, "src") for c in
+                                            (os.listdir(crates_dir) if os.path.isdir(crates_dir) else [])
+                                            if not os.path.isfile(os.path.join(crates_dir, c, "src", "lib.rs"))]:
+        for p in rust_files(d):
+            binary_pub += len(ITEM.findall(strip_literals(open(p).read())))
+    return found, binary_pub
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     listing = "--list" in sys.argv
@@ -217,6 +270,7 @@ def main():
         pub_items += len(PUB.findall(outside))
         pub_restricted += len(PUB_CRATE.findall(outside))
     total, starting = binary_tests(root)
+    only_inside, binary_pub = inside_only(root)
     print(f"files over {FILE_LIMIT} lines: {len(big_files)}")
     if listing:
         for lines, rel in sorted(big_files, reverse=True):
@@ -226,6 +280,13 @@ def main():
         for length, where in sorted(long_fns, reverse=True):
             print(f"  {length:5} {where}")
     print(f"pub items: {pub_items} (pub(crate)/pub(super)/pub(in): {pub_restricted})")
+    print(f"pub items named only inside their library crate: {sum(len(i) for _, i in only_inside)}"
+          + "".join(f", {c}: {len(i)}" for c, i in only_inside))
+    if listing:
+        for c, items in only_inside:
+            for where, name in items:
+                print(f"  {where} {name}")
+    print(f"pub items of the binary crates: {binary_pub}")
     print(f"integration tests: {total}, starting the binary: {starting}")
 
 
