@@ -19,9 +19,9 @@ use crate::record::Recorder;
 use crate::rng::Rng;
 use crate::upstream::sha_hex;
 
-pub type Http = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type Http = Client<HttpConnector, Full<Bytes>>;
 
-pub fn http() -> Http {
+pub(crate) fn http() -> Http {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
     c.set_connect_timeout(Some(Duration::from_secs(1)));
@@ -32,7 +32,7 @@ pub fn http() -> Http {
 
 /// A key and the body that goes with it (the same on every retry).
 #[derive(Clone)]
-pub struct Op {
+pub(crate) struct Op {
     pub key: String,
     pub body: Bytes,
     /// Attempts so far.
@@ -41,7 +41,7 @@ pub struct Op {
 
 /// What everyone shares: the keys so far, and the ones given up on.
 #[derive(Default)]
-pub struct Book {
+pub(crate) struct Book {
     pub keys: Mutex<Vec<Op>>,
     /// Given-up keys and when their client comes back to them.
     late: Mutex<Vec<(Instant, Op)>>,
@@ -49,26 +49,26 @@ pub struct Book {
 
 /// How an attempt ended: the status (`None`: no answer) and the answer's
 /// `Retry-After`.
-pub struct Outcome {
+pub(crate) struct Outcome {
     pub status: Option<u16>,
     pub after: Option<Duration>,
 }
 
 impl Outcome {
     /// What a client retries: no answer, 409, 5xx.
-    pub fn retried(&self) -> bool {
+    pub(crate) fn retried(&self) -> bool {
         self.status.is_none_or(|s| s == 409 || s >= 500)
     }
 
     /// What the final phase waits past: no answer, 409 (in flight), 503
     /// (the store unavailable); anything else is the key's answer.
-    pub fn settled(&self) -> bool {
+    pub(crate) fn settled(&self) -> bool {
         self.status.is_some_and(|s| s != 409 && s != 503)
     }
 }
 
 /// Sends one attempt of `op` to `proxy` and records it.
-pub async fn attempt(
+pub(crate) async fn attempt(
     http: &Http,
     rec: &Recorder,
     client: u32,
@@ -175,7 +175,7 @@ fn classify(e: hyper_util::client::legacy::Error) -> String {
 }
 
 /// The back-off before attempt `n` (1, 2...): 50 ms doubling to 2 s, ×0.5–1.5.
-pub fn backoff(rng: &mut Rng, n: u32, after: Option<Duration>) -> Duration {
+pub(crate) fn backoff(rng: &mut Rng, n: u32, after: Option<Duration>) -> Duration {
     let base = 50u64.saturating_mul(1 << n.min(6)).min(2_000);
     let jittered = base * rng.range(50, 150) / 100;
     let ms = after
@@ -186,7 +186,7 @@ pub fn backoff(rng: &mut Rng, n: u32, after: Option<Duration>) -> Duration {
 }
 
 /// One client until `until`: payment after payment, each retried as above.
-pub async fn run(
+pub(crate) async fn run(
     id: u32,
     mut rng: Rng,
     proxies: Vec<SocketAddr>,

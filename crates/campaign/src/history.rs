@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 /// One line of the history.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "ev", rename_all = "snake_case")]
-pub enum Event {
+pub(crate) enum Event {
     /// The first line: what ran and what the checker needs to judge it.
     Run(Run),
     /// A client sent a request (`attempt` 0 is the first with this key).
@@ -85,7 +85,7 @@ pub enum Event {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Run {
+pub(crate) struct Run {
     pub topology: String,
     pub seed: u64,
     pub duration_ms: u64,
@@ -108,14 +108,14 @@ pub struct Run {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum AtRisk {
+pub(crate) enum AtRisk {
     StoreFailover,
     Never,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Phase {
+pub(crate) enum Phase {
     /// While the nemesis runs.
     Load,
     /// After every fault healed: each key asked once more.
@@ -124,13 +124,13 @@ pub enum Phase {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum FaultPhase {
+pub(crate) enum FaultPhase {
     Start,
     End,
 }
 
 impl Event {
-    pub fn t(&self) -> u64 {
+    pub(crate) fn t(&self) -> u64 {
         match self {
             Event::Run(_) => 0,
             Event::Invoke { t, .. }
@@ -146,7 +146,7 @@ impl Event {
 
 /// Reads a history (JSON lines); a line that does not parse is an error
 /// naming its number.
-pub fn read(path: &Path) -> Result<Vec<Event>, String> {
+pub(crate) fn read(path: &Path) -> Result<Vec<Event>, String> {
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut events = Vec::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
@@ -162,7 +162,7 @@ pub fn read(path: &Path) -> Result<Vec<Event>, String> {
 }
 
 /// Writes events as JSON lines.
-pub fn write(out: &mut impl Write, events: &[Event]) -> std::io::Result<()> {
+pub(crate) fn write(out: &mut impl Write, events: &[Event]) -> std::io::Result<()> {
     for e in events {
         serde_json::to_writer(&mut *out, e)?;
         out.write_all(b"\n")?;

@@ -62,7 +62,7 @@ enum Command {
 }
 
 /// "60s", "500ms", "30m", "1h", "1m30s".
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let mut total = 0u64;
     let mut rest = text.trim();
     if rest.is_empty() {

@@ -21,7 +21,7 @@ use crate::rng::Rng;
 use crate::topology::Kind as Topology;
 
 #[derive(Clone, Debug, PartialEq)]
-pub enum Target {
+pub(crate) enum Target {
     Proxy(u32),
     Upstream,
     /// A store process by name (`store-0`, `sentinel-1`).
@@ -37,7 +37,7 @@ pub enum Target {
 }
 
 impl Target {
-    pub fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self {
             Target::Proxy(i) => format!("proxy-{i}"),
             Target::Upstream => "upstream".into(),
@@ -50,14 +50,14 @@ impl Target {
     }
 
     /// The store's own processes and the store as a whole (not a proxy's link to it).
-    pub fn is_store(&self) -> bool {
+    pub(crate) fn is_store(&self) -> bool {
         matches!(self, Target::StoreProc(n) if n.starts_with("store"))
             || matches!(self, Target::Store | Target::StoreNode(_))
     }
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Kill,
     Pause,
     Failover,
@@ -76,7 +76,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Kind::Kill => "kill",
             Kind::Pause => "pause",
@@ -93,7 +93,7 @@ impl Kind {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct Planned {
+pub(crate) struct Planned {
     pub id: u32,
     pub at_ms: u64,
     pub for_ms: u64,
@@ -102,7 +102,7 @@ pub struct Planned {
 }
 
 /// What the schedule may hit.
-pub struct Cast<'a> {
+pub(crate) struct Cast<'a> {
     pub topology: Topology,
     pub proxies: u32,
     pub store_procs: &'a [String],
@@ -113,7 +113,7 @@ pub struct Cast<'a> {
 }
 
 /// Every kind's name, for `--faults`.
-pub const KINDS: [&str; 10] = [
+pub(crate) const KINDS: [&str; 10] = [
     "kill",
     "pause",
     "failover",
@@ -128,7 +128,7 @@ pub const KINDS: [&str; 10] = [
 
 /// The faults of a run of `duration_ms`, in order of start; the first
 /// starts after a quiet second, the last heals a second before the end.
-pub fn schedule(rng: &mut Rng, cast: &Cast, duration_ms: u64) -> Vec<Planned> {
+pub(crate) fn schedule(rng: &mut Rng, cast: &Cast, duration_ms: u64) -> Vec<Planned> {
     let mut out: Vec<Planned> = Vec::new();
     let mut t = 1_000u64;
     let end = duration_ms.saturating_sub(1_000);

@@ -12,7 +12,7 @@ static LIVE: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 /// SIGKILLs every process the campaign started (on SIGINT or SIGTERM: they
 /// run in process groups of their own, which a terminal's Ctrl-C does not reach).
-pub fn kill_all() {
+pub(crate) fn kill_all() {
     for pid in LIVE.lock().unwrap().drain(..) {
         // SAFETY: kill(2) on a process group we started.
         unsafe {
@@ -23,9 +23,9 @@ pub fn kill_all() {
 }
 
 /// How to start a process again after a kill.
-pub type Recipe = Box<dyn Fn() -> Command + Send + Sync>;
+pub(crate) type Recipe = Box<dyn Fn() -> Command + Send + Sync>;
 
-pub struct Proc {
+pub(crate) struct Proc {
     pub name: String,
     recipe: Recipe,
     log: PathBuf,
@@ -35,7 +35,7 @@ pub struct Proc {
 
 impl Proc {
     /// Starts `recipe()`'s command, its output appended to `log`.
-    pub fn start(name: &str, log: PathBuf, recipe: Recipe) -> std::io::Result<Proc> {
+    pub(crate) fn start(name: &str, log: PathBuf, recipe: Recipe) -> std::io::Result<Proc> {
         let mut p = Proc {
             name: name.to_string(),
             recipe,
@@ -64,12 +64,12 @@ impl Proc {
         Ok(())
     }
 
-    pub fn pid(&self) -> Option<u32> {
+    pub(crate) fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
 
     /// Alive: started and not exited (a paused process is alive).
-    pub fn alive(&mut self) -> bool {
+    pub(crate) fn alive(&mut self) -> bool {
         let Some(c) = self.child.as_mut() else {
             return false;
         };
@@ -95,7 +95,7 @@ impl Proc {
     }
 
     /// SIGKILL (the group), and reaps it.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         self.signal(libc::SIGKILL);
         if let Some(pid) = self.pid() {
             LIVE.lock().unwrap().retain(|&p| p != pid);
@@ -106,18 +106,18 @@ impl Proc {
         self.paused = false;
     }
 
-    pub fn pause(&mut self) {
+    pub(crate) fn pause(&mut self) {
         self.signal(libc::SIGSTOP);
         self.paused = true;
     }
 
-    pub fn resume(&mut self) {
+    pub(crate) fn resume(&mut self) {
         self.signal(libc::SIGCONT);
         self.paused = false;
     }
 
     /// Up and not paused: resumes a paused one, starts a dead one again.
-    pub fn heal(&mut self) -> std::io::Result<()> {
+    pub(crate) fn heal(&mut self) -> std::io::Result<()> {
         if self.paused {
             self.resume();
         }
@@ -139,7 +139,7 @@ impl Drop for Proc {
 }
 
 /// A free loopback port (bound, then released).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::history::Event;
 
-pub struct Recorder {
+pub(crate) struct Recorder {
     start: Instant,
     /// The Unix time of `start`, ms (to place the upstream's journal).
     pub start_unix_ms: u64,
@@ -21,7 +21,7 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    pub fn create(path: &Path, seed: u64) -> std::io::Result<Recorder> {
+    pub(crate) fn create(path: &Path, seed: u64) -> std::io::Result<Recorder> {
         Ok(Recorder {
             start: Instant::now(),
             start_unix_ms: crate::upstream::unix_ms(),
@@ -33,21 +33,21 @@ impl Recorder {
     }
 
     /// Milliseconds since the run started.
-    pub fn now(&self) -> u64 {
+    pub(crate) fn now(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
     }
 
-    pub fn op_id(&self) -> u64 {
+    pub(crate) fn op_id(&self) -> u64 {
         self.ops.fetch_add(1, Ordering::Relaxed)
     }
 
     /// A prefix for the run's keys (a store reused by another run never
     /// holds one of this run's keys).
-    pub fn seed_tag(&self) -> &str {
+    pub(crate) fn seed_tag(&self) -> &str {
         &self.tag
     }
 
-    pub fn record(&self, event: Event) {
+    pub(crate) fn record(&self, event: Event) {
         let mut out = self.out.lock().unwrap();
         let written = serde_json::to_writer(&mut *out, &event)
             .map_err(std::io::Error::from)
@@ -59,11 +59,11 @@ impl Recorder {
 
     /// Events that could not be written (a full disk): a history that
     /// misses them cannot be judged.
-    pub fn lost(&self) -> u64 {
+    pub(crate) fn lost(&self) -> u64 {
         self.lost.load(Ordering::Relaxed)
     }
 
-    pub fn flush(&self) {
+    pub(crate) fn flush(&self) {
         if self.out.lock().unwrap().flush().is_err() {
             self.lost.fetch_add(1, Ordering::Relaxed);
         }

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
-pub enum Effect {
+pub(crate) enum Effect {
     /// Every chunk, each way, this many ms late.
     Delay(u64),
     /// Each chunk, with this chance, held this many ms (a lost segment
@@ -59,10 +59,10 @@ struct Rule {
 /// Which proxy (by index) runs under which pid: the runner updates it as
 /// proxies are killed and started again.
 #[derive(Default)]
-pub struct Owners(Mutex<Vec<Option<u32>>>);
+pub(crate) struct Owners(Mutex<Vec<Option<u32>>>);
 
 impl Owners {
-    pub fn set(&self, proxy: u32, pid: Option<u32>) {
+    pub(crate) fn set(&self, proxy: u32, pid: Option<u32>) {
         let mut v = self.0.lock().unwrap();
         if v.len() <= proxy as usize {
             v.resize(proxy as usize + 1, None);
@@ -283,7 +283,7 @@ impl Shared {
     }
 }
 
-pub struct Relay {
+pub(crate) struct Relay {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
     task: tokio::task::JoinHandle<()>,
@@ -291,7 +291,7 @@ pub struct Relay {
 
 impl Relay {
     /// Listens on a free loopback port and relays to `target`.
-    pub async fn start(
+    pub(crate) async fn start(
         target: SocketAddr,
         owners: Arc<Owners>,
         rng: Rng,
@@ -332,13 +332,13 @@ impl Relay {
 
     /// Relays to `target` from now on (a relay is bound before the port of
     /// what it fronts is chosen, so that the two can never collide).
-    pub fn set_target(&self, target: SocketAddr) {
+    pub(crate) fn set_target(&self, target: SocketAddr) {
         *self.shared.target.lock().unwrap() = target;
     }
 
     /// Applies `effect` to the connections of `source` (a proxy's index;
     /// `None`: all) until [`Relay::heal`] with the same id.
-    pub fn inject(&self, id: u32, source: Option<u32>, effect: Effect) {
+    pub(crate) fn inject(&self, id: u32, source: Option<u32>, effect: Effect) {
         let refuse = effect == Effect::Refuse;
         self.shared
             .rules
@@ -355,13 +355,13 @@ impl Relay {
         }
     }
 
-    pub fn heal(&self, id: u32) {
+    pub(crate) fn heal(&self, id: u32) {
         self.shared.rules.lock().unwrap().retain(|r| r.id != id);
         self.shared.changed.send_modify(|n| *n += 1);
     }
 
     /// Resets every open connection (of `source`, or all).
-    pub fn cut(&self, source: Option<u32>) {
+    pub(crate) fn cut(&self, source: Option<u32>) {
         for (src, cut) in self.shared.conns.lock().unwrap().values() {
             if source.is_none() || source == *src {
                 cut.notify_one();
@@ -369,7 +369,7 @@ impl Relay {
         }
     }
 
-    pub fn heal_all(&self) {
+    pub(crate) fn heal_all(&self) {
         self.shared.rules.lock().unwrap().clear();
         self.shared.changed.send_modify(|n| *n += 1);
     }

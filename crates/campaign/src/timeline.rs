@@ -26,12 +26,12 @@ const LAT_TOP: f64 = 290.0;
 const LAT_H: f64 = 245.0;
 const AXIS_Y: f64 = LAT_TOP + LAT_H;
 /// Distinct dot positions drawn at most (all outcomes together).
-pub const MAX_DOTS: usize = 20_000;
+pub(crate) const MAX_DOTS: usize = 20_000;
 /// Rate bins at most across the run.
 const MAX_BINS: u64 = 600;
 
 /// Renders the history as an SVG document.
-pub fn svg(events: &[Event]) -> String {
+pub(crate) fn svg(events: &[Event]) -> String {
     let mut ev: Vec<&Event> = events.iter().collect();
     ev.sort_by_key(|e| e.t());
     let t_end = ev.iter().map(|e| e.t()).max().unwrap_or(0).max(1000);

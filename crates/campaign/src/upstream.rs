@@ -28,7 +28,7 @@ use crate::rng::Rng;
 
 /// One journaled execution.
 #[derive(Serialize, Deserialize)]
-pub struct Journaled {
+pub(crate) struct Journaled {
     pub t_unix_ms: u64,
     pub key: String,
     pub exec: String,
@@ -43,20 +43,20 @@ struct State {
     rng: Mutex<Rng>,
 }
 
-pub fn unix_ms() -> u64 {
+pub(crate) fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
 
-pub fn sha_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha_hex(bytes: &[u8]) -> String {
     let d = Sha256::digest(bytes);
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Serves on `port` until killed.
-pub fn run(port: u16, journal: PathBuf) -> std::io::Result<()> {
+pub(crate) fn run(port: u16, journal: PathBuf) -> std::io::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -168,7 +168,7 @@ async fn handle(
 
 /// Reads the journal, and how many lines were not whole executions (a
 /// line cut by a kill mid-write: never fsynced, so never answered).
-pub fn read_journal(path: &std::path::Path) -> std::io::Result<(Vec<Journaled>, u64)> {
+pub(crate) fn read_journal(path: &std::path::Path) -> std::io::Result<(Vec<Journaled>, u64)> {
     let bytes = std::fs::read(path)?;
     let mut out = Vec::new();
     let mut torn = 0;

@@ -23,7 +23,7 @@ pub struct Document<'a> {
 /// An object of the input: a document, or an item of a list (`List`,
 /// `DeploymentList`, ... and lists inside lists), by its indices.
 #[derive(Clone, Debug)]
-pub struct At {
+pub(crate) struct At {
     pub doc: usize,
     pub items: Vec<usize>,
 }
@@ -62,7 +62,7 @@ impl At {
 
 /// Whether `v` is a list whose items kubectl applies one by one: `List`, or a
 /// typed list such as `DeploymentList` or `PodList`.
-pub fn is_list(v: &Value) -> bool {
+pub(crate) fn is_list(v: &Value) -> bool {
     str_at(v, &["kind"]).is_some_and(|k| k.ends_with("List"))
         && v.get("items").is_some_and(Value::is_sequence)
 }
@@ -95,13 +95,13 @@ pub fn objects(docs: &[Document]) -> Vec<At> {
     out
 }
 
-pub fn str_at<'v>(v: &'v Value, path: &[&str]) -> Option<&'v str> {
+pub(crate) fn str_at<'v>(v: &'v Value, path: &[&str]) -> Option<&'v str> {
     path.iter()
         .try_fold(v, |v, k| v.get(*k))
         .and_then(Value::as_str)
 }
 
-pub fn namespace(v: &Value) -> Option<&str> {
+pub(crate) fn namespace(v: &Value) -> Option<&str> {
     str_at(v, &["metadata", "namespace"])
 }
 
@@ -198,7 +198,7 @@ pub fn parse(text: &str) -> Result<(bool, Vec<Document<'_>>), ManifestError> {
 /// a plain `yes`, `off`, `0644` or `1:20` came in as a string, and would go
 /// out quoted, a string where Kubernetes (YAML 1.1) read a boolean or a
 /// number. Such a document is refused, naming the line and value.
-pub fn check_yaml_1_1(docs: &[Document]) -> Result<(), ManifestError> {
+pub(crate) fn check_yaml_1_1(docs: &[Document]) -> Result<(), ManifestError> {
     use yaml_rust2::parser::{Event, Parser};
     use yaml_rust2::scanner::TScalarStyle;
     for (i, d) in docs.iter().enumerate().filter(|(_, d)| d.changed) {
@@ -275,7 +275,7 @@ fn yaml_1_1_meaning(s: &str) -> Option<(&'static str, &'static str)> {
     ))
 }
 
-pub fn render_yaml(docs: &[Document], extra: Vec<Value>) -> String {
+pub(crate) fn render_yaml(docs: &[Document], extra: Vec<Value>) -> String {
     let mut out = String::new();
     for d in docs {
         if d.changed {
@@ -295,7 +295,11 @@ pub fn render_yaml(docs: &[Document], extra: Vec<Value>) -> String {
     out
 }
 
-pub fn render_json(text: &str, doc: Document, extra: Vec<Value>) -> Result<String, ManifestError> {
+pub(crate) fn render_json(
+    text: &str,
+    doc: Document,
+    extra: Vec<Value>,
+) -> Result<String, ManifestError> {
     if !doc.changed && extra.is_empty() {
         return Ok(text.to_owned());
     }

@@ -25,7 +25,7 @@ mod services;
 pub mod webhook;
 
 pub use manifests::{inject_manifests, Injected, ManifestError, Options};
-pub use pod::{inject_pod, Change, Injection};
+pub use pod::{inject_pod, Change, FieldError, Injection};
 pub use ports::ServicePort;
 pub use select::Selection;
 

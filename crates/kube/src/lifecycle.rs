@@ -14,7 +14,7 @@ use idemproxy::tls::Certificates;
 use crate::webhook::Injector;
 
 /// How often the injector looks at its certificate files' modification times.
-pub const CERTIFICATE_POLL: Duration = Duration::from_secs(30);
+pub(crate) const CERTIFICATE_POLL: Duration = Duration::from_secs(30);
 
 /// Serves the webhook until the first [`Signal::Shutdown`] (or the end of
 /// `signals`); connections in progress are dropped then. Its certificate is

@@ -2,18 +2,19 @@
 
 use serde_norway::{Mapping, Value};
 
+pub use super::ports::ServicePort;
+pub(crate) use super::ports::PORT_ANNOTATION;
 use super::ports::{self, Candidate, Says};
-pub use super::ports::{ServicePort, PORT_ANNOTATION};
 use super::{PortRef, Settings};
 
 /// `idemproxy.dev/inject: disabled` leaves a workload as it was (`enabled` opts a pod in at the webhook).
-pub const INJECT_ANNOTATION: &str = "idemproxy.dev/inject";
+pub(crate) const INJECT_ANNOTATION: &str = "idemproxy.dev/inject";
 /// The sidecar's name; a pod that has an init container by this name is already injected.
-pub const SIDECAR: &str = "idemproxy";
+pub(crate) const SIDECAR: &str = "idemproxy";
 /// The pod volume that holds the configuration.
 const CONFIG_VOLUME: &str = "idemproxy-config";
 /// The proxy's port, when that number is free in the pod (else the next free one).
-pub const PROXY_PORT_BASE: u16 = 15080;
+pub(crate) const PROXY_PORT_BASE: u16 = 15080;
 /// The proxy port's name when the application's port has none.
 const PROXY_PORT_NAME: &str = "idemproxy-http";
 
@@ -371,7 +372,7 @@ fn rename_app_port(c: &mut Value, p: &AppPort, names: &[String], sidecar: &mut V
 
 /// The ports of a pod injected before, read back from its sidecar's
 /// `--listen` and `--upstream` arguments: what its Services must be rewired to.
-pub fn injected_change(pod: &Value) -> Option<Change> {
+pub(crate) fn injected_change(pod: &Value) -> Option<Change> {
     let spec = pod.get("spec")?;
     let sidecar = containers(spec, "initContainers").find(|c| name_of(c) == Some(SIDECAR))?;
     injected_change_of(sidecar)

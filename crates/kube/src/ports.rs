@@ -14,7 +14,7 @@
 use super::PortRef;
 
 /// The port to protect, by name or number, when the Services do not say it.
-pub const PORT_ANNOTATION: &str = "idemproxy.dev/port";
+pub(crate) const PORT_ANNOTATION: &str = "idemproxy.dev/port";
 
 /// A Service port that selects the pod, as the injection needs it.
 #[derive(Clone, Debug)]
@@ -76,7 +76,7 @@ pub const NOT_HTTP_PORTS: [(u16, &str); 41] = [
 /// Port numbers of HTTP over TLS: the proxy cannot read what passes, so
 /// these are never taken either (unless a Service or the port's name says
 /// it speaks HTTP in clear text there, which the choice then follows).
-pub const TLS_PORTS: [(u16, &str); 4] = [
+pub(crate) const TLS_PORTS: [(u16, &str); 4] = [
     (443, "HTTPS"),
     (6443, "the Kubernetes API (TLS)"),
     (8443, "HTTPS"),
@@ -123,7 +123,7 @@ pub enum Says {
 }
 
 /// What a port name says.
-pub fn name_says(name: &str) -> Says {
+pub(crate) fn name_says(name: &str) -> Says {
     let n = name.to_ascii_lowercase();
     if TLS_NAMES.iter().any(|p| n.starts_with(p)) {
         Says::Tls
@@ -156,7 +156,7 @@ impl ServicePort {
     }
 
     /// Whether the proxy speaks HTTP/2 (h2c) to the application on this port.
-    pub fn is_h2(&self) -> bool {
+    pub(crate) fn is_h2(&self) -> bool {
         self.name
             .as_deref()
             .is_some_and(|n| n.to_ascii_lowercase().starts_with("grpc"))
@@ -178,7 +178,7 @@ impl ServicePort {
 /// One TCP port of the pod as the choice sees it: a container port, or a
 /// number a Service targets that no container declares.
 #[derive(Debug)]
-pub struct Candidate {
+pub(crate) struct Candidate {
     pub number: u16,
     /// The container port's name, if it is declared and named.
     pub name: Option<String>,
@@ -232,7 +232,7 @@ pub fn never(number: u16, name: Option<&str>, targeting: &[&ServicePort]) -> Opt
 /// The port to take when neither `--port` nor the annotation chooses: the
 /// only one with evidence of HTTP, else the only port when it has no name;
 /// or why there is none to take.
-pub fn choose(candidates: &[Candidate]) -> Result<u16, String> {
+pub(crate) fn choose(candidates: &[Candidate]) -> Result<u16, String> {
     let http: Vec<&Candidate> = candidates
         .iter()
         .filter(|c| c.evidence.is_some() && c.against.is_none())

@@ -81,7 +81,7 @@ impl Selection {
 
     /// Whether a workload is chosen: it matches one `--only` (when any is
     /// given) and every `--selector` pair, on its own labels or its pods'.
-    pub fn admits(
+    pub(crate) fn admits(
         &self,
         kind: &str,
         name: Option<&str>,
@@ -108,7 +108,7 @@ impl Selection {
 
     /// The `--only` values that name no workload of the input, given the
     /// (kind, name) of every workload in it.
-    pub fn unmatched(&self, workloads: &[(String, Option<String>)]) -> Vec<String> {
+    pub(crate) fn unmatched(&self, workloads: &[(String, Option<String>)]) -> Vec<String> {
         self.only
             .iter()
             .filter(|o| {

@@ -8,7 +8,7 @@ use super::ports::ServicePort;
 use super::PortRef;
 
 /// Two objects can refer to each other unless both name a namespace and the names differ.
-pub fn same_namespace(a: Option<&str>, b: Option<&str>) -> bool {
+pub(crate) fn same_namespace(a: Option<&str>, b: Option<&str>) -> bool {
     match (a, b) {
         (Some(a), Some(b)) => a == b,
         _ => true,
@@ -22,7 +22,7 @@ pub fn selects(selector: &Mapping, labels: Option<&Mapping>) -> bool {
         && labels.is_some_and(|labels| selector.iter().all(|(k, v)| labels.get(k) == Some(v)))
 }
 
-pub fn service_ports(service: &Value) -> Vec<ServicePort> {
+pub(crate) fn service_ports(service: &Value) -> Vec<ServicePort> {
     let ports = service
         .get("spec")
         .and_then(|s| s.get("ports"))
@@ -52,7 +52,7 @@ pub fn service_ports(service: &Value) -> Vec<ServicePort> {
         .collect()
 }
 
-pub fn service_selects(svc: &Value, ns: Option<&str>, labels: Option<&Mapping>) -> bool {
+pub(crate) fn service_selects(svc: &Value, ns: Option<&str>, labels: Option<&Mapping>) -> bool {
     let selector = svc
         .get("spec")
         .and_then(|s| s.get("selector"))
@@ -61,7 +61,7 @@ pub fn service_selects(svc: &Value, ns: Option<&str>, labels: Option<&Mapping>) 
 }
 
 /// Points the Service's ports that target `app` by number at `proxy`; true when one changed.
-pub fn retarget(service: &mut Value, app: u16, proxy: u16) -> bool {
+pub(crate) fn retarget(service: &mut Value, app: u16, proxy: u16) -> bool {
     let mut changed = false;
     let ports = service
         .get_mut("spec")
@@ -83,7 +83,7 @@ pub fn retarget(service: &mut Value, app: u16, proxy: u16) -> bool {
 }
 
 /// Ingress to the selected pods on `ports` (TCP) only, from anywhere.
-pub fn network_policy_for(
+pub(crate) fn network_policy_for(
     name: &str,
     namespace: Option<&str>,
     labels: &Mapping,
@@ -146,7 +146,7 @@ pub fn config_map(name: &str, namespace: Option<&str>, config: &str) -> Value {
 /// entry per pod template found in such an object, with its namespace and
 /// labels, and what makes them. A Rollout's `workloadRef` makes pods with the
 /// labels of the workload it names. A `PodTemplate` makes none.
-pub struct ForeignPods {
+pub(crate) struct ForeignPods {
     pub what: String,
     pub namespace: Option<String>,
     pub labels: Mapping,
@@ -179,7 +179,7 @@ fn pod_templates<'v>(v: &'v Value, out: &mut Vec<&'v Mapping>) {
 
 /// The foreign pods of `objects`, given `is_workload` (a kind `inject` injects)
 /// and `template_labels` (the pod labels of a workload of the input, by kind, namespace and name).
-pub fn foreign_pods<'a>(
+pub(crate) fn foreign_pods<'a>(
     objects: impl Iterator<Item = &'a Value>,
     is_workload: impl Fn(&str) -> bool,
     template_labels: impl Fn(&str, Option<&str>, &str) -> Option<Mapping>,
@@ -236,7 +236,7 @@ fn policy_selects(policy: &Value, labels: Option<&Mapping>) -> Option<bool> {
 }
 
 /// A workload of the input as a NetworkPolicy sees it.
-pub struct PolicyTarget<'a> {
+pub(crate) struct PolicyTarget<'a> {
     pub what: &'a str,
     pub namespace: Option<&'a str>,
     pub labels: Option<&'a Mapping>,
@@ -261,7 +261,7 @@ fn allows(entry: &Value, n: u16) -> bool {
 
 /// What became of one NetworkPolicy.
 #[derive(Default)]
-pub struct PolicyChange {
+pub(crate) struct PolicyChange {
     /// (workload, app port, proxy port) now allowed.
     pub opened: Vec<(String, u16, u16)>,
     /// Why a rule that allowed an injected app's port was not opened.
@@ -275,7 +275,7 @@ pub struct PolicyChange {
 /// the policy selects that listens on the proxy's port must be one whose app
 /// port the same rule allowed; otherwise the rule is left as it was and the
 /// reason given. A policy whose selector cannot be evaluated is left alone.
-pub fn open_proxy_ports(policy: &mut Value, targets: &[PolicyTarget]) -> PolicyChange {
+pub(crate) fn open_proxy_ports(policy: &mut Value, targets: &[PolicyTarget]) -> PolicyChange {
     let mut change = PolicyChange::default();
     let ns = namespace(policy).map(str::to_owned);
     let mut selected = Vec::new();

@@ -59,39 +59,39 @@ mod review;
 use budget::{BodyError, Budget};
 
 use conn::{serve_connection, Reply};
-pub use patch::MAX_PATCH_BYTES;
+pub(crate) use patch::MAX_PATCH_BYTES;
 
 /// The largest review read. The API server takes request bodies of at most
 /// 3 MiB (its `--max-request-bytes` default) and etcd stores objects of at most
 /// 1.5 MiB in protobuf, which is smaller than the same Pod in JSON: a CREATE
 /// review (one object, no `oldObject`) of a Pod the API server accepts fits.
-pub const MAX_REVIEW_BYTES: usize = 3 << 20;
+pub(crate) const MAX_REVIEW_BYTES: usize = 3 << 20;
 /// The most JSON values (and keys) a review may hold before it is parsed: a Pod
 /// of 200 containers with 100 variables each has about 100 000. Beyond it the
 /// review is answered "allowed, unchanged" without reading the Pod, so that
 /// 3 MiB of `[{},{},...]` cannot become hundreds of MiB of parsed values.
-pub const MAX_REVIEW_NODES: usize = 150_000;
+pub(crate) const MAX_REVIEW_NODES: usize = 150_000;
 /// Reviews worked on at once (parsed, injected, patched, serialised), once
 /// their bodies are whole; the others wait for [`QUEUE_WAIT`].
-pub const MAX_REVIEWS: usize = 4;
+pub(crate) const MAX_REVIEWS: usize = 4;
 /// Of which large reviews (a body over [`SMALL_REVIEW_BYTES`]) may take this
 /// many: the work on one near the value limit holds up to about 28 MiB, and
 /// an ordinary Pod's review waits behind at most this many.
-pub const MAX_LARGE_REVIEWS: usize = 1;
+pub(crate) const MAX_LARGE_REVIEWS: usize = 1;
 /// A review of at most this many bytes is small: an ordinary Pod's is 3 to
 /// 10 KiB. Small reviews have room kept for them in each budget.
-pub const SMALL_REVIEW_BYTES: usize = 16 << 10;
+pub(crate) const SMALL_REVIEW_BYTES: usize = 16 << 10;
 /// How long a review whose body is whole waits for room for its answer and
 /// a slot before it is answered 503.
-pub const QUEUE_WAIT: Duration = Duration::from_secs(2);
+pub(crate) const QUEUE_WAIT: Duration = Duration::from_secs(2);
 /// Connections served at once; one more is closed as soon as it is accepted.
 /// The API server opens one per replica, and another only past
 /// [`MAX_STREAMS`] reviews at once on each.
 pub const MAX_CONNECTIONS: usize = 64;
 /// HTTP/2 streams one connection may have open.
-pub const MAX_STREAMS: u32 = 4;
+pub(crate) const MAX_STREAMS: u32 = 4;
 /// A connection with no request in progress for this long is closed.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A TLS handshake and the request headers must each come within this.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// A review's body must be whole within this of its headers (the webhook's
@@ -107,7 +107,7 @@ pub const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
 /// nothing) hold at most [`LARGE_BODIES`] of it together; the rest (4 MiB)
 /// is room for a small body on every stream there can be, so that a small
 /// review always finds room.
-pub const BODY_BUDGET: usize =
+pub(crate) const BODY_BUDGET: usize =
     LARGE_BODIES + MAX_CONNECTIONS * MAX_STREAMS as usize * SMALL_REVIEW_BYTES;
 const LARGE_BODIES: usize = 6 << 20;
 /// The answers over one piece ([`PIECE_BYTES`]) being made and sent, in
@@ -116,7 +116,7 @@ const LARGE_BODIES: usize = 6 << 20;
 /// over a piece after it, kept until the client has taken it. Large answers
 /// (over [`SMALL_ANSWER`]) hold at most [`LARGE_ANSWERS`] together. An
 /// answer of one piece takes no room: every stream can hold one anyway.
-pub const ANSWER_BUDGET: usize = 8 << 20;
+pub(crate) const ANSWER_BUDGET: usize = 8 << 20;
 const LARGE_ANSWERS: usize = 6 << 20;
 const SMALL_ANSWER: usize = answer_bound(SMALL_REVIEW_BYTES);
 /// What the sidecar and its volume add to a Pod, at most (about 2 KiB).

@@ -88,7 +88,7 @@ impl App {
             .clone()
     }
 
-    pub fn set_routes(&self, routes: Arc<RouteTable>) {
+    pub(crate) fn set_routes(&self, routes: Arc<RouteTable>) {
         *self.routes.write().unwrap_or_else(|e| e.into_inner()) = routes;
     }
 
@@ -166,7 +166,7 @@ impl App {
     }
 
     /// `/readyz`: the listener accepts, the store has answered once, and we are not draining.
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.accepting.load(Ordering::Acquire)
             && self.store_answered.load(Ordering::Acquire)
             && self.store.usable()
@@ -175,14 +175,14 @@ impl App {
 }
 
 /// The env var that switches the key API on and holds its bearer token.
-pub const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_ADMIN_TOKEN";
+pub(crate) const ADMIN_TOKEN_ENV: &str = "IDEMPROXY_ADMIN_TOKEN";
 /// The admin token, kept only as its SHA-256 so that the comparison takes the
 /// same time whatever the length or content of the guess.
 #[derive(Clone)]
 pub struct AdminToken([u8; 32]);
 
 impl AdminToken {
-    pub fn from_env() -> Option<AdminToken> {
+    pub(crate) fn from_env() -> Option<AdminToken> {
         std::env::var(ADMIN_TOKEN_ENV)
             .ok()
             .filter(|t| !t.is_empty())
@@ -190,7 +190,7 @@ impl AdminToken {
     }
 
     /// Constant-time: every byte of the digests is compared.
-    pub fn accepts(&self, presented: &[u8]) -> bool {
+    pub(crate) fn accepts(&self, presented: &[u8]) -> bool {
         let digest: [u8; 32] = Sha256::digest(presented).into();
         digest
             .iter()

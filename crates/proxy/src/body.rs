@@ -46,7 +46,7 @@ impl Body {
     /// Reads what is left of a request body the proxy answers without (up to
     /// 64 KiB, at most 1 s): an HTTP/2 answer that ends the stream while the
     /// client still uploads makes clients report a stream error instead of it.
-    pub async fn drain_some(&mut self) {
+    pub(crate) async fn drain_some(&mut self) {
         let deadline = tokio::time::sleep(std::time::Duration::from_secs(1));
         tokio::pin!(deadline);
         let mut left: usize = 64 * 1024;
@@ -62,7 +62,7 @@ impl Body {
     }
 
     /// This body followed by `trailers` (none: the body as it is).
-    pub fn trailed(self, trailers: Option<HeaderMap>) -> Self {
+    pub(crate) fn trailed(self, trailers: Option<HeaderMap>) -> Self {
         match trailers {
             Some(t) if !t.is_empty() => Body::Trailed(Box::new(self), Some(t)),
             _ => self,
@@ -141,7 +141,7 @@ impl http_body::Body for Body {
 
 /// A body read up to a limit.
 #[derive(Debug)]
-pub enum Capped<B: http_body::Body> {
+pub(crate) enum Capped<B: http_body::Body> {
     /// All of it, and its trailers if it had any.
     Whole(Bytes, Option<HeaderMap>),
     /// Stopped before the end: what was read, the rest still to come, and why.
@@ -167,7 +167,7 @@ pub enum Cut<E> {
 /// is checked before anything is read, the bytes counted as they come.
 /// Trailers come back beside the bytes (a request's are part of neither the
 /// fingerprint nor the record; an answer's are recorded).
-pub async fn read_capped<B>(
+pub(crate) async fn read_capped<B>(
     mut body: B,
     limit: u64,
     deadline: Option<tokio::time::Instant>,
@@ -257,7 +257,7 @@ impl Collected {
 /// drives its I/O while it is read, and gives it back at its end. (A trait,
 /// so that bodies need not know the upstream pool; the box is the
 /// connection's own, made once when it was opened.)
-pub trait LentConnection: Send {
+pub(crate) trait LentConnection: Send {
     /// Drives the connection's I/O; true while it is still open.
     fn drive(&mut self, cx: &mut Context<'_>) -> bool;
     /// The body was read to its end: the connection may serve the next request.
@@ -282,7 +282,7 @@ impl Inbound {
     /// An answer's body holding the connection it arrives on until it is read
     /// to its end. No body to read (HEAD, 204, 304, `Content-Length: 0`): the
     /// server may never poll it, so the connection goes back now.
-    pub fn lent(body: Incoming, conn: Box<dyn LentConnection>) -> Self {
+    pub(crate) fn lent(body: Incoming, conn: Box<dyn LentConnection>) -> Self {
         let mut inbound = Inbound {
             body,
             lease: Some(conn),

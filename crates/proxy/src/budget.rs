@@ -34,7 +34,7 @@ impl Budget {
     }
 
     /// Room for nothing yet: it may grow.
-    pub fn nothing(self: &Arc<Self>) -> Room {
+    pub(crate) fn nothing(self: &Arc<Self>) -> Room {
         Room {
             budget: self.clone(),
             held: 0,
@@ -71,7 +71,7 @@ impl Room {
     }
 
     /// Holds at least `n` bytes in all (grows by the difference).
-    pub fn reach(&mut self, n: u64) -> bool {
+    pub(crate) fn reach(&mut self, n: u64) -> bool {
         self.grow(n.saturating_sub(self.held))
     }
 

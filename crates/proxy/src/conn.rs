@@ -82,7 +82,7 @@ impl Busy {
     }
 
     /// The connection's answers waiting for the client's window.
-    pub fn stalls(&self) -> &Stalls {
+    pub(crate) fn stalls(&self) -> &Stalls {
         &self.0.stalls
     }
 
@@ -91,28 +91,28 @@ impl Busy {
     }
 
     /// Whether the connection has been idle for the parking delay; clears it.
-    pub fn take_park_wanted(&self) -> bool {
+    pub(crate) fn take_park_wanted(&self) -> bool {
         self.0.park_wanted.load(Ordering::Relaxed)
             && self.0.park_wanted.swap(false, Ordering::AcqRel)
     }
 
     /// Marks the connection as being closed only to be parked (or not any more).
-    pub fn set_parking(&self, on: bool) {
+    pub(crate) fn set_parking(&self, on: bool) {
         self.0.parking.store(on, Ordering::Release);
     }
 
-    pub fn parking(&self) -> bool {
+    pub(crate) fn parking(&self) -> bool {
         self.0.parking.load(Ordering::Acquire)
     }
 
     /// The connection speaks HTTP/1.1: its heads are timed ([`Guarded`]).
-    pub fn set_http1(&self) {
+    pub(crate) fn set_http1(&self) {
         self.0.http1.store(true, Ordering::Relaxed);
     }
 
     /// Bytes kept from before a parking were handed to hyper with no request
     /// in progress: the start of a head.
-    pub fn head_handed(&self) {
+    pub(crate) fn head_handed(&self) {
         if self.idle() {
             let mark = self.begun().wrapping_add(1);
             if self.0.head_handed.load(Ordering::Relaxed) != mark {
@@ -126,7 +126,7 @@ pub struct BusyGuard(Arc<Counter>);
 
 impl BusyGuard {
     /// The connection's answers waiting for the client's window.
-    pub fn stalls(&self) -> &Stalls {
+    pub(crate) fn stalls(&self) -> &Stalls {
         &self.0.stalls
     }
 }
@@ -163,7 +163,7 @@ enum Armed {
     Head,
 }
 
-pub struct Guarded<IO> {
+pub(crate) struct Guarded<IO> {
     io: IO,
     busy: Busy,
     write_timeout: Duration,
@@ -206,14 +206,14 @@ impl<IO> Guarded<IO> {
 
     /// Asks for the connection to be parked once idle for `after` (when that
     /// is shorter than `idle_timeout`).
-    pub fn park_after(mut self, after: Duration) -> Self {
+    pub(crate) fn park_after(mut self, after: Duration) -> Self {
         self.park_after = (after < self.idle_timeout).then_some(after);
         self
     }
 
     /// Times each HTTP/1.1 request's head: it must arrive within `after` of
     /// its first byte.
-    pub fn head_timeout(mut self, after: Duration) -> Self {
+    pub(crate) fn head_timeout(mut self, after: Duration) -> Self {
         self.head_timeout = Some(after);
         self
     }

@@ -9,26 +9,27 @@
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName};
 
-pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
-pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 /// When a client's retry policy should try again (gRPC's A6 retry design):
 /// the `Retry-After` of the HTTP answer, in milliseconds.
-pub const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+pub(crate) const GRPC_RETRY_PUSHBACK_MS: HeaderName =
+    HeaderName::from_static("grpc-retry-pushback-ms");
 
 /// gRPC status codes the mapping uses (grpc/doc/statuscodes.md).
 pub mod code {
-    pub const UNKNOWN: u32 = 2;
-    pub const INVALID_ARGUMENT: u32 = 3;
-    pub const DEADLINE_EXCEEDED: u32 = 4;
-    pub const RESOURCE_EXHAUSTED: u32 = 8;
-    pub const FAILED_PRECONDITION: u32 = 9;
-    pub const ABORTED: u32 = 10;
-    pub const INTERNAL: u32 = 13;
+    pub(crate) const UNKNOWN: u32 = 2;
+    pub(crate) const INVALID_ARGUMENT: u32 = 3;
+    pub(crate) const DEADLINE_EXCEEDED: u32 = 4;
+    pub(crate) const RESOURCE_EXHAUSTED: u32 = 8;
+    pub(crate) const FAILED_PRECONDITION: u32 = 9;
+    pub(crate) const ABORTED: u32 = 10;
+    pub(crate) const INTERNAL: u32 = 13;
     pub const UNAVAILABLE: u32 = 14;
 }
 
 /// Is this message gRPC (`content-type: application/grpc`, `+proto`, `+json`...)?
-pub fn is_grpc(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers.get(CONTENT_TYPE).is_some_and(|v| {
         let v = v.as_bytes();
         v.len() >= 16

@@ -22,7 +22,7 @@ pub enum KeyError {
 
 /// Why a request has no key to use.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NoKey {
+pub(crate) enum NoKey {
     /// None was sent: a 400 on required routes, forwarded unprotected on optional ones.
     Missing,
     /// One was sent that cannot be used: always a 400.
@@ -31,7 +31,7 @@ pub enum NoKey {
 
 /// The key as far as the request's headers tell.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyRead<'p> {
+pub(crate) enum KeyRead<'p> {
     /// A header carried it.
     Read(String),
     /// It is in the JSON body, at this pointer: read once the body is (its size checked first).
@@ -41,7 +41,7 @@ pub enum KeyRead<'p> {
 /// The key of a request whose key a header carries (syntax:
 /// docs/reference/behaviour.md#key-syntax; exactly one
 /// line); a key in the body is left for [`KeyRead::or_from_body`].
-pub fn from_headers<'p>(
+pub(crate) fn from_headers<'p>(
     headers: &HeaderMap,
     source: &'p KeySource,
     max_len: usize,
@@ -62,7 +62,7 @@ pub fn from_headers<'p>(
 
 impl KeyRead<'_> {
     /// The key: the one read from a header, or the one in the whole `body`.
-    pub fn or_from_body(self, body: &[u8], max_len: usize) -> Result<String, NoKey> {
+    pub(crate) fn or_from_body(self, body: &[u8], max_len: usize) -> Result<String, NoKey> {
         match self {
             KeyRead::Read(key) => Ok(key),
             KeyRead::InBody(pointer) => json_key(body, pointer, max_len),
@@ -77,7 +77,7 @@ impl KeyRead<'_> {
 /// [`canonical_json::at_pointer`]), nothing at the pointer, or another type
 /// (a fraction, a boolean, null, an array, an object) is a missing key; an
 /// empty string, or a key longer than `max_len` characters, an invalid one.
-pub fn json_key(body: &[u8], pointer: &Pointer, max_len: usize) -> Result<String, NoKey> {
+pub(crate) fn json_key(body: &[u8], pointer: &Pointer, max_len: usize) -> Result<String, NoKey> {
     let key = match canonical_json::at_pointer(body, pointer.tokens()) {
         Some(Pointed::Str(s)) => s,
         Some(Pointed::Integer(digits)) => digits,

@@ -122,7 +122,7 @@ struct DegradedLabel {
 /// `wait_replicas` asks for it; the `result` label of
 /// `idemproxy_completions_degraded_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Degraded {
+pub(crate) enum Degraded {
     /// Written on the master, fewer than `wait_replicas` replicas acknowledged
     /// it (counted for each `WAIT` that fell short).
     Unreplicated,
@@ -424,7 +424,7 @@ impl Metrics {
     }
 
     /// The connection gauges of `n` worker threads, `worker` "1" to "n".
-    pub fn worker_gauges(&self, n: usize) -> Vec<Gauge> {
+    pub(crate) fn worker_gauges(&self, n: usize) -> Vec<Gauge> {
         (1..=n)
             .map(|w| {
                 let label = WorkerLabel {
@@ -437,7 +437,7 @@ impl Metrics {
 
     /// Counts a request on a protected route, its counters found once in
     /// the route's `series` (kept by the route table, passed in here).
-    pub fn request_on(&self, route: &RouteName, series: &RouteSeries, outcome: Outcome) {
+    pub(crate) fn request_on(&self, route: &RouteName, series: &RouteSeries, outcome: Outcome) {
         let (owner, series) = series.0.get_or_init(|| (self.id, Default::default()));
         match series.get(outcome as usize) {
             Some(s) if *owner == self.id => {
@@ -473,7 +473,7 @@ impl Metrics {
         }
     }
 
-    pub fn shadow(&self, route: &RouteName, outcome: Outcome) {
+    pub(crate) fn shadow(&self, route: &RouteName, outcome: Outcome) {
         self.shadow_outcomes
             .get_or_create(&RouteOutcome {
                 route: route.clone(),
@@ -511,7 +511,7 @@ impl Metrics {
             .inc();
     }
 
-    pub fn lease_lost(&self, route: &RouteName) {
+    pub(crate) fn lease_lost(&self, route: &RouteName) {
         self.lease_lost
             .get_or_create(&RouteLabel {
                 route: route.clone(),
@@ -520,7 +520,7 @@ impl Metrics {
     }
 
     /// A vanished owner's key taken over; `handling`: `unknown_outcome` or `re_execute`.
-    pub fn lease_expired(&self, route: &RouteName, handling: &'static str) {
+    pub(crate) fn lease_expired(&self, route: &RouteName, handling: &'static str) {
         self.lease_expired
             .get_or_create(&HandlingLabel {
                 route: route.clone(),
@@ -529,7 +529,7 @@ impl Metrics {
             .inc();
     }
 
-    pub fn degraded(&self, route: &RouteName, result: Degraded) {
+    pub(crate) fn degraded(&self, route: &RouteName, result: Degraded) {
         self.degraded
             .get_or_create(&DegradedLabel {
                 route: route.clone(),

@@ -12,7 +12,7 @@ use tokio::sync::OwnedSemaphorePermit;
 /// second one needs it ([`Permit::share`]): pass-through requests, the most
 /// common, never pay for sharing.
 #[derive(Debug, Default)]
-pub enum Permit {
+pub(crate) enum Permit {
     /// Holds no place (what is left where a permit was moved out).
     #[default]
     None,
@@ -27,7 +27,7 @@ impl Permit {
     }
 
     /// A second holder of the same place.
-    pub fn share(&mut self) -> Permit {
+    pub(crate) fn share(&mut self) -> Permit {
         let shared = match std::mem::take(self) {
             Permit::None => return Permit::None,
             Permit::One(p) => Arc::new(p),

@@ -18,7 +18,7 @@ use crate::upstream::UpstreamError;
 
 /// Every answer the proxy makes on its own.
 #[derive(Debug, Clone)]
-pub enum Problem {
+pub(crate) enum Problem {
     /// No key where the route's `key_from` looks.
     MissingKey {
         from: KeySource,
@@ -73,7 +73,7 @@ pub enum Problem {
 impl Problem {
     /// The one mapping of an upstream failure to an answer. `released`: the key
     /// was freed rather than the problem stored (always so on pass-through).
-    pub fn from_upstream(e: &UpstreamError, released: bool) -> Problem {
+    pub(crate) fn from_upstream(e: &UpstreamError, released: bool) -> Problem {
         match e {
             UpstreamError::Connect(_) => Problem::UpstreamUnreachable,
             UpstreamError::Exchange(_) => Problem::UpstreamReset { released },
@@ -257,7 +257,7 @@ impl Problem {
     }
 
     /// Can a client usefully send the same request again?
-    pub fn retryable(&self) -> bool {
+    pub(crate) fn retryable(&self) -> bool {
         match self {
             Problem::Conflict { .. }
             | Problem::StoreUnavailable
@@ -282,7 +282,7 @@ impl Problem {
 
     /// Status, headers and body of the answer; `request_id` becomes `instance`.
     /// (Also what `unknown_outcome = "store"` keeps in the record.)
-    pub fn render(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap, Bytes) {
+    pub(crate) fn render(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap, Bytes) {
         let status = self.status();
         let mut body = document(status, self.kind(), self.title(), &self.detail());
         body["instance"] = format!("urn:uuid:{request_id}").into();
@@ -300,7 +300,7 @@ impl Problem {
     }
 
     /// The gRPC status of a problem the proxy answers itself.
-    pub fn grpc_code(&self) -> u32 {
+    pub(crate) fn grpc_code(&self) -> u32 {
         use crate::grpc::code::*;
         match self {
             Problem::MissingKey { .. }
@@ -329,7 +329,7 @@ impl Problem {
     /// received response headers as committed, and their retry policy retries
     /// only a call answered so. (Also what `unknown_outcome = "store"` records,
     /// so that its replay has the same form.)
-    pub fn render_grpc(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap) {
+    pub(crate) fn render_grpc(&self, request_id: &uuid::Uuid) -> (StatusCode, HeaderMap) {
         let mut headers = HeaderMap::with_capacity(4);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(GRPC_STATUS, HeaderValue::from(self.grpc_code()));
@@ -351,7 +351,7 @@ impl Problem {
 
     /// The answer to a request: a problem document, or on a gRPC request
     /// the same problem as a Trailers-Only gRPC error (docs/reference/behaviour.md#grpc-errors).
-    pub fn response_to(&self, request_id: &uuid::Uuid, grpc: bool) -> Response<Body> {
+    pub(crate) fn response_to(&self, request_id: &uuid::Uuid, grpc: bool) -> Response<Body> {
         if !grpc {
             return self.response(request_id);
         }
@@ -369,7 +369,7 @@ fn header_display(name: &http::HeaderName) -> String {
 }
 
 /// A rendered problem as a response (also what a stored problem is answered with).
-pub fn assemble((status, headers, body): (StatusCode, HeaderMap, Bytes)) -> Response<Body> {
+pub(crate) fn assemble((status, headers, body): (StatusCode, HeaderMap, Bytes)) -> Response<Body> {
     let mut resp = Response::new(Body::full(body));
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
@@ -407,7 +407,7 @@ fn rendered(document: &serde_json::Value, retry_after: Option<u64>) -> (HeaderMa
 }
 
 /// Whole seconds, rounded up, at least 1.
-pub fn retry_secs(d: Duration) -> u64 {
+pub(crate) fn retry_secs(d: Duration) -> u64 {
     let ms = d.as_millis() as u64;
     ms.div_ceil(1000).max(1)
 }

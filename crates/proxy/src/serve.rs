@@ -40,7 +40,7 @@ use crate::metrics::{Counted, Metrics};
 /// state and buffers before it is parked. Parking and waking again cost about
 /// what a new connection costs hyper, so a client that sends requests back to
 /// back never pays it.
-pub const PARK_AFTER: Duration = Duration::from_millis(250);
+pub(crate) const PARK_AFTER: Duration = Duration::from_millis(250);
 
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -339,7 +339,7 @@ static PARKED_SINCE_TRIM: AtomicUsize = AtomicUsize::new(0);
 /// most once a second and only after parkings: the allocator (glibc's) keeps
 /// freed memory between live allocations otherwise, so a burst of
 /// connections that then go idle would keep the burst's memory resident.
-pub async fn give_back_freed_memory() {
+pub(crate) async fn give_back_freed_memory() {
     let mut every = tokio::time::interval(Duration::from_secs(1));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -423,7 +423,7 @@ pub fn one_arena() {}
 #[cfg(feature = "alloc-jemalloc")]
 #[allow(unsafe_code)]
 #[export_name = "_rjem_malloc_conf"]
-pub static JEMALLOC_CONF: &[u8; 70] =
+pub(crate) static JEMALLOC_CONF: &[u8; 70] =
     b"narenas:1,background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
 
 /// Whether a request began (`began`) by `until`.

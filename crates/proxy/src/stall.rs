@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 /// The answers of one connection whose data waits for the client's window.
 #[derive(Debug, Default)]
-pub struct Stalls {
+pub(crate) struct Stalls {
     /// Each waiting answer's id and since when it waits (at most one entry
     /// per stream, so at most the connection's concurrent streams).
     waiting: Mutex<Vec<(u64, Instant)>>,
@@ -34,7 +34,7 @@ pub struct Stalls {
 
 impl Stalls {
     /// An answer handed data to send: it waits from now; the id to end the wait with.
-    pub fn handed(&self) -> u64 {
+    pub(crate) fn handed(&self) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         let mut waiting = self.lock();
@@ -54,7 +54,7 @@ impl Stalls {
     }
 
     /// Resolves once an answer has waited `limit` without its data going out.
-    pub async fn overdue(&self, limit: Duration) {
+    pub(crate) async fn overdue(&self, limit: Duration) {
         loop {
             let oldest = self.lock().iter().map(|(_, since)| *since).min();
             match oldest {

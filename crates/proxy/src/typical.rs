@@ -7,12 +7,12 @@ use std::time::Duration;
 
 /// Until a route has measured an exchange: the shortest `Retry-After` there
 /// is. An early retry costs one cheap 409; a late one costs the client's time.
-pub const UNMEASURED: Duration = Duration::from_secs(1);
+pub(crate) const UNMEASURED: Duration = Duration::from_secs(1);
 
 /// The shortest wait suggested. A first request that has run past the
 /// typical duration may end any moment; its duplicates are still not
 /// invited to poll faster than this (gRPC clients take the milliseconds).
-pub const MIN_WAIT: Duration = Duration::from_millis(100);
+pub(crate) const MIN_WAIT: Duration = Duration::from_millis(100);
 
 /// A moving average of a route's successful exchanges the route stored
 /// (sent → answer read), each new one weighing a quarter and first held
@@ -26,7 +26,7 @@ pub struct Typical(AtomicU64);
 
 impl Typical {
     /// Counts one exchange that took `took`.
-    pub fn observe(&self, took: Duration) {
+    pub(crate) fn observe(&self, took: Duration) {
         let sample = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
         // Racing observers: each update is applied to the value it read.
         let _ = self

@@ -37,11 +37,11 @@ pub use idemproxy_store::per_worker::PerWorker;
 
 /// A connection's work, handed to a worker: first polled there, so that it
 /// runs on that worker's thread from start to end.
-pub type WorkerFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+pub(crate) type WorkerFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The worker threads, each with a current-thread runtime that runs the
 /// jobs spawned onto it until [`Workers::stop`].
-pub struct Workers {
+pub(crate) struct Workers {
     handles: Vec<Handle>,
     /// Connections each worker holds now (`idemproxy_worker_connections`).
     load: Vec<Gauge>,
@@ -85,7 +85,7 @@ impl Workers {
     }
 
     /// The worker with the fewest connections now (the first among equals).
-    pub fn least_loaded(&self) -> usize {
+    pub(crate) fn least_loaded(&self) -> usize {
         (0..self.handles.len())
             .min_by_key(|&i| self.load.get(i).map_or(0, Gauge::get))
             .unwrap_or(0)

@@ -27,7 +27,7 @@ impl Store {
     }
 
     /// The longest record believed.
-    pub fn record_limit(&self) -> u64 {
+    pub(crate) fn record_limit(&self) -> u64 {
         self.record_limit.load(Ordering::Relaxed)
     }
 

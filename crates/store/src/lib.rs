@@ -45,7 +45,7 @@ pub mod wire;
 
 /// The most of a record one command or reply carries (`pieces` writes and
 /// reads larger ones piece by piece; `wire` refuses a longer bulk reply).
-pub const PIECE: usize = 256 * 1024;
+pub(crate) const PIECE: usize = 256 * 1024;
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

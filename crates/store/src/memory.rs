@@ -31,7 +31,7 @@ struct Map {
 /// bounded, and writes outpace nothing (each write adds one entry to clear).
 const EXPIRE_PER_WRITE: usize = 4;
 
-pub struct MemoryStore {
+pub(crate) struct MemoryStore {
     map: Mutex<Map>,
     /// New reservations are refused once the records hold this many bytes;
     /// records are never evicted before their TTL (docs/reference/store.md#memory).

@@ -30,7 +30,7 @@ use super::{Completion, StoreError};
 use crate::deadline::{Deadlines, Within};
 use crate::record::{Token, STATE_PROCESSING, TOKEN_RANGE};
 
-pub use super::PIECE;
+pub(crate) use super::PIECE;
 
 /// How long a record being written piece by piece is kept at least (its
 /// reservation's time is extended to it): if the proxy dies mid-way, the
@@ -40,10 +40,11 @@ pub use super::PIECE;
 /// owner's: docs/reference/behaviour.md#dead-owner).
 const WRITE_LEASE: Duration = Duration::from_secs(60);
 
-pub static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("piece.lua")));
+pub(crate) static SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("piece.lua")));
 
 /// One round trip's bound and how its client errors read as store errors.
-pub struct Step<'a> {
+pub(crate) struct Step<'a> {
     /// `op_timeout`, counted from each round trip's start.
     pub deadlines: &'a Deadlines,
     pub error: &'a ErrorOf<'a>,
@@ -78,11 +79,11 @@ impl<'a> Step<'a> {
 }
 
 /// How a client error reads as a store error.
-pub type ErrorOf<'a> = dyn Fn(redis::RedisError) -> StoreError + Sync + 'a;
+pub(crate) type ErrorOf<'a> = dyn Fn(redis::RedisError) -> StoreError + Sync + 'a;
 
 pin_project_lite::pin_project! {
     /// One round trip cut off at its `op_timeout`, its error a store error.
-    pub struct Bounded<'a, F, C> {
+    pub(crate) struct Bounded<'a, F, C> {
         #[pin]
         within: Within<'a, F>,
         convert: C,

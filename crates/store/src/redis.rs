@@ -16,7 +16,7 @@ use super::settings::{manager_config, password, standalone, tls_certs, PASSWORD_
 use super::{StoreError, StoreSetupError};
 use crate::config::{RedisMode, StoreConfig};
 
-pub struct RedisStore {
+pub(crate) struct RedisStore {
     /// Where its connections come from, and the connections made.
     pub(super) conns: Connections,
     pub(super) op_timeout: Duration,
@@ -62,7 +62,7 @@ impl RedisStore {
     }
 
     /// Told after every operation whether the store failed; gives up a connection that keeps failing.
-    pub fn note_result(&self, failed: bool) {
+    pub(crate) fn note_result(&self, failed: bool) {
         self.conns.note_result(failed);
     }
 }

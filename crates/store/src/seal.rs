@@ -28,11 +28,11 @@ use ring::rand::{SecureRandom, SystemRandom};
 /// The configuration key, as messages name it.
 const KEY_FILE: &str = "store.encryption_key_file";
 /// The bytes of the GCM tag that follows a sealed text.
-pub const TAG_LEN: usize = 16;
+pub(crate) const TAG_LEN: usize = 16;
 /// The bytes of a nonce, stored beside the sealed text.
-pub const NONCE_BYTES: usize = NONCE_LEN;
+pub(crate) const NONCE_BYTES: usize = NONCE_LEN;
 /// The longest key id.
-pub const MAX_KEY_ID: usize = 64;
+pub(crate) const MAX_KEY_ID: usize = 64;
 
 /// Standard base64, with or without the trailing `=` (both are common).
 const BASE64: GeneralPurpose = GeneralPurpose::new(
@@ -103,7 +103,7 @@ impl fmt::Debug for Keyring {
 }
 
 /// A key id: 1 to [`MAX_KEY_ID`] bytes of `A-Z a-z 0-9 . _ -`.
-pub fn valid_key_id(id: &[u8]) -> bool {
+pub(crate) fn valid_key_id(id: &[u8]) -> bool {
     (1..=MAX_KEY_ID).contains(&id.len())
         && id
             .iter()

@@ -11,7 +11,7 @@ use super::StoreSetupError;
 use crate::config::StoreConfig;
 
 /// The env var that carries the Redis password (wins over `password_file`).
-pub const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
+pub(crate) const PASSWORD_ENV: &str = "IDEMPROXY_REDIS_PASSWORD";
 
 pub(super) fn setup(e: impl std::fmt::Display) -> StoreSetupError {
     StoreSetupError::Redis(e.to_string())

@@ -184,12 +184,12 @@ impl Wire {
     }
 
     /// The connection failed (or was closed): calls on it fail at once.
-    pub fn is_broken(&self) -> bool {
+    pub(crate) fn is_broken(&self) -> bool {
         self.handle.shared.broken.load(Ordering::Acquire)
     }
 
     /// Why the connection failed, once it has.
-    pub fn failure(&self) -> &'static str {
+    pub(crate) fn failure(&self) -> &'static str {
         self.handle
             .shared
             .state()

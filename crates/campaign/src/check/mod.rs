@@ -18,29 +18,29 @@ mod report;
 mod settle;
 mod twice;
 
-pub use report::render_text;
+pub(crate) use report::render_text;
 
 /// The violation kinds, in the order they are judged and reported.
-pub const KINDS: [&str; 5] = [
+pub(crate) const KINDS: [&str; 5] = [
     EXECUTED_TWICE,
     WRONG_ANSWER,
     OTHER_KEY_ANSWER,
     NOT_REPLAYED,
     NOT_SETTLED,
 ];
-pub const EXECUTED_TWICE: &str = "executed_twice";
-pub const WRONG_ANSWER: &str = "wrong_answer";
-pub const OTHER_KEY_ANSWER: &str = "other_key_answer";
-pub const NOT_REPLAYED: &str = "not_replayed";
-pub const NOT_SETTLED: &str = "not_settled";
+pub(crate) const EXECUTED_TWICE: &str = "executed_twice";
+pub(crate) const WRONG_ANSWER: &str = "wrong_answer";
+pub(crate) const OTHER_KEY_ANSWER: &str = "other_key_answer";
+pub(crate) const NOT_REPLAYED: &str = "not_replayed";
+pub(crate) const NOT_SETTLED: &str = "not_settled";
 
 /// At most this many details are kept per kind (the shortest histories);
 /// the rest are counted in `details_omitted`.
-pub const DETAILS_PER_KIND: usize = 100;
+pub(crate) const DETAILS_PER_KIND: usize = 100;
 
 /// How far before a key's first execution a store fault still excuses a
 /// second one (the record may have been written just before the fault).
-pub const AT_RISK_LEAD_MS: u64 = 1000;
+pub(crate) const AT_RISK_LEAD_MS: u64 = 1000;
 
 /// Fault kinds on a proxy's link to the store that can keep its writes
 /// from landing within the lease: a cut, a partition, a stall, one way
@@ -52,7 +52,7 @@ const LINK_LOSS_KINDS: [&str; 5] = ["cut", "partition", "stall", "one_way", "los
 const STORE_LOSS_KINDS: [&str; 4] = ["kill", "pause", "failover", "partition"];
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Report {
+pub(crate) struct Report {
     /// The run's seed (`None` when the history has no `Run` line).
     pub seed: Option<u64>,
     /// Invoke events.
@@ -87,7 +87,7 @@ pub struct Report {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Violation {
+pub(crate) struct Violation {
     pub kind: String,
     pub key: String,
     pub explanation: String,
@@ -99,14 +99,14 @@ pub struct Violation {
 
 impl Report {
     /// No violation of any kind.
-    pub fn ok(&self) -> bool {
+    pub(crate) fn ok(&self) -> bool {
         self.violations.values().all(|&n| n == 0)
     }
 }
 
 /// The coarse outcome of an answer or error (the timeline's colours).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// An upstream answer (names an execution), not replayed.
     Executed,
     /// An upstream answer replayed by the proxy.
@@ -122,7 +122,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub(crate) const ALL: [Outcome; 7] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::InFlight,
@@ -132,7 +132,7 @@ impl Outcome {
         Outcome::Other,
     ];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
             Outcome::Replayed => "replayed",
@@ -146,7 +146,7 @@ impl Outcome {
 }
 
 /// The coarse outcome of an `Answer` or `Error`; `None` for other events.
-pub fn outcome(e: &Event) -> Option<Outcome> {
+pub(crate) fn outcome(e: &Event) -> Option<Outcome> {
     match e {
         Event::Answer {
             status,
@@ -173,7 +173,7 @@ pub fn outcome(e: &Event) -> Option<Outcome> {
 /// `replayed`, `in_flight_409`, `proxy_409_<problem>`,
 /// `proxy_<status>[_<problem>]` (5xx), `other_4xx`, `2xx_without_exec`,
 /// `other_<status>`, `error_<error>`.
-pub fn outcome_name(e: &Event) -> Option<String> {
+pub(crate) fn outcome_name(e: &Event) -> Option<String> {
     match e {
         Event::Answer {
             status,
@@ -273,7 +273,7 @@ struct Verdicts<'a> {
 
 /// Judges a history. Events may come in any order: they are sorted by time
 /// (stably, the `Run` line first).
-pub fn check(events: &[Event]) -> Report {
+pub(crate) fn check(events: &[Event]) -> Report {
     let h = History::index(events);
     let mut v = Verdicts::default();
     for (&key, k) in &h.keys {

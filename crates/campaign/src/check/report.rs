@@ -95,7 +95,7 @@ fn shortest_history(
 
 /// A human summary: the counts, and for each violated kind the seed to
 /// repeat the run and the shortest history of that kind, one event a line.
-pub fn render_text(report: &Report, seed: u64) -> String {
+pub(crate) fn render_text(report: &Report, seed: u64) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let verdict = if report.ok() { "OK" } else { "VIOLATIONS" };

@@ -26,7 +26,7 @@ use start::Settings;
 use world::World;
 
 #[derive(clap::Args, Debug)]
-pub struct Options {
+pub(crate) struct Options {
     /// The store topology the proxies share.
     #[arg(long, value_enum, default_value = "sentinel")]
     topology: Topology,
@@ -61,7 +61,7 @@ pub struct Options {
     faults: Vec<String>,
 }
 
-pub fn main(opts: Options) -> ExitCode {
+pub(crate) fn main(opts: Options) -> ExitCode {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -204,7 +204,7 @@ async fn drive(
 
 /// Checks a history, prints the report, writes summary.json and
 /// timeline.svg into `out`; the exit status says whether it held.
-pub fn check_file(path: &Path, out: Option<&Path>) -> ExitCode {
+pub(crate) fn check_file(path: &Path, out: Option<&Path>) -> ExitCode {
     // A run's directory names its history.
     let in_dir = path.join("history.jsonl");
     let path = if path.is_dir() {

@@ -34,7 +34,7 @@ use probe::Probe;
 use redis_node::cluster_port;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Kind {
+pub(crate) enum Kind {
     Sentinel,
     SentinelWait,
     Cluster,
@@ -42,7 +42,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Kind::Sentinel => "sentinel",
             Kind::SentinelWait => "sentinel-wait",
@@ -51,7 +51,7 @@ impl Kind {
         }
     }
 
-    pub fn wait_replicas(self) -> u32 {
+    pub(crate) fn wait_replicas(self) -> u32 {
         u32::from(self == Kind::SentinelWait)
     }
 
@@ -59,12 +59,12 @@ impl Kind {
     /// `wait_replicas`, which narrows the window and cannot close it): a
     /// record written before a store fault may be gone after it, and its
     /// retry runs again or gets 502 `outcome-unknown`.
-    pub fn asynchronous(self) -> bool {
+    pub(crate) fn asynchronous(self) -> bool {
         !matches!(self, Kind::Postgres)
     }
 }
 
-pub struct Store {
+pub(crate) struct Store {
     pub kind: Kind,
     /// The store's nodes (`store-0`...): Redis servers or PostgreSQL servers.
     pub nodes: Vec<Proc>,
@@ -101,7 +101,7 @@ where
 }
 
 impl Store {
-    pub async fn start(
+    pub(crate) async fn start(
         kind: Kind,
         dir: &Path,
         scratch: &Path,
@@ -153,7 +153,7 @@ impl Store {
     }
 
     /// The `[store]` lines every proxy gets (after `[store]`).
-    pub fn store_toml(&self) -> String {
+    pub(crate) fn store_toml(&self) -> String {
         let relay = |i: usize| format!("127.0.0.1:{}", self.relay_port(i));
         match self.kind {
             Kind::Sentinel | Kind::SentinelWait => {
@@ -187,7 +187,7 @@ impl Store {
     }
 
     /// Every store process up (started again after a kill, resumed after a pause).
-    pub fn heal(&mut self) -> Res<()> {
+    pub(crate) fn heal(&mut self) -> Res<()> {
         for p in self.nodes.iter_mut().chain(self.sentinels.iter_mut()) {
             p.heal().map_err(|e| format!("{}: {e}", p.name))?;
         }
@@ -200,7 +200,7 @@ impl Store {
     /// A failover the way its operators do one: `SENTINEL FAILOVER`, a
     /// `CLUSTER FAILOVER` (with `FORCE` half the time) on a replica, or
     /// the primary killed, the standby promoted and a new standby built.
-    pub async fn failover(&mut self, rng: &mut Rng) -> Res<String> {
+    pub(crate) async fn failover(&mut self, rng: &mut Rng) -> Res<String> {
         match self.kind {
             Kind::Sentinel | Kind::SentinelWait => self.sentinel_failover(rng).await,
             Kind::Cluster => self.cluster_failover(rng).await,
@@ -209,14 +209,14 @@ impl Store {
     }
 
     /// Which process a store fault may hit: `store-N` and `sentinel-N`.
-    pub fn proc_mut(&mut self, name: &str) -> Option<&mut Proc> {
+    pub(crate) fn proc_mut(&mut self, name: &str) -> Option<&mut Proc> {
         self.nodes
             .iter_mut()
             .chain(self.sentinels.iter_mut())
             .find(|p| p.name == name)
     }
 
-    pub fn proc_names(&self) -> Vec<String> {
+    pub(crate) fn proc_names(&self) -> Vec<String> {
         self.nodes
             .iter()
             .chain(self.sentinels.iter())
@@ -225,7 +225,7 @@ impl Store {
     }
 
     /// What [`Probe::settled`] needs, without the store itself.
-    pub fn probe(&self) -> Probe {
+    pub(crate) fn probe(&self) -> Probe {
         Probe {
             kind: self.kind,
             ports: self.ports.clone(),
@@ -233,7 +233,7 @@ impl Store {
         }
     }
 
-    pub async fn settled(&self, within: Duration) -> Res<()> {
+    pub(crate) async fn settled(&self, within: Duration) -> Res<()> {
         self.probe().settled(within).await
     }
 }

@@ -11,7 +11,7 @@ use super::{eventually, Kind, Res};
 
 /// Asks the store's nodes whether it has converged.
 #[derive(Clone)]
-pub struct Probe {
+pub(crate) struct Probe {
     pub(super) kind: Kind,
     pub(super) ports: Vec<u16>,
     pub(super) primary: usize,
@@ -23,7 +23,7 @@ impl Probe {
     /// master into a replica; until then it takes writes that the new
     /// master never sees), at most a minute. The fault's window, in which
     /// a record can be lost, lasts until then.
-    pub async fn converged(&self) {
+    pub(crate) async fn converged(&self) {
         let until = Instant::now() + Duration::from_secs(60);
         while Instant::now() < until {
             if self.settled(Duration::from_secs(30)).await.is_err() {
@@ -41,7 +41,7 @@ impl Probe {
 
     /// After healing: the store takes writes again (a master/primary that
     /// answers, replicas linked) — waited for with a deadline.
-    pub async fn settled(&self, within: Duration) -> Res<()> {
+    pub(crate) async fn settled(&self, within: Duration) -> Res<()> {
         match self.kind {
             Kind::Sentinel | Kind::SentinelWait => {
                 let ports = self.ports.clone();

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::{Kind, Res, Store};
 use crate::procs::{free_port, Proc};
 
-pub async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
+pub(crate) async fn redis_cmd(port: u16, args: &[&str]) -> redis::RedisResult<redis::Value> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
     let mut conn = tokio::time::timeout(
         Duration::from_secs(2),

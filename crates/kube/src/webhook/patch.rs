@@ -19,11 +19,11 @@ use serde_json::{Map, Value};
 /// The largest patch made: 3 MiB, the largest request the API server takes
 /// (a Pod it can store is smaller). A larger one is not made and the Pod is
 /// allowed unchanged ([`TooLarge`]).
-pub const MAX_PATCH_BYTES: usize = 3 << 20;
+pub(crate) const MAX_PATCH_BYTES: usize = 3 << 20;
 
 /// A field-by-field patch up to this size is made even when the coarse one
 /// would be smaller (an ordinary Pod's is about 3 KiB).
-pub const FINE_ANYWAY: usize = 64 << 10;
+pub(crate) const FINE_ANYWAY: usize = 64 << 10;
 
 /// The patch would have been larger than [`MAX_PATCH_BYTES`] (at least this many bytes).
 #[derive(Debug, PartialEq, Eq)]

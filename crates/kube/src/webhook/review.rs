@@ -10,12 +10,12 @@ use crate::pod::{inject_pod, Injection, INJECT_ANNOTATION};
 
 /// A Pod of more JSON values than this is answered with its spec replaced
 /// whole, not field by field ([`decide`]).
-pub const FINE_PATCH_NODES: usize = 5_000;
+pub(crate) const FINE_PATCH_NODES: usize = 5_000;
 
 /// The longest `request.uid` answered (the API server's are UUIDs, 36 bytes).
-pub const MAX_UID_BYTES: usize = 128;
+pub(crate) const MAX_UID_BYTES: usize = 128;
 /// The longest `apiVersion` answered (`admission.k8s.io/v1` is 20 bytes).
-pub const MAX_API_VERSION_BYTES: usize = 64;
+pub(crate) const MAX_API_VERSION_BYTES: usize = 64;
 
 /// The fields of an AdmissionReview the injector reads; serde skips the
 /// others without keeping them. `O` is the Pod: a `Value`, or nothing at all.

@@ -183,7 +183,7 @@ impl<'de> Deserialize<'de> for ByteSize {
 
 /// An HTTP method parsed at load time.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfMethod(pub Method);
+pub(crate) struct ConfMethod(pub Method);
 
 impl<'de> Deserialize<'de> for ConfMethod {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -200,7 +200,7 @@ impl<'de> Deserialize<'de> for ConfMethod {
 
 /// A header name parsed (and lower-cased) at load time.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfHeader(pub HeaderName);
+pub(crate) struct ConfHeader(pub HeaderName);
 
 impl<'de> Deserialize<'de> for ConfHeader {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -213,7 +213,7 @@ impl<'de> Deserialize<'de> for ConfHeader {
 
 /// `key_from` as written: `"header"` (the route's `header`), `"header:<Name>"` or `"json:<pointer>"`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ConfKeyFrom {
+pub(crate) enum ConfKeyFrom {
     /// The route's `header`, whatever it resolves to.
     RouteHeader,
     Header(HeaderName),
@@ -253,7 +253,7 @@ impl<'de> Deserialize<'de> for ConfKeyFrom {
 
 /// An HTTP status code from 100 to 599.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConfStatus(pub u16);
+pub(crate) struct ConfStatus(pub u16);
 
 impl<'de> Deserialize<'de> for ConfStatus {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -270,7 +270,7 @@ impl<'de> Deserialize<'de> for ConfStatus {
 
 /// A gRPC status code, 0..=16.
 #[derive(Debug)]
-pub struct ConfGrpcStatus(pub u32);
+pub(crate) struct ConfGrpcStatus(pub u32);
 
 impl<'de> Deserialize<'de> for ConfGrpcStatus {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

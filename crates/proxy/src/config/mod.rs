@@ -22,7 +22,7 @@ pub use build::telemetry::shown_endpoint;
 mod grammar;
 mod raw;
 
-pub use grammar::{ByteSize, ConfHeader, ConfKeyFrom, ConfMethod, ConfStatus, HumanDuration};
+pub use grammar::{ByteSize, HumanDuration};
 
 /// A configuration problem, ready to print: it names the file, the place and the key,
 /// or the flag the value came from.
@@ -197,7 +197,7 @@ pub struct Overrides {
 }
 
 impl Overrides {
-    pub const LISTEN: Flag = Flag {
+    pub(crate) const LISTEN: Flag = Flag {
         name: "--listen",
         env: "IDEMPROXY_LISTEN",
     };
@@ -205,11 +205,11 @@ impl Overrides {
         name: "--upstream",
         env: "IDEMPROXY_UPSTREAM",
     };
-    pub const REDIS_URL: Flag = Flag {
+    pub(crate) const REDIS_URL: Flag = Flag {
         name: "--redis-url",
         env: "IDEMPROXY_REDIS_URL",
     };
-    pub const ADMIN_LISTEN: Flag = Flag {
+    pub(crate) const ADMIN_LISTEN: Flag = Flag {
         name: "--admin-listen",
         env: "IDEMPROXY_ADMIN_LISTEN",
     };

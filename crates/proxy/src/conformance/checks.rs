@@ -44,113 +44,113 @@ pub struct Check {
     pub requirement: &'static str,
 }
 
-pub const RETRY_RUNS_ONCE: Check = Check {
+pub(crate) const RETRY_RUNS_ONCE: Check = Check {
     id: "retry-runs-once",
     level: Level::Must,
     requirement:
         "a retry (same key, same body) after the first finished does not run the operation again",
 };
 
-pub const RETRY_SAME_RESULT: Check = Check {
+pub(crate) const RETRY_SAME_RESULT: Check = Check {
     id: "retry-same-result",
     level: Level::Must,
     requirement:
         "that retry gets the first request's result: a 2xx with the same body (as bytes or as JSON)",
 };
 
-pub const REPLAY_STATUS: Check = Check {
+pub(crate) const REPLAY_STATUS: Check = Check {
     id: "replay-status",
     level: Level::Practice,
     requirement: "the replay has the original status (a 201 replays as 201)",
 };
 
-pub const REPLAY_BYTES: Check = Check {
+pub(crate) const REPLAY_BYTES: Check = Check {
     id: "replay-bytes",
     level: Level::Practice,
     requirement: "the replay's body is byte-identical to the first answer's",
 };
 
-pub const REPLAY_HEADERS: Check = Check {
+pub(crate) const REPLAY_HEADERS: Check = Check {
     id: "replay-headers",
     level: Level::Practice,
     requirement: "the replay repeats the first answer's Content-Type and Location",
 };
 
-pub const REPLAY_MARKER: Check = Check {
+pub(crate) const REPLAY_MARKER: Check = Check {
     id: "replay-marker",
     level: Level::Practice,
     requirement: "the replay is marked by a header (e.g. Idempotent-Replayed: true) that the first answer lacks",
 };
 
-pub const NEW_KEY_NEW_OPERATION: Check = Check {
+pub(crate) const NEW_KEY_NEW_OPERATION: Check = Check {
     id: "new-key-new-operation",
     level: Level::Should,
     requirement:
         "another key with the same body is a new operation: it runs and gets its own answer",
 };
 
-pub const REUSE_REFUSED: Check = Check {
+pub(crate) const REUSE_REFUSED: Check = Check {
     id: "reuse-refused",
     level: Level::Must,
     requirement: "the same key with a different body is refused with a 4xx: neither run nor answered with the first's result",
 };
 
-pub const REUSE_422: Check = Check {
+pub(crate) const REUSE_422: Check = Check {
     id: "reuse-422",
     level: Level::Should,
     requirement: "that refusal is 422",
 };
 
-pub const MISSING_KEY_REFUSED: Check = Check {
+pub(crate) const MISSING_KEY_REFUSED: Check = Check {
     id: "missing-key-refused",
     level: Level::Must,
     requirement:
         "on a route that requires a key, a request without one is refused with a 4xx, not run",
 };
 
-pub const MISSING_KEY_400: Check = Check {
+pub(crate) const MISSING_KEY_400: Check = Check {
     id: "missing-key-400",
     level: Level::Should,
     requirement: "that refusal is 400",
 };
 
-pub const EMPTY_KEY_400: Check = Check {
+pub(crate) const EMPTY_KEY_400: Check = Check {
     id: "empty-key-400",
     level: Level::Should,
     requirement: "an empty Idempotency-Key is refused with 400",
 };
 
-pub const LONG_KEY_400: Check = Check {
+pub(crate) const LONG_KEY_400: Check = Check {
     id: "long-key-400",
     level: Level::Practice,
     requirement: "a key of 256 characters is refused with 400",
 };
 
-pub const IN_FLIGHT_409: Check = Check {
+pub(crate) const IN_FLIGHT_409: Check = Check {
     id: "in-flight-409",
     level: Level::Should,
     requirement: "a duplicate sent while the first is still unanswered gets 409",
 };
 
-pub const CONCURRENT_RUNS_ONCE: Check = Check {
+pub(crate) const CONCURRENT_RUNS_ONCE: Check = Check {
     id: "concurrent-runs-once",
     level: Level::Must,
     requirement: "simultaneous identical requests with one key run the operation at most once",
 };
 
-pub const RETRY_AFTER_409: Check = Check {
+pub(crate) const RETRY_AFTER_409: Check = Check {
     id: "retry-after-409",
     level: Level::Practice,
     requirement: "every 409 carries Retry-After",
 };
 
-pub const PROBLEM_JSON: Check = Check {
+pub(crate) const PROBLEM_JSON: Check = Check {
     id: "problem-json",
     level: Level::Practice,
     requirement: "the 4xx refusals are application/problem+json (RFC 9457)",
 };
 
-pub const PRINCIPAL_SCOPE: Check = Check {
+pub(crate) const PRINCIPAL_SCOPE: Check = Check {
     id: "principal-scope",
     level: Level::Should,
     requirement: "another principal's request with the same key and body runs as its own, never gets the first principal's answer",

@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 
 /// The most of an answer's body the kit reads: answers are compared whole, and
 /// a conformance run has no use for larger ones.
-pub const MAX_ANSWER_BYTES: usize = 4 << 20;
+pub(crate) const MAX_ANSWER_BYTES: usize = 4 << 20;
 
 /// Why a request got no answer.
 #[derive(Debug, thiserror::Error)]
@@ -37,13 +37,6 @@ pub enum SendError {
         authority: String,
         timeout: Duration,
     },
-}
-
-impl SendError {
-    /// The endpoint could not be reached at all (as opposed to answering badly or slowly).
-    pub fn is_unreachable(&self) -> bool {
-        matches!(self, SendError::Connect { .. })
-    }
 }
 
 /// One exchange: what was asked, what came back, and when.
@@ -70,7 +63,7 @@ impl Exchange {
     }
 
     /// The media type of `Content-Type`, lower-cased, without parameters.
-    pub fn media_type(&self) -> Option<String> {
+    pub(crate) fn media_type(&self) -> Option<String> {
         let value = self.header(CONTENT_TYPE.as_str())?;
         let essence = value.split(';').next().unwrap_or("").trim();
         Some(essence.to_ascii_lowercase())
@@ -217,7 +210,7 @@ async fn connect_and_send(
 
 /// The most informational (1xx) answers taken before the final one: an endless
 /// stream of `100 Continue` is no answer.
-pub const MAX_INFORMATIONAL: usize = 16;
+pub(crate) const MAX_INFORMATIONAL: usize = 16;
 
 /// The connection's task, ended when the exchange ends, however it ends (a
 /// deadline drops the exchange; a task left running would keep reading).
@@ -275,7 +268,7 @@ where
 /// A count of executions read from a counter's answer: the body is a number, or
 /// JSON holding exactly one number, anywhere (`{"charges": 3}`); anything else
 /// is ambiguous and gives `None`.
-pub fn count_from(body: &[u8]) -> Option<u64> {
+pub(crate) fn count_from(body: &[u8]) -> Option<u64> {
     let text = std::str::from_utf8(body).ok()?.trim();
     if let Ok(n) = text.parse::<u64>() {
         return Some(n);

@@ -23,8 +23,8 @@ pub mod probe;
 pub mod report;
 pub mod tls;
 
-pub use probe::ProbeError;
-pub use report::{Finding, Level, Report, Row};
+pub(crate) use probe::ProbeError;
+pub use report::{Report, Row};
 
 /// The body when `--body` is not given: JSON, numbered per request.
 pub const DEFAULT_BODY: &str =

@@ -19,7 +19,7 @@ use tokio::sync::Barrier;
 use super::client::{count_from, Client, Exchange, SendError};
 
 /// A key longer than the 255 characters implementations commonly allow.
-pub const LONG_KEY_CHARS: usize = 256;
+pub(crate) const LONG_KEY_CHARS: usize = 256;
 
 /// An answer, or why there was none.
 pub type Answer = Result<Exchange, String>;
@@ -109,7 +109,7 @@ pub struct Probe {
 
 impl Probe {
     /// Runs every check in turn; `Err` when the endpoint cannot be exercised at all.
-    pub async fn observe(self: Arc<Self>) -> Result<Observations, ProbeError> {
+    pub(crate) async fn observe(self: Arc<Self>) -> Result<Observations, ProbeError> {
         // Read first: a counter that cannot be read stops the run before it sends anything.
         let before = self.count().await?;
         let b1 = self.body();

@@ -5,7 +5,7 @@ use std::fmt;
 use serde::Serialize;
 
 use super::checks::Check;
-pub use super::checks::Level;
+pub(crate) use super::checks::Level;
 
 /// What a row's check found.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -32,7 +32,7 @@ pub struct Annotated {
 }
 
 /// Annotates the operations `config` protects; an error when it protects none.
-pub fn annotate(doc: &mut Document, config: &Config) -> Result<Annotated, OpenapiError> {
+pub(crate) fn annotate(doc: &mut Document, config: &Config) -> Result<Annotated, OpenapiError> {
     let operations = doc.operations();
     let mut done = Annotated {
         operations: operations.len(),
@@ -126,7 +126,7 @@ fn protecting_route(doc: &Document, config: &Config, op: &Operation) -> Option<u
 
 /// A request path for a template: each `{name}` as `%7Bname%7D` (a value
 /// that only a route's `{param}` matches), other bytes a URI cannot hold percent-encoded.
-pub fn concrete_path(template: &str) -> String {
+pub(crate) fn concrete_path(template: &str) -> String {
     let mut out = String::with_capacity(template.len() + 16);
     for b in template.bytes() {
         match b {

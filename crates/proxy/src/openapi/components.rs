@@ -18,7 +18,7 @@ use crate::problem::Problem;
 const SECTIONS: [&str; 4] = ["schemas", "parameters", "headers", "responses"];
 
 /// The components added so far, and the names the document already uses.
-pub struct Components {
+pub(crate) struct Components {
     version: Version,
     taken: Vec<(&'static str, Vec<String>)>,
     added: Vec<(&'static str, String, Value)>,
@@ -26,7 +26,7 @@ pub struct Components {
 
 /// What one route's operations get: references into `components`.
 #[derive(Clone, Debug)]
-pub struct Additions {
+pub(crate) struct Additions {
     /// The key's header and the parameter that describes it (none for a key in the body).
     pub parameter: Option<(String, Value)>,
     /// Status → response, in the order written.
@@ -36,7 +36,7 @@ pub struct Additions {
 }
 
 /// A mapping from pairs, in their order.
-pub fn obj<const N: usize>(pairs: [(&str, Value); N]) -> Value {
+pub(crate) fn obj<const N: usize>(pairs: [(&str, Value); N]) -> Value {
     let mut m = Mapping::with_capacity(N);
     for (k, v) in pairs {
         m.insert(Value::String(k.to_string()), v);
@@ -121,7 +121,7 @@ impl Components {
     }
 
     /// Writes what was added into the document's `components` (made if absent).
-    pub fn write_into(self, root: &mut Value) {
+    pub(crate) fn write_into(self, root: &mut Value) {
         let Some(root) = root.as_mapping_mut() else {
             return;
         };
@@ -150,7 +150,7 @@ impl Components {
     }
 
     /// The references one route's policy needs.
-    pub fn for_policy(&mut self, policy: &Policy) -> Additions {
+    pub(crate) fn for_policy(&mut self, policy: &Policy) -> Additions {
         let problem = self.add("schemas", "IdempotencyProblem", self.problem_schema());
         let retry_after = self.add("headers", "IdempotencyRetryAfter", retry_after_header());
         let replayed = self.add("headers", "IdempotentReplayed", self.replayed_header());

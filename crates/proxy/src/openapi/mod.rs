@@ -148,7 +148,7 @@ impl Document {
     }
 
     /// The document in the format it came in, ending with a newline.
-    pub fn render(&self) -> Result<String, OpenapiError> {
+    pub(crate) fn render(&self) -> Result<String, OpenapiError> {
         match self.format {
             Format::Json => {
                 let mut text = serde_json::to_string_pretty(&self.root)
@@ -195,7 +195,7 @@ impl Document {
     }
 
     /// The operation object of `op`, to change.
-    pub fn operation_mut(&mut self, op: &Operation) -> Option<&mut Mapping> {
+    pub(crate) fn operation_mut(&mut self, op: &Operation) -> Option<&mut Mapping> {
         self.root
             .get_mut("paths")?
             .get_mut(op.path.as_str())?
@@ -233,7 +233,7 @@ impl Document {
 }
 
 /// The most a document may hold: the largest real descriptions are about 13 MB.
-pub const MAX_BYTES: usize = 64 << 20;
+pub(crate) const MAX_BYTES: usize = 64 << 20;
 
 /// The deepest a YAML document may nest, by a scan of its flow brackets and
 /// indentation before the parser sees it: the YAML parser takes time growing
@@ -279,7 +279,7 @@ fn yaml(text: &str) -> Result<Value, String> {
 /// brackets (`[`, `{`; a close never below none) plus a line's indentation,
 /// with the `- ` and `? ` indicators that nest on one line. Brackets in
 /// scalars count too, which only ever overstates it.
-pub fn nesting(text: &str) -> usize {
+pub(crate) fn nesting(text: &str) -> usize {
     let mut flow = 0usize;
     let mut deepest = 0usize;
     for line in text.lines() {

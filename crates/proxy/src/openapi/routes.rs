@@ -18,7 +18,7 @@ use crate::policy::KeyMode;
 use crate::routes::PathPattern;
 
 /// The extension that marks an operation.
-pub const EXTENSION: &str = "x-idempotency-key";
+pub(crate) const EXTENSION: &str = "x-idempotency-key";
 
 /// One route to write.
 #[derive(Clone, Debug)]
@@ -187,7 +187,7 @@ fn nothing_written(doc: &Document, selected: usize, notes: &[String]) -> Openapi
 
 /// A path in the proxy's syntax.
 #[derive(Debug, PartialEq, Eq)]
-pub struct ProxyPath {
+pub(crate) struct ProxyPath {
     pub text: String,
     /// A template parameter was part of a segment (`/files/{name}.{ext}`):
     /// the whole segment is a parameter, which matches more than the template.
@@ -198,7 +198,7 @@ pub struct ProxyPath {
 /// names made of letters, digits and `_` (unique in the path), a segment
 /// that holds a parameter and more made a parameter, and bytes the proxy
 /// does not take in a literal percent-encoded. With the path's shape.
-pub fn proxy_path(template: &str) -> Result<(ProxyPath, Vec<Option<String>>), String> {
+pub(crate) fn proxy_path(template: &str) -> Result<(ProxyPath, Vec<Option<String>>), String> {
     let mut text = String::new();
     let mut shape = Vec::new();
     let mut names: Vec<String> = Vec::new();
@@ -322,7 +322,7 @@ fn name_routes(routes: &mut [RouteOut]) {
 }
 
 /// Letters, digits, `_`, `-` and `.` kept; `/` becomes `.`, anything else `_`.
-pub fn sanitise(text: &str) -> String {
+pub(crate) fn sanitise(text: &str) -> String {
     text.chars()
         .map(|c| match c {
             c if c.is_ascii_alphanumeric() || "_-.".contains(c) => c,

@@ -139,7 +139,7 @@ fn millis(d: std::time::Duration) -> f64 {
 /// progress, held by its upstream exchange until that ends
 /// (docs/reference/behaviour.md#in-progress: a client that
 /// goes away cannot multiply exchanges).
-pub struct RequestPlace {
+pub(crate) struct RequestPlace {
     _inflight: Option<Counted>,
     _permit: Permit,
 }

@@ -45,7 +45,7 @@ const NOT_KEPT_ABOVE: usize = INLINE_RECORD as usize;
 /// whatever ends the request early (an error, a client that hung up while the
 /// reserve was in flight, a panic) leaves no `processing` entry behind
 /// (docs/reference/failures.md#claim).
-pub struct Claim {
+pub(crate) struct Claim {
     pub app: Arc<App>,
     pub store_key: RecordKey,
     pub token: Token,
@@ -63,7 +63,7 @@ impl Claim {
     }
 
     /// The key's fate is settled (or it was never ours): nothing to release.
-    pub fn disarm(&mut self) {
+    pub(crate) fn disarm(&mut self) {
         self.armed = false;
     }
 }
@@ -84,14 +84,14 @@ impl Drop for Claim {
 /// A reserved request's spans (tracing on): its SERVER span's context, for
 /// the completion's span; the upstream exchange's CLIENT span; the trace
 /// context its record keeps.
-pub struct JobTrace {
+pub(crate) struct JobTrace {
     pub server: telemetry::Parent,
     pub client: Option<telemetry::ClientSpan>,
     pub record: Option<TraceRef>,
 }
 
 /// A reserved request: everything needed to finish it, owned, so it can outlive the client.
-pub struct Job {
+pub(crate) struct Job {
     /// Tracing on: the request's spans (boxed: `None` costs a word).
     pub trace: Option<Box<JobTrace>>,
     pub claim: Claim,
@@ -117,7 +117,7 @@ pub struct Job {
 }
 
 /// A completion the store has not taken yet (or not replicated), for [`Job::settle`].
-pub struct Unsaved {
+pub(crate) struct Unsaved {
     /// The finished record, encoded (sealed) once: every attempt sends the same bytes.
     whole: Bytes,
     /// The small record stored when the whole one cannot be: status and

@@ -32,7 +32,7 @@ use self::access::{Begun, RequestPlace};
 use self::job::{Job, JobTrace};
 use self::reserve::{reserve, Reserved};
 use self::stop::{stopped, Enforcement, Stop};
-pub use self::tunnel::is_upgrade;
+pub(crate) use self::tunnel::is_upgrade;
 use crate::app::App;
 use crate::body::{read_capped, Body, Capped, Cut};
 use crate::budget::Room;
@@ -48,7 +48,7 @@ use crate::store::RecordKey;
 use crate::telemetry;
 use crate::upstream::{Inbound, UpstreamError};
 
-pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The `route` label of requests that no route protects.
 pub(crate) static UNPROTECTED: std::sync::LazyLock<RouteName> =
@@ -147,7 +147,7 @@ impl Ctx<'_> {
 /// gives back the request's place among the requests in progress with the
 /// answer, for the answer to hold while it is sent (shared, when an upstream
 /// exchange goes on holding it too).
-pub type Handling = Pin<Box<dyn Future<Output = (Response<Body>, Permit)> + Send>>;
+pub(crate) type Handling = Pin<Box<dyn Future<Output = (Response<Body>, Permit)> + Send>>;
 
 /// Handles one request from a client. Pass-through gets a future of its own,
 /// its exchange in it (4.1 KiB); the protected path's (3.5 KiB) forwards in a

@@ -34,7 +34,7 @@ const WEBSOCKET_GUID: &[u8] = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 /// An HTTP/1.1 WebSocket handshake: one `Upgrade: websocket` line, the
 /// `upgrade` token in `Connection` (without it, `Upgrade` is just a hop-by-hop
 /// header) and one `Sec-WebSocket-Key`.
-pub fn is_upgrade<B>(req: &Request<B>) -> bool {
+pub(crate) fn is_upgrade<B>(req: &Request<B>) -> bool {
     asks_upgrade(req.version(), req.headers())
 }
 

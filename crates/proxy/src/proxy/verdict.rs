@@ -22,7 +22,7 @@ use crate::record::{Afterlife, Finished, Head, Record, Token, TraceRef};
 /// replay an allocation to save the other verdicts' bytes.)
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Our own reservation: the key was free, or a reserve sent twice (the
     /// client library re-sent it) finds it.
     Ours,
@@ -79,7 +79,7 @@ impl Verdict {
     /// that needs the answer itself (a large record is then fetched whole).
     /// A large reservation is a record being written piece by piece: its
     /// owner is at work, never judged gone (no afterlife).
-    pub fn of_head(head: &Head, token: Token, fingerprint: &[u8; 32]) -> Option<Verdict> {
+    pub(crate) fn of_head(head: &Head, token: Token, fingerprint: &[u8; 32]) -> Option<Verdict> {
         let original = head.trace;
         match head.finished {
             None if head.token == token => Some(Verdict::Ours),
@@ -99,7 +99,7 @@ impl Verdict {
     /// The verdict with what the store said besides the record: what is
     /// left of its lease or TTL (kept by a record in flight), and the room
     /// of a record fetched by itself (kept by a replay).
-    pub fn with_lease_and_room(
+    pub(crate) fn with_lease_and_room(
         mut self,
         lease_left: Option<Duration>,
         fetched: Option<Room>,
@@ -156,7 +156,7 @@ pub fn replay(f: Finished, replayed_header: &HeaderName) -> Response<Body> {
 
 /// The end-to-end headers that may be replayed: hop-by-hop ones are already gone;
 /// `Set-Cookie` must not be handed out again; `Date` and `Content-Length` are recomputed.
-pub fn storable_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+pub(crate) fn storable_headers(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
     headers
         .iter()
         .filter(|(n, _)| **n != SET_COOKIE && **n != DATE && **n != CONTENT_LENGTH)

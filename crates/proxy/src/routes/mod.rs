@@ -11,12 +11,12 @@ use std::sync::Arc;
 use http::{HeaderMap, Method, Uri};
 
 /// (A metric label as much as a route's name: the metrics own it.)
-pub use crate::metrics::RouteName;
+pub(crate) use crate::metrics::RouteName;
 use crate::policy::{Mode, Policy};
 
 use self::method::{is_form, is_post, Methods};
-pub use self::pattern::PathPattern;
-pub use self::spelling::normalise;
+pub(crate) use self::pattern::PathPattern;
+pub(crate) use self::spelling::normalise;
 use self::spelling::{format_cuts, has_control, Spellings};
 
 /// A protected route as configured.
@@ -208,7 +208,7 @@ impl RouteTable {
 
     /// The largest `max_response_body` of the routes: no record is longer
     /// than it plus a record's overhead.
-    pub fn largest_response_body(&self) -> u64 {
+    pub(crate) fn largest_response_body(&self) -> u64 {
         self.routes
             .iter()
             .map(|r| r.policy.max_response_body)

@@ -149,7 +149,7 @@ impl PathPattern {
 
     /// Does this pattern match every path `later` matches? (Then a later
     /// route with it can never match for the methods this one takes.)
-    pub fn covers(&self, later: &PathPattern) -> bool {
+    pub(crate) fn covers(&self, later: &PathPattern) -> bool {
         let n = self.segments.len();
         let pairs_cover = || {
             self.segments

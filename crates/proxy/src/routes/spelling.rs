@@ -9,7 +9,7 @@ use std::borrow::Cow;
 /// (other escapes kept, their hex in upper case), empty segments (repeated
 /// and trailing slashes) dropped, `.` and `..` resolved; the root is "/".
 /// Borrowed when the path is already so, as nearly every request's is.
-pub fn normalise(path: &str) -> Cow<'_, str> {
+pub(crate) fn normalise(path: &str) -> Cow<'_, str> {
     if !path.starts_with('/') || is_normal(path) {
         return Cow::Borrowed(path);
     }

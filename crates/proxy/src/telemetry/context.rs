@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName};
 
-pub type TraceId = [u8; 16];
-pub type SpanId = [u8; 8];
+pub(crate) type TraceId = [u8; 16];
+pub(crate) type SpanId = [u8; 8];
 
 /// The W3C headers, named once (a `&str` name is parsed at every lookup).
 pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
@@ -16,16 +16,16 @@ pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// The longest `traceparent` or `tracestate` read (W3C: 512 bytes of
 /// `tracestate` are enough to keep); a longer one is ignored, as if absent.
-pub const MAX_TRACE_HEADER: usize = 512;
+pub(crate) const MAX_TRACE_HEADER: usize = 512;
 
 /// The most `tracestate` list members W3C Trace Context allows: every span of
 /// the trace keeps the client's `tracestate`, and many tiny members cost far
 /// more than their bytes when it is parsed downstream.
-pub const MAX_TRACESTATE_MEMBERS: usize = 32;
+pub(crate) const MAX_TRACESTATE_MEMBERS: usize = 32;
 
 /// A client's trace context, as its `traceparent` and `tracestate` say.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Remote {
+pub(crate) struct Remote {
     pub trace_id: TraceId,
     pub span_id: SpanId,
     pub sampled: bool,
@@ -122,7 +122,7 @@ fn hex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
 /// grammar (a key `lcalpha *(lcalpha / digit / _-*/)` of up to 256 bytes,
 /// or `tenant@system`; a value of printable ASCII but `,` and `=`, not
 /// ending in a blank), no key twice.
-pub fn tracestate_ok(value: &str) -> bool {
+pub(crate) fn tracestate_ok(value: &str) -> bool {
     if value.len() > MAX_TRACE_HEADER {
         return false;
     }
@@ -172,7 +172,7 @@ fn key_ok(key: &str) -> bool {
 }
 
 /// `traceparent` for `trace_id` and `span_id`, version 00, with the sampled flag.
-pub fn format_traceparent(trace_id: &TraceId, span_id: &SpanId, sampled: bool) -> [u8; 55] {
+pub(crate) fn format_traceparent(trace_id: &TraceId, span_id: &SpanId, sampled: bool) -> [u8; 55] {
     let mut out = [b'-'; 55];
     out[0] = b'0';
     out[1] = b'0';
@@ -184,7 +184,7 @@ pub fn format_traceparent(trace_id: &TraceId, span_id: &SpanId, sampled: bool) -
 }
 
 /// `bytes` as lowercase hex into `out` (twice as long).
-pub fn write_hex(out: &mut [u8], bytes: &[u8]) {
+pub(crate) fn write_hex(out: &mut [u8], bytes: &[u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for (pair, b) in out.chunks_exact_mut(2).zip(bytes) {
         pair[0] = DIGITS[usize::from(b >> 4)];
@@ -193,7 +193,7 @@ pub fn write_hex(out: &mut [u8], bytes: &[u8]) {
 }
 
 /// `bytes` as a lowercase hex string.
-pub fn hex_string(bytes: &[u8]) -> String {
+pub(crate) fn hex_string(bytes: &[u8]) -> String {
     let mut out = vec![0u8; bytes.len() * 2];
     write_hex(&mut out, bytes);
     String::from_utf8(out).unwrap_or_default()
@@ -222,7 +222,7 @@ fn next_u64() -> u64 {
 }
 
 /// A new trace id (never all zero).
-pub fn new_trace_id() -> TraceId {
+pub(crate) fn new_trace_id() -> TraceId {
     loop {
         let mut id = [0u8; 16];
         id[..8].copy_from_slice(&next_u64().to_be_bytes());
@@ -234,7 +234,7 @@ pub fn new_trace_id() -> TraceId {
 }
 
 /// A new span id (never all zero).
-pub fn new_span_id() -> SpanId {
+pub(crate) fn new_span_id() -> SpanId {
     loop {
         let id = next_u64();
         if id != 0 {
@@ -247,7 +247,7 @@ pub fn new_span_id() -> SpanId {
 /// `TraceIdRatioBased` does (its low 64 bits, shifted right by one, below
 /// `ratio × 2^63`): every service that samples so agrees on a trace.
 #[derive(Clone, Copy, Debug)]
-pub struct Ratio(u64);
+pub(crate) struct Ratio(u64);
 
 impl Ratio {
     pub fn new(ratio: f64) -> Ratio {
@@ -258,7 +258,7 @@ impl Ratio {
         }
     }
 
-    pub fn samples(self, trace_id: &TraceId) -> bool {
+    pub(crate) fn samples(self, trace_id: &TraceId) -> bool {
         let mut low = [0u8; 8];
         low.copy_from_slice(&trace_id[8..]);
         (u64::from_be_bytes(low) >> 1) < self.0

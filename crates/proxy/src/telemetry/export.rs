@@ -33,7 +33,7 @@ use super::span::SpanRecord;
 use crate::config::OtlpProtocol;
 
 /// Spans sent to the collector at once, at most.
-pub const BATCH: usize = 512;
+pub(crate) const BATCH: usize = 512;
 /// A batch not full is sent after this.
 const DELAY: Duration = Duration::from_secs(1);
 /// One export, at most (then its spans are dropped and counted).
@@ -43,7 +43,7 @@ const MAX_ANSWER: usize = 64 * 1024;
 
 /// What the request path and the export thread share.
 #[derive(Debug)]
-pub struct SpanQueue {
+pub(crate) struct SpanQueue {
     spans: Mutex<Queued>,
     /// A batch is ready, or the queue is closed.
     wake: tokio::sync::Notify,
@@ -128,14 +128,14 @@ impl SpanQueue {
 }
 
 /// Where batches go.
-pub struct Destination {
+pub(crate) struct Destination {
     pub protocol: OtlpProtocol,
     pub endpoint: String,
     pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 /// A flush request: answered once what was queued before it is sent.
-pub type Flush = std::sync::mpsc::SyncSender<()>;
+pub(crate) type Flush = std::sync::mpsc::SyncSender<()>;
 
 /// Starts the export thread; an error when it or its sender cannot be made.
 pub fn start(

@@ -42,18 +42,18 @@ use crate::record::TraceRef;
 pub use self::span::Value;
 
 /// Finished spans waiting for export, at most; beyond it they are dropped (and counted).
-pub const QUEUE: usize = 2048;
+pub(crate) const QUEUE: usize = 2048;
 /// How long shutdown waits for the last spans to go.
-pub const FLUSH_DEADLINE: Duration = Duration::from_secs(2);
+pub(crate) const FLUSH_DEADLINE: Duration = Duration::from_secs(2);
 
 /// The `idempotency.*` attributes (docs/telemetry.md#spans).
-pub const OUTCOME: &str = "idempotency.outcome";
-pub const ROUTE: &str = "idempotency.route";
-pub const RECORD_ID: &str = "idempotency.record_id";
-pub const ORIGINAL_TRACE_ID: &str = "idempotency.original_trace_id";
+pub(crate) const OUTCOME: &str = "idempotency.outcome";
+pub(crate) const ROUTE: &str = "idempotency.route";
+pub(crate) const RECORD_ID: &str = "idempotency.record_id";
+pub(crate) const ORIGINAL_TRACE_ID: &str = "idempotency.original_trace_id";
 
 /// `http.request.method` of a method the conventions do not know.
-pub const OTHER: &str = "_OTHER";
+pub(crate) const OTHER: &str = "_OTHER";
 
 /// `error.type` of a span whose request or exchange was dropped unanswered
 /// (the client went away, or the proxy stopped).
@@ -137,7 +137,7 @@ impl Telemetry {
     /// The SERVER span of a request (`route`: its name and path pattern,
     /// when one protects it). Its trace is the client's, or a new one, as
     /// `client_context` says; only a sampled span records anything.
-    pub fn server_span<B>(
+    pub(crate) fn server_span<B>(
         &self,
         req: &Request<B>,
         route: Option<(&str, &str)>,
@@ -243,7 +243,7 @@ impl Telemetry {
     /// `traceparent` (the client's is replaced; its `tracestate` is kept, but
     /// not when the trace is not the client's); the CLIENT
     /// span when the request is sampled.
-    pub fn client_span<B>(
+    pub(crate) fn client_span<B>(
         &self,
         server: &ServerSpan,
         request: &mut Request<B>,
@@ -285,7 +285,7 @@ impl Telemetry {
     /// request follows the client's trace; else (`client_context` link or
     /// ignore, or no valid `traceparent`) the proxy's context replaces them,
     /// so that a tunnel cannot carry a client's sampling decision either.
-    pub fn tunnel_context<B>(&self, server: &ServerSpan, request: &mut Request<B>) {
+    pub(crate) fn tunnel_context<B>(&self, server: &ServerSpan, request: &mut Request<B>) {
         if server.restarted {
             set_context(request, &server.ids, &server.ids.span_id, true);
         }
@@ -335,7 +335,7 @@ pub struct Parent {
 
 impl Parent {
     /// The trace and span ids, as log fields, when the span records.
-    pub fn log_ids(&self) -> Option<(String, String)> {
+    pub(crate) fn log_ids(&self) -> Option<(String, String)> {
         self.sampled.then(|| {
             (
                 context::hex_string(&self.trace_id),
@@ -348,7 +348,7 @@ impl Parent {
 /// A request's SERVER span: its ids always, its record when sampled. Ended
 /// by [`ServerSpan::end`]; dropped unended (the request was dropped), it is
 /// sent with `error.type = "cancelled"`.
-pub struct ServerSpan {
+pub(crate) struct ServerSpan {
     ids: Parent,
     /// The trace is not the client's (`client_context` link or ignore, or
     /// no valid `traceparent` came).
@@ -364,13 +364,13 @@ impl ServerSpan {
     }
 
     /// The trace and span ids, as log fields, when it records.
-    pub fn log_ids(&self) -> Option<(String, String)> {
+    pub(crate) fn log_ids(&self) -> Option<(String, String)> {
         self.ids.log_ids()
     }
 
     /// The ids to keep with the execution's records: only a sampled span's
     /// (a link to a span never exported leads nowhere).
-    pub fn trace_ref(&self) -> Option<TraceRef> {
+    pub(crate) fn trace_ref(&self) -> Option<TraceRef> {
         self.ids.sampled.then_some(TraceRef {
             trace_id: self.ids.trace_id,
             span_id: self.ids.span_id,
@@ -387,7 +387,7 @@ impl ServerSpan {
     }
 
     /// A replay, a 409 or a 422: a link to the execution's SERVER span.
-    pub fn link_original(&self, original: TraceRef) {
+    pub(crate) fn link_original(&self, original: TraceRef) {
         if original.trace_id == [0; 16] || original.span_id == [0; 8] {
             return;
         }
@@ -462,7 +462,7 @@ impl Drop for Open {
 pub struct Child(#[allow(dead_code)] Open);
 
 /// An upstream exchange's span; [`ClientSpan::end`] says how it went.
-pub struct ClientSpan(Open);
+pub(crate) struct ClientSpan(Open);
 
 impl ClientSpan {
     /// The upstream's status, or the kind of failure when there was none: a
@@ -488,7 +488,7 @@ impl ClientSpan {
 }
 
 /// The `idempotency.route` and `idempotency.record_id` of a child span.
-pub fn record_attributes(route: &str, record_id: &str) -> Vec<(&'static str, Value)> {
+pub(crate) fn record_attributes(route: &str, record_id: &str) -> Vec<(&'static str, Value)> {
     vec![
         (ROUTE, Value::Text(route.into())),
         (RECORD_ID, Value::Text(record_id.into())),
@@ -566,7 +566,7 @@ fn method_name(method: &http::Method) -> &'static str {
 
 /// OTLP/HTTP takes spans at `/v1/traces` under the endpoint (as
 /// `OTEL_EXPORTER_OTLP_ENDPOINT` means it); an endpoint that already ends so is kept.
-pub fn http_traces_url(endpoint: &str) -> String {
+pub(crate) fn http_traces_url(endpoint: &str) -> String {
     let base = endpoint.trim_end_matches('/');
     if base.ends_with("/v1/traces") {
         base.to_string()
@@ -576,7 +576,7 @@ pub fn http_traces_url(endpoint: &str) -> String {
 }
 
 /// A label for an upstream failure, for `error.type`.
-pub fn upstream_error_type(e: &crate::upstream::UpstreamError) -> &'static str {
+pub(crate) fn upstream_error_type(e: &crate::upstream::UpstreamError) -> &'static str {
     use crate::upstream::UpstreamError;
     match e {
         UpstreamError::Timeout(_) => "timeout",

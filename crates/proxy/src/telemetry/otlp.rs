@@ -27,7 +27,7 @@ const SAMPLED: u32 = 0x01;
 const STATUS_ERROR: u64 = 2;
 
 /// Encodes batches of spans for one resource and scope.
-pub struct Encoder {
+pub(crate) struct Encoder {
     /// `ResourceSpans.resource` (field and length included).
     resource: Vec<u8>,
     /// `ScopeSpans.scope` (field and length included).
@@ -224,7 +224,7 @@ pub struct Rejected {
 }
 
 /// The partial success in a collector's answer, when it rejected spans.
-pub fn rejected(answer: &[u8]) -> Option<Rejected> {
+pub(crate) fn rejected(answer: &[u8]) -> Option<Rejected> {
     let partial = fields(answer).find_map(|(f, v)| match (f, v) {
         (1, Field::Bytes(b)) => Some(b),
         _ => None,

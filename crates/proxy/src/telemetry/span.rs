@@ -11,7 +11,7 @@ use super::context::{SpanId, TraceId};
 
 /// OTLP's span kinds (the numbers are the protocol's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SpanKind {
+pub(crate) enum SpanKind {
     Internal = 1,
     Server = 2,
     Client = 3,
@@ -33,7 +33,7 @@ pub enum Value {
 /// A span link: to the client's span (`client_context = "link"`) or to the
 /// execution's SERVER span (a replay, a 409, a 422).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Link {
+pub(crate) struct Link {
     pub trace_id: TraceId,
     pub span_id: SpanId,
     pub trace_state: Option<Arc<str>>,
@@ -56,7 +56,7 @@ pub enum Name {
 
 /// A recorded (sampled) span.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SpanRecord {
+pub(crate) struct SpanRecord {
     pub trace_id: TraceId,
     pub span_id: SpanId,
     /// The parent span, and whether it is another process's.
@@ -96,7 +96,7 @@ impl SpanRecord {
 }
 
 /// Nanoseconds since the Unix epoch, now.
-pub fn now_ns() -> u64 {
+pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))

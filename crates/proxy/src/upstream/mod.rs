@@ -47,7 +47,7 @@ const HOP_BY_HOP: [HeaderName; 9] = [
 /// (RFC 9112 §6.3: the length is stale). Once `Transfer-Encoding` is gone, the
 /// stale length would look authoritative to the next hop and cut the body
 /// short. hyper's server drops it from requests; its client keeps it on responses.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them (every name `Connection` lists needs a
     // `Connection`): one pass over the names costs less than nine hashed removals.
     if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
@@ -288,7 +288,7 @@ impl Upstream {
 
     /// Prepares an upgrade request (a WebSocket handshake) as [`Upstream::prepare`]
     /// does, but keeps `Connection: upgrade` and `Upgrade`: the upstream must see them to answer 101.
-    pub fn prepare_upgrade(
+    pub(crate) fn prepare_upgrade(
         &self,
         parts: http::request::Parts,
         body: Body,
@@ -418,9 +418,9 @@ fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
     }
 }
 
-pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub(crate) const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub(crate) const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub(crate) const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 #[cfg(test)]
 mod tests {

@@ -43,20 +43,20 @@ use crate::deadline::Deadlines;
 use crate::per_worker::PerWorker;
 
 pub use self::pool::client_config;
-pub use self::schema::{durable_commit, init_store, Initialised, SchemaProblem, SCHEMA};
+pub use self::schema::{init_store, Initialised, SchemaProblem, SCHEMA};
 
 /// The env var that carries the PostgreSQL password (wins over `password_file`).
-pub const PASSWORD_ENV: &str = "IDEMPROXY_POSTGRES_PASSWORD";
+pub(crate) const PASSWORD_ENV: &str = "IDEMPROXY_POSTGRES_PASSWORD";
 
 /// How many expired rows one sweep statement deletes at most.
-pub const SWEEP_BATCH: i64 = 500;
+pub(crate) const SWEEP_BATCH: i64 = 500;
 /// How long one sweep batch may run on the server (its own statement
 /// timeout; a request's statements have `op_timeout`).
-pub const SWEEP_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const SWEEP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often each proxy sweeps expired rows.
-pub const SWEEP_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
-pub struct PostgresStore {
+pub(crate) struct PostgresStore {
     /// A pool per worker thread (`runtime = "per_thread"`; one with work
     /// stealing): a connection's task runs on the runtime of the requests
     /// that use it, so that a statement's answer wakes no other thread.

@@ -66,7 +66,7 @@ impl PostgresStore {
     }
 
     /// Has the table's check passed (and not failed since)?
-    pub fn table_ok(&self) -> bool {
+    pub(crate) fn table_ok(&self) -> bool {
         self.checked.load(Ordering::Acquire)
     }
 
@@ -76,7 +76,7 @@ impl PostgresStore {
     /// is sent (new keys 503, the proxy not ready) until the ping's check
     /// finds it right again. A PostgreSQL that does not answer is an outage,
     /// not a table problem: nothing changes for it.
-    pub async fn recheck(&self) {
+    pub(crate) async fn recheck(&self) {
         if !self.checked.load(Ordering::Acquire) {
             return;
         }
@@ -103,7 +103,7 @@ impl PostgresStore {
     /// prepare and an execute each on a new connection). A table missing or
     /// of another shape keeps the store down (not ready, requests 503),
     /// logged once a minute.
-    pub async fn check_pending(&self) -> Result<(), StoreError> {
+    pub(crate) async fn check_pending(&self) -> Result<(), StoreError> {
         if self.checked.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -138,7 +138,7 @@ impl PostgresStore {
 /// only: `remote_write` acknowledges before the standby's disk has it,
 /// `local` and `off` before any standby has it (`off`: before the primary's
 /// disk has it).
-pub fn durable_commit(synchronous_commit: &str) -> bool {
+pub(crate) fn durable_commit(synchronous_commit: &str) -> bool {
     matches!(synchronous_commit, "on" | "remote_apply")
 }
 

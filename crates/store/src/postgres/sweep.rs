@@ -17,7 +17,7 @@ impl PostgresStore {
     /// A batch that times out is tried again at half the size, down to one
     /// row: large rows are deleted a few at a time rather than never. How
     /// many went; an error when even one row could not be deleted in time.
-    pub async fn sweep(&self) -> Result<u64, StoreError> {
+    pub(crate) async fn sweep(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         let mut size = SWEEP_BATCH;
         loop {

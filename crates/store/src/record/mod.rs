@@ -85,16 +85,16 @@ const VERSION_1: u8 = 1;
 /// A clear answer with trailers.
 const VERSION_2: u8 = 2;
 /// A finished record whose answer is sealed (docs/reference/store.md#sealing).
-pub const VERSION_SEALED: u8 = 3;
+pub(crate) const VERSION_SEALED: u8 = 3;
 /// A clear record with the execution's trace context (answers as version 2).
 const VERSION_TRACED: u8 = 4;
 /// A sealed finished record with the execution's trace context in its clear head.
-pub const VERSION_TRACED_SEALED: u8 = 5;
+pub(crate) const VERSION_TRACED_SEALED: u8 = 5;
 /// The trace block of versions 4 and 5: trace id and span id.
 const TRACE_BLOCK: usize = 16 + 8;
 
 /// Is this encoded record sealed (version 3 or 5)?
-pub fn is_sealed(encoded: &[u8]) -> bool {
+pub(crate) fn is_sealed(encoded: &[u8]) -> bool {
     matches!(
         encoded.first(),
         Some(&VERSION_SEALED | &VERSION_TRACED_SEALED)
@@ -110,7 +110,7 @@ pub struct TraceRef {
     pub span_id: [u8; 8],
 }
 pub const STATE_PROCESSING: u8 = b'P';
-pub const STATE_FINISHED: u8 = b'F';
+pub(crate) const STATE_FINISHED: u8 = b'F';
 /// The afterlife trailer's tags: a dead owner's key gets the unknown outcome
 /// stored, or is run again. Neither is 0, the first byte of a `completed`
 /// stamp (what follows the head of a record written piece by piece).
@@ -119,7 +119,7 @@ const AFTERLIFE_RE_EXECUTE: u8 = b'R';
 /// The trailer's length: its tag and a u64 of ms.
 const AFTERLIFE_LEN: usize = 1 + 8;
 /// Where the owner token sits; the Lua scripts read `string.sub(v, 3, 18)`.
-pub const TOKEN_RANGE: std::ops::Range<usize> = 2..18;
+pub(crate) const TOKEN_RANGE: std::ops::Range<usize> = 2..18;
 /// The bytes of the head before the route name.
 const FIXED_HEAD: usize = 58;
 
@@ -134,7 +134,7 @@ pub const MAX_BODY: u64 = 512 << 20;
 /// record this proxy writes is longer than the largest `max_response_body`
 /// plus this, and a store that says otherwise is not believed
 /// (docs/reference/store.md#untrusted-replies).
-pub const MAX_OVERHEAD: u64 = 1 << 20;
+pub(crate) const MAX_OVERHEAD: u64 = 1 << 20;
 
 /// Identifies one reservation; a late finisher with an old token changes nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,7 +142,7 @@ pub struct Token(pub [u8; 16]);
 
 impl Token {
     /// The owner token of an encoded record (at the same place in both states).
-    pub fn of_record(encoded: &[u8]) -> Option<Token> {
+    pub(crate) fn of_record(encoded: &[u8]) -> Option<Token> {
         encoded.get(TOKEN_RANGE)?.try_into().ok().map(Token)
     }
 

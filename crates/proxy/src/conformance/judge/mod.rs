@@ -53,7 +53,7 @@ pub fn rows(obs: &Observations) -> Vec<Row> {
 }
 
 /// Two answers carry one result: the same bytes, or the same JSON value.
-pub fn same_result(a: &Bytes, b: &Bytes) -> bool {
+pub(crate) fn same_result(a: &Bytes, b: &Bytes) -> bool {
     if a == b {
         return true;
     }
