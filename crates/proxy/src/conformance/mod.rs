@@ -16,7 +16,7 @@ use std::time::Duration;
 use http::header::{HeaderName, HeaderValue};
 use http::{Method, Uri};
 
-pub mod checks;
+pub(crate) mod checks;
 pub mod client;
 pub mod judge;
 pub mod probe;

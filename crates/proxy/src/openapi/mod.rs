@@ -16,7 +16,7 @@ use serde_norway::{Mapping, Value};
 
 use crate::config::{Config, ConfigError, Overrides};
 
-pub mod annotate;
+pub(crate) mod annotate;
 mod components;
 pub mod routes;
 
