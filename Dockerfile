@@ -11,13 +11,14 @@ COPY crates/proxy/Cargo.toml crates/proxy/
 COPY crates/store/Cargo.toml crates/store/
 COPY crates/kube/Cargo.toml crates/kube/
 COPY crates/campaign/Cargo.toml crates/campaign/
-RUN mkdir -p src examples/demo-upstream crates/proxy/src crates/store/src crates/kube/src crates/campaign/src \
+COPY crates/testkit/Cargo.toml crates/testkit/
+RUN mkdir -p src examples/demo-upstream crates/proxy/src crates/store/src crates/kube/src crates/campaign/src crates/testkit/src \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > examples/demo-upstream/main.rs \
  && echo 'fn main() {}' > crates/campaign/src/main.rs \
- && touch crates/proxy/src/lib.rs crates/store/src/lib.rs crates/kube/src/lib.rs \
+ && touch crates/proxy/src/lib.rs crates/store/src/lib.rs crates/kube/src/lib.rs crates/testkit/src/lib.rs \
  && cargo build --release --locked --bin idemproxy --bin demo-upstream \
- && rm -rf src examples crates/proxy/src crates/store/src crates/kube/src crates/campaign/src
+ && rm -rf src examples crates/proxy/src crates/store/src crates/kube/src crates/campaign/src crates/testkit/src
 COPY src ./src
 COPY crates ./crates
 COPY examples ./examples

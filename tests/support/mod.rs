@@ -1,10 +1,12 @@
 //! Real parts for the integration tests, all on loopback and port 0 (or a free port).
 //!
-//! - `process`: free ports, killing child processes;
+//! - from the workspace's test kit (`crates/testkit`, shared with the store's
+//!   conformance tests): a `redis-server` of the test's own with cluster,
+//!   sentinel and replica setups (`RedisServer`), a PostgreSQL server of the
+//!   test's own with a synchronous standby (`PgServer`), free ports, children
+//!   killed and reaped, `DEADLINE` and `eventually`;
 //! - `certs`: a CA and server certificates made with openssl;
 //! - `curl`: the curl command line and its answer;
-//! - `redis`: a `redis-server` of the test's own, and cluster, sentinel and replica setups;
-//! - `postgres`: a PostgreSQL server of the test's own, and a synchronous standby of it;
 //! - `upstream`: a programmable upstream (`TestUpstream`) that counts and holds requests;
 //! - `proxy`: the proxy under test (`Proxy`): the `idemproxy` binary as a child process,
 //!   or the library's server in the test's runtime;
@@ -35,10 +37,7 @@ pub mod kube;
 mod logs;
 mod otel;
 mod peers;
-mod postgres;
-mod process;
 mod proxy;
-mod redis;
 pub mod relay;
 mod upstream;
 
@@ -51,31 +50,9 @@ pub use inprocess::*;
 pub use logs::*;
 pub use otel::*;
 pub use peers::*;
-pub use postgres::*;
-pub use process::*;
 pub use proxy::*;
-pub use redis::*;
 pub use upstream::*;
 
-use std::time::Duration;
-
-use tokio::time::Instant;
-
-/// How long any single wait in a test may take before the test fails.
-pub const DEADLINE: Duration = Duration::from_secs(15);
-
-/// Polls `check` until it returns `Some`, or panics after `deadline` naming `what`.
-pub async fn eventually<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let until = Instant::now() + deadline;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(Instant::now() < until, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+// The real servers (redis-server, PostgreSQL), ports and waits: shared with
+// the store's conformance tests.
+pub use idemproxy_testkit::*;

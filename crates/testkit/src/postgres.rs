@@ -6,7 +6,7 @@
 //! `pg_config --bindir`). PostgreSQL refuses to run as root: as root (here
 //! and in CI) every tool runs as the `postgres` user through `setpriv`, which
 //! execs it (the test's child is the server itself, so SIGKILL reaches it).
-//! `initdb` runs once per test run into a template under target/ (with the
+//! `initdb` runs once per test run into a template under target/tmp (with the
 //! records' table created from deploy/postgres/schema.sql); each server
 //! starts from a copy of it. `fsync = off` unless a test asks for durability
 //! (commits are still acknowledged only once written: `synchronous_commit` stays on).
@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{eventually, free_port, kill_child, DEADLINE};
+use super::{eventually, free_port, kill_child, target_tmp, DEADLINE};
 
 /// The schema the proxy ships (`--init-store` runs the same file).
-pub const SCHEMA: &str = include_str!("../../deploy/postgres/schema.sql");
+pub const SCHEMA: &str = include_str!("../../../deploy/postgres/schema.sql");
 
 /// The directory of PostgreSQL's server binaries.
 pub fn pg_bin() -> &'static Path {
@@ -93,7 +93,7 @@ fn template() -> &'static Path {
             .and_then(|p| p.file_name())
             .map(|v| v.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        let root = target_tmp();
         let done = root.join(format!("pg-template-{version}-v2"));
         if done.join("data/PG_VERSION").exists() && done.join("data/.with-schema").exists() {
             return done;
