@@ -4,7 +4,8 @@ public items, and the integration tests that start the binary.
 
     python3 .ci/structure-counts.py [--list] [ROOT]
 
-Sources are every `.rs` file of the workspace's crates (`src/`, `crates/*/src/`;
+Sources are every `.rs` file of the workspace's crates (`src/`, `crates/*/src/`
+but the tests' own `crates/testkit`;
 before the workspace, `campaign/src/` too), tests excluded: files named `tests.rs` or under a `tests/`
 directory, and `#[cfg(test)]` modules (their lines are not counted and their
 functions not measured). A file's length is its lines outside such modules.
@@ -146,7 +147,8 @@ def crate_sources(root):
     dirs = [os.path.join(root, "src"), os.path.join(root, "campaign", "src")]
     crates = os.path.join(root, "crates")
     if os.path.isdir(crates):
-        dirs += [os.path.join(crates, c, "src") for c in sorted(os.listdir(crates))]
+        # The test kit is the tests' own code (real servers for them), not a crate's source.
+        dirs += [os.path.join(crates, c, "src") for c in sorted(os.listdir(crates)) if c != "testkit"]
     for d in dirs:
         for base, _, files in os.walk(d):
             for f in sorted(files):
@@ -219,7 +221,7 @@ def inside_only(root):
     libraries = []
     if os.path.isdir(crates_dir):
         libraries = [os.path.join(crates_dir, c) for c in sorted(os.listdir(crates_dir))
-                     if os.path.isfile(os.path.join(crates_dir, c, "src", "lib.rs"))]
+                     if c != "testkit" and os.path.isfile(os.path.join(crates_dir, c, "src", "lib.rs"))]
     every = [p for d in ("src", "tests", "examples", "bench", "fuzz", "crates")
              for p in rust_files(os.path.join(root, d))]
     words = {p: set(re.findall(r"\b\w+\b", strip_literals(open(p).read()))) for p in every}
