@@ -110,6 +110,13 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked --quiet
 fi
 
+# The test build takes about 5 GB (docs/dev/development.md#tests); a full disk
+# shows as a linker's bus error, far from its cause.
+free_kb=$(df -Pk "$target" | awk 'NR == 2 { print $4 }')
+if [ -n "$free_kb" ] && [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+  say "warning: only $((free_kb / 1024)) MiB free under $target; the test build needs about 5 GB"
+fi
+
 say "set up in $((SECONDS - started)) s"
 if $setup_only; then
   exit 0
