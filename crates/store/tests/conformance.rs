@@ -491,7 +491,15 @@ fn the_model_holds(backend: Backend, sealed: bool, cases: u32) {
     }
     // Every operation was reported to the metrics, none as failed.
     let reported = fixture.reported.0.lock().unwrap();
-    for op in ["reserve", "complete", "renew", "release", "take_over", "get", "delete"] {
+    for op in [
+        "reserve",
+        "complete",
+        "renew",
+        "release",
+        "take_over",
+        "get",
+        "delete",
+    ] {
         assert!(
             reported.get(op).is_some_and(|&(ok, _)| ok > 0),
             "{op}: {reported:?}"
@@ -507,32 +515,32 @@ fn the_model_holds(backend: Backend, sealed: bool, cases: u32) {
 
 #[test]
 fn the_model_holds_on_memory() {
-    the_model_holds(Backend::Memory, false, 64);
+    the_model_holds(Backend::Memory, false, 256);
 }
 
 #[test]
 fn the_model_holds_on_memory_sealed() {
-    the_model_holds(Backend::Memory, true, 32);
+    the_model_holds(Backend::Memory, true, 128);
 }
 
 #[test]
 fn the_model_holds_on_redis() {
-    the_model_holds(Backend::Redis, false, 48);
+    the_model_holds(Backend::Redis, false, 256);
 }
 
 #[test]
 fn the_model_holds_on_redis_sealed() {
-    the_model_holds(Backend::Redis, true, 32);
+    the_model_holds(Backend::Redis, true, 128);
 }
 
 #[test]
 fn the_model_holds_on_postgres() {
-    the_model_holds(Backend::Postgres, false, 48);
+    the_model_holds(Backend::Postgres, false, 192);
 }
 
 #[test]
 fn the_model_holds_on_postgres_sealed() {
-    the_model_holds(Backend::Postgres, true, 32);
+    the_model_holds(Backend::Postgres, true, 128);
 }
 
 // ---------------------------------------------------------------------------
