@@ -99,6 +99,18 @@ pub(crate) enum Command {
     Openapi(OpenapiArgs),
 }
 
+impl Command {
+    /// The subcommand as the command line spells it.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Command::Inject(_) => "inject",
+            Command::Injector(_) => "injector",
+            Command::Conformance(_) => "conformance",
+            Command::Openapi(_) => "openapi",
+        }
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub(crate) struct OpenapiArgs {
     #[command(subcommand)]

@@ -26,6 +26,17 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 fn main() -> ExitCode {
     idemproxy::serve::one_arena();
     let cli = Cli::parse();
+    if let Some(command) = &cli.command {
+        if cli.check || cli.init_store {
+            // `idemproxy --check inject` would otherwise run inject, unchecked.
+            let flag = if cli.check { "--check" } else { "--init-store" };
+            eprintln!(
+                "idemproxy: {flag} is the proxy's; `idemproxy {}` takes no {flag}",
+                command.name()
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    }
     match cli.command {
         Some(Command::Inject(args)) => return commands::run_inject(args),
         Some(Command::Injector(args)) => return commands::run_injector(args),

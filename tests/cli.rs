@@ -154,6 +154,19 @@ fn invalid_configuration_exits_2_naming_file_line_and_key() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+    // The proxy's flags with a subcommand: refused, not ignored (inject would
+    // otherwise read stdin and print manifests, unchecked).
+    for (flag, sub) in [("--check", "inject"), ("--init-store", "inject")] {
+        let out = idemproxy()
+            .args([flag, sub])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {sub}: {err}");
+        assert!(err.contains(flag) && err.contains(sub), "{err}");
+        assert!(out.stdout.is_empty());
+    }
 }
 
 #[test]
