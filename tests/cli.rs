@@ -121,6 +121,33 @@ fn check_reads_no_secrets_and_contacts_no_store() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/secret"));
 }
 
+/// A Redis URL the store would refuse at start (a database that is not a
+/// number, a port out of range) is refused by --check and at start alike,
+/// exit 2, without the password.
+#[test]
+fn a_redis_url_the_store_cannot_read_exits_2_in_check_and_at_start() {
+    for (url, says) in [
+        ("redis://:s3cretpw@127.0.0.1/abc", "Invalid database number"),
+        ("redis://:s3cretpw@127.0.0.1:99999/0", "did not parse"),
+    ] {
+        let cfg = write_config(&format!(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\nurl = \"{url}\"\n"
+        ));
+        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{url} {extra:?}: {err}");
+            assert!(err.contains("store.url") && err.contains(says), "{err}");
+            assert!(!err.contains("s3cretpw"), "{err}");
+        }
+    }
+}
+
 #[test]
 fn invalid_configuration_exits_2_naming_file_line_and_key() {
     let cfg = write_config(

@@ -53,6 +53,18 @@ pub enum SslMode {
     VerifyFull,
 }
 
+/// Would the Redis store take `url` (the part of its reading that needs no
+/// server: the scheme, host, port, database number)? The error names what is
+/// wrong and never repeats the URL, which may hold a password.
+pub fn check_redis_url(url: &str) -> Result<(), String> {
+    use redis::IntoConnectionInfo as _;
+    url.into_connection_info()
+        .map(|_| ())
+        // redis-rs's messages for a URL are fixed texts ("Invalid database
+        // number"), never the URL.
+        .map_err(|e| e.to_string())
+}
+
 impl SslMode {
     pub const NAMES: [&'static str; 5] =
         ["disable", "prefer", "require", "verify-ca", "verify-full"];

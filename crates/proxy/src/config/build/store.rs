@@ -36,6 +36,17 @@ pub(super) fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreCo
             "invalid Redis URL: expected redis:// or rediss://",
         ));
     }
+    let standalone = s
+        .mode
+        .as_ref()
+        .is_none_or(|m| *m.get_ref() == RedisMode::Standalone);
+    if backend == Backend::Redis && standalone {
+        // As the store reads it at start (a database that is not a number,
+        // a port out of range): exit 2 from --check, not 1 from the start.
+        if let Err(e) = idemproxy_store::config::check_redis_url(&url.value) {
+            return Err(src.given(&url.origin, "store.url", format!("invalid Redis URL: {e}")));
+        }
+    }
     if backend == Backend::Postgres {
         postgres_url(&url, src)?;
     }
