@@ -9,8 +9,8 @@ use idemproxy::tls;
 
 use crate::cli::{EXIT_CONFIG, EXIT_START};
 
-/// `--check`: what can be checked without secrets or a store. The TLS files
-/// and the encryption key file are checked when they can be read; an
+/// `--check`: what can be checked without secrets or a store. The TLS files,
+/// the store's CA file and the encryption key file are checked when they can be read; an
 /// unreadable one is only a warning, since the check may run where the
 /// secrets are not mounted. No key is ever printed, only key ids.
 pub(crate) fn check(config: &Config) -> ExitCode {
@@ -33,6 +33,14 @@ pub(crate) fn check(config: &Config) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    match idemproxy::store::check_ca_file(&config.store) {
+        Ok(Ok(())) => {}
+        Ok(Err(warning)) => warnings.push(warning),
+        Err(e) => {
+            eprintln!("idemproxy: invalid configuration: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    }
     print_check(config);
     if let Some(keys) = keys {
         let ids: Vec<&str> = keys.ids().collect();

@@ -148,6 +148,50 @@ fn a_redis_url_the_store_cannot_read_exits_2_in_check_and_at_start() {
     }
 }
 
+/// A store CA file that holds no certificate is refused by --check and at
+/// start (exit 2), rather than starting a proxy whose every handshake with
+/// the store fails; one that cannot be read where --check runs is a warning.
+#[test]
+fn a_store_ca_file_with_no_certificate_exits_2_in_check_and_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.crt");
+    std::fs::write(&ca, "this is not a certificate\n").unwrap();
+    for backend in [
+        "backend = \"redis\"\nurl = \"rediss://127.0.0.1:1/0\"",
+        "backend = \"postgres\"\nurl = \"postgres://u@127.0.0.1:1/db\"\nsslmode = \"verify-full\"",
+    ] {
+        let cfg = write_config(&format!(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\n{backend}\ntls_ca_file = \"{}\"\n",
+            ca.display()
+        ));
+        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{backend} {extra:?}: {err}");
+            assert!(
+                err.contains("store.tls_ca_file") && err.contains("no certificate"),
+                "{err}"
+            );
+        }
+    }
+    let cfg = write_config(
+        "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\nurl = \"rediss://127.0.0.1:1/0\"\ntls_ca_file = \"/nonexistent/ca.crt\"\n",
+    );
+    let out = idemproxy()
+        .arg("--config")
+        .arg(cfg.path())
+        .arg("--check")
+        .output()
+        .unwrap();
+    assert_exit(&out, 0);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("warning: cannot read the store CA file"));
+}
+
 #[test]
 fn invalid_configuration_exits_2_naming_file_line_and_key() {
     let cfg = write_config(

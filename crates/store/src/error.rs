@@ -53,6 +53,11 @@ pub enum StoreSetupError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error("the store CA file {path} (store.tls_ca_file): {problem}")]
+    CaInvalid {
+        path: std::path::PathBuf,
+        problem: String,
+    },
     #[error(transparent)]
     KeyFile(#[from] KeyFileError),
     #[error("invalid PostgreSQL configuration: {0}")]
@@ -63,8 +68,13 @@ pub enum StoreSetupError {
 }
 
 impl StoreSetupError {
-    /// A file was read and is wrong (a malformed key file): exit 2, not 1.
+    /// A file was read and is wrong (a malformed key file, a CA file with
+    /// no certificate): exit 2, not 1.
     pub fn is_configuration(&self) -> bool {
-        matches!(self, StoreSetupError::KeyFile(e) if e.is_configuration())
+        match self {
+            StoreSetupError::KeyFile(e) => e.is_configuration(),
+            StoreSetupError::CaInvalid { .. } => true,
+            _ => false,
+        }
     }
 }

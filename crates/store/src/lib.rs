@@ -63,6 +63,7 @@ use crate::seal::Sealing;
 pub(crate) use self::backend::{Occupant, Operations};
 pub use self::error::{StoreError, StoreSetupError};
 pub use self::keys::{push_hex, RecordKey};
+pub use self::settings::check_ca_file;
 pub use self::timing::{retry, StoreMetrics};
 
 pub(crate) use self::memory::MemoryStore;

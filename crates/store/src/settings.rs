@@ -36,17 +36,59 @@ pub(super) fn password(cfg: &StoreConfig, env: &str) -> Result<Option<String>, S
 pub(super) fn tls_certs(cfg: &StoreConfig) -> Result<Option<TlsCertificates>, StoreSetupError> {
     match &cfg.tls_ca_file {
         None => Ok(None),
-        Some(path) => std::fs::read(path)
-            .map(|pem| {
-                Some(TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem),
-                })
-            })
-            .map_err(|source| StoreSetupError::CaFile {
-                path: path.clone(),
-                source,
-            }),
+        Some(path) => {
+            // Read and checked here: a file with no certificate would
+            // otherwise show only as handshakes failing, one ping at a time.
+            let (pem, _) = ca_file(path)?;
+            Ok(Some(TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem),
+            }))
+        }
+    }
+}
+
+/// The CA file's bytes and its certificates: an error when it cannot be
+/// read, is not PEM, or holds no certificate.
+pub(crate) fn ca_file(
+    path: &std::path::Path,
+) -> Result<(Vec<u8>, Vec<rustls::pki_types::CertificateDer<'static>>), StoreSetupError> {
+    use rustls::pki_types::pem::PemObject;
+    let pem = std::fs::read(path).map_err(|source| StoreSetupError::CaFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let invalid = |problem: String| StoreSetupError::CaInvalid {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let certs = rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(format!("not valid PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(invalid(
+            "no certificate in it (a PEM CERTIFICATE section)".into(),
+        ));
+    }
+    Ok((pem, certs))
+}
+
+/// `--check`: the store's CA file, when one is named. `Ok(Err(warning))`
+/// when it cannot be read here (it is read at start, where it is mounted);
+/// `Err` when it is read and wrong.
+pub fn check_ca_file(cfg: &StoreConfig) -> Result<Result<(), String>, StoreSetupError> {
+    let unused = match cfg.backend {
+        crate::config::Backend::Memory => true,
+        crate::config::Backend::Postgres => cfg.sslmode == crate::config::SslMode::Disable,
+        crate::config::Backend::Redis => false,
+    };
+    let Some(path) = cfg.tls_ca_file.as_ref().filter(|_| !unused) else {
+        return Ok(Ok(()));
+    };
+    match ca_file(path) {
+        Ok(_) => Ok(Ok(())),
+        Err(e @ StoreSetupError::CaFile { .. }) => Ok(Err(format!("{e} (it is read at start)"))),
+        Err(e) => Err(e),
     }
 }
 

@@ -30,17 +30,12 @@ fn tls(
     else {
         return Ok(None);
     };
-    let pem = std::fs::read(path).map_err(|source| StoreSetupError::CaFile {
-        path: path.clone(),
-        source,
-    })?;
+    let (_, certs) = crate::settings::ca_file(path)?;
     let mut roots = rustls::RootCertStore::empty();
-    let mut reader = &pem[..];
-    let certs = rustls_pemfile_certs(&mut reader)
-        .map_err(|e| StoreSetupError::Postgres(format!("the CA file {}: {e}", path.display())))?;
     for cert in certs {
-        roots.add(cert).map_err(|e| {
-            StoreSetupError::Postgres(format!("the CA file {}: {e}", path.display()))
+        roots.add(cert).map_err(|e| StoreSetupError::CaInvalid {
+            path: path.clone(),
+            problem: e.to_string(),
         })?;
     }
     let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
@@ -51,20 +46,6 @@ fn tls(
     .with_root_certificates(roots)
     .with_no_client_auth();
     Ok(Some(tokio_postgres_rustls::MakeRustlsConnect::new(config)))
-}
-
-/// The certificates of a PEM file.
-fn rustls_pemfile_certs(
-    reader: &mut &[u8],
-) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
-    use rustls::pki_types::pem::PemObject;
-    let certs: Result<Vec<_>, _> =
-        rustls::pki_types::CertificateDer::pem_slice_iter(reader).collect();
-    match certs {
-        Ok(c) if c.is_empty() => Err("no certificate in it".into()),
-        Ok(c) => Ok(c),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 /// The client's configuration: the URL, with the password, `op_timeout` as
