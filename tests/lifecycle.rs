@@ -2,7 +2,8 @@
 //! SIGHUP and SIGTERM are in operations.rs, sealed.rs, tls.rs and injector.rs): a
 //! reload applies the edited file, a bad file keeps the configuration in use, a
 //! shutdown drains what is in flight and flushes the spans before `run` ends; the
-//! injector's certificate is swapped on a reload.
+//! injector's certificate is swapped on a reload, and a shutdown answers the review
+//! it is reading before `run` ends.
 
 mod support;
 
@@ -264,6 +265,146 @@ async fn the_injector_swaps_its_certificate_on_a_reload_and_ends_on_shutdown() {
         .await
         .expect("run ends in time")
         .expect("run does not panic");
+}
+
+/// The injector, after a shutdown: no new connection; an idle one closed at
+/// once; a review whose body is still coming is read and answered (the API
+/// server waits for it) before `run` ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_injector_answers_the_review_it_is_reading_before_it_ends() {
+    use idemproxy_kube::{self as inject, webhook::Injector};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    make_ca(dir.path(), "ca");
+    make_server_cert(dir.path(), "ca", "tls", "injector");
+    let files = TlsFiles {
+        cert_file: dir.path().join("tls.pem"),
+        key_file: dir.path().join("tls.key"),
+    };
+    let injector = Injector::bind("127.0.0.1:0", &files, inject::Settings::default())
+        .await
+        .expect("bind the injector");
+    let addr = injector.local_addr().unwrap();
+    let (signals, received) = mpsc::unbounded_channel();
+    let task = tokio::spawn(inject::lifecycle::run(
+        injector,
+        UnboundedReceiverStream::new(received),
+    ));
+    // An idle keep-alive connection, after one answer.
+    let mut idle = tls_to(addr, dir.path()).await;
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nhost: injector\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_until(&mut idle, b"ok\n").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // A review whose body is half sent; `100 Continue` says the injector is reading it.
+    let review = serde_json::to_vec(&serde_json::json!({
+        "kind": "AdmissionReview",
+        "apiVersion": "admission.k8s.io/v1",
+        "request": {
+            "uid": "8e1c4e0a-6a4e-4f7e-9f54-2f0f6f7b6c1d",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "shop",
+            "operation": "CREATE",
+            "object": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "api", "annotations": {"idemproxy.dev/inject": "true"}},
+                "spec": {"containers": [{"name": "api", "image": "api:1",
+                    "ports": [{"name": "http", "containerPort": 8080}]}]}
+            }
+        }
+    }))
+    .unwrap();
+    let mut busy = tls_to(addr, dir.path()).await;
+    let headers = format!(
+        "POST /mutate HTTP/1.1\r\nhost: injector\r\ncontent-type: application/json\r\n\
+         expect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        review.len()
+    );
+    busy.write_all(headers.as_bytes()).await.unwrap();
+    let continued = read_until(&mut busy, b"\r\n\r\n").await;
+    assert!(continued.starts_with("HTTP/1.1 100"), "{continued}");
+    let half = review.len() / 2;
+    busy.write_all(&review[..half]).await.unwrap();
+
+    signals.send(Signal::Shutdown).unwrap();
+    eventually("new connections to be refused", DEADLINE, || async {
+        TcpStream::connect(addr).await.is_err().then_some(())
+    })
+    .await;
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(DEADLINE, idle.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "the idle connection is closed at once: {closed:?}"
+    );
+    assert!(!task.is_finished(), "run waits for the review in progress");
+    busy.write_all(&review[half..]).await.unwrap();
+    let head = read_until(&mut busy, b"\r\n\r\n").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .expect("a content-length");
+    let body_at = head.find("\r\n\r\n").unwrap() + 4;
+    let mut answer = head.as_bytes()[body_at..].to_vec();
+    answer.resize(length, 0);
+    let already = head.len() - body_at;
+    busy.read_exact(&mut answer[already..]).await.unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    assert!(answer.contains("\"allowed\":true"), "{answer}");
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("run ends once the review is answered")
+        .expect("run does not panic");
+}
+
+/// Reads from `s` until `end` has been seen (what was read, as text).
+async fn read_until(s: &mut (impl tokio::io::AsyncRead + Unpin), end: &[u8]) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(end.len()).any(|w| w == end) {
+        let n = tokio::time::timeout(DEADLINE, s.read(&mut buf))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// A TLS connection to `addr`, trusting `dir`'s ca.pem.
+async fn tls_to(
+    addr: std::net::SocketAddr,
+    dir: &Path,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_file(dir.join("ca.pem")).unwrap())
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = ServerName::try_from("localhost").unwrap();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    tokio::time::timeout(
+        DEADLINE,
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp),
+    )
+    .await
+    .expect("the handshake in time")
+    .expect("the handshake")
 }
 
 /// The certificate a new TLS connection to `addr` is shown (trusting `dir`'s ca.pem).

@@ -17,7 +17,8 @@ use crate::webhook::Injector;
 pub(crate) const CERTIFICATE_POLL: Duration = Duration::from_secs(30);
 
 /// Serves the webhook until the first [`Signal::Shutdown`] (or the end of
-/// `signals`); connections in progress are dropped then. Its certificate is
+/// `signals`), then drains: reviews in progress are answered
+/// (`webhook::DRAIN_GRACE` at most), idle connections closed. Its certificate is
 /// re-read on each [`Signal::Reload`], and when its files change: in
 /// Kubernetes, cert-manager renews it into a mounted Secret and no one
 /// sends a signal.

@@ -98,6 +98,9 @@ const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// `timeoutSeconds` is 5: after that the API server has stopped waiting);
 /// else 408.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(5);
+/// On SIGTERM, reviews in progress have this long to be answered (the API
+/// server stops waiting for one after the webhook's `timeoutSeconds`, 5).
+pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// An answer must be taken by the client within this of its headers, else
 /// its connection is closed. The API server reads at once; its webhook
 /// timeout is at most 30 s, 5 s in `webhook.yaml`.
@@ -260,13 +263,17 @@ impl Injector {
     /// Serves until `shutdown` completes; connections in progress are dropped then.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let tls = Arc::new(self.tls);
+        let listener = self.listener;
         let places = places::Places::new(MAX_CONNECTIONS);
-        tracing::info!(addr = ?self.listener.local_addr().ok(), "injector listening");
+        let (drain, draining) = tokio::sync::watch::channel(false);
+        let mut connections = tokio::task::JoinSet::new();
+        tracing::info!(addr = ?listener.local_addr().ok(), "injector listening");
         tokio::pin!(shutdown);
         loop {
+            while connections.try_join_next().is_some() {}
             let accepted = tokio::select! {
-                a = self.listener.accept() => a,
-                () = &mut shutdown => return,
+                a = listener.accept() => a,
+                () = &mut shutdown => break,
             };
             let (io, peer) = match accepted {
                 Ok(a) => a,
@@ -280,8 +287,8 @@ impl Injector {
                 tracing::warn!(%peer, limit = MAX_CONNECTIONS, "every connection is serving a review; closed");
                 continue;
             };
-            let (tls, shared) = (tls.clone(), self.shared.clone());
-            tokio::spawn(async move {
+            let (tls, shared, draining) = (tls.clone(), self.shared.clone(), draining.clone());
+            connections.spawn(async move {
                 let mark = place.mark.clone();
                 let serve = async {
                     let until = tokio::time::Instant::now() + HANDSHAKE_DEADLINE;
@@ -293,7 +300,7 @@ impl Injector {
                         // answer in TLS records, not 64 KiB (rustls' default).
                         stream.get_mut().1.set_buffer_limit(Some(PIECE_BYTES));
                     }
-                    serve_connection(io, shared, mark.clone()).await;
+                    serve_connection(io, shared, mark.clone(), draining).await;
                 };
                 tokio::select! {
                     () = serve => {}
@@ -302,6 +309,24 @@ impl Injector {
                     }
                 }
             });
+        }
+        // The drain: no new connection; each open one finishes the review it
+        // is reading or answering and closes, an idle one at once.
+        drop(listener);
+        let _ = drain.send(true);
+        if !connections.is_empty() {
+            tracing::info!(
+                connections = connections.len(),
+                "draining: reviews in progress are answered"
+            );
+        }
+        let drained = async { while connections.join_next().await.is_some() {} };
+        if tokio::time::timeout(DRAIN_GRACE, drained).await.is_err() {
+            tracing::warn!(
+                connections = connections.len(),
+                grace = ?DRAIN_GRACE,
+                "connections still open at the end of the drain; closed"
+            );
         }
     }
 }

@@ -180,8 +180,12 @@ impl http_body::Body for Answer {
 }
 
 /// HTTP/1.1 or HTTP/2 on one TLS connection, until the client leaves or [`Close`].
-pub(super) async fn serve_connection<I>(io: I, shared: Arc<Shared>, mark: Arc<super::places::Mark>)
-where
+pub(super) async fn serve_connection<I>(
+    io: I,
+    shared: Arc<Shared>,
+    mark: Arc<super::places::Mark>,
+    mut draining: tokio::sync::watch::Receiver<bool>,
+) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Arc::new(Activity {
@@ -234,6 +238,15 @@ where
             return;
         }
         close = activity.watch() => close,
+        () = async { drop(draining.wait_for(|d| *d).await) } => {
+            // Finishes the review in progress (HTTP/2: every open stream),
+            // then closes; the injector's drain bounds the wait.
+            connection.as_mut().graceful_shutdown();
+            if let Err(e) = connection.as_mut().await {
+                tracing::debug!(error = %e, "connection ended");
+            }
+            return;
+        }
     };
     match closing {
         Close::Stalled => {
