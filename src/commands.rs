@@ -142,7 +142,7 @@ pub(crate) fn run_injector(args: InjectorArgs) -> ExitCode {
             return ExitCode::from(EXIT_START);
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         let injector = match inject::webhook::Injector::bind(&args.listen, &files, settings).await {
             Ok(i) => i,
             Err(e) => {
@@ -156,7 +156,10 @@ pub(crate) fn run_injector(args: InjectorArgs) -> ExitCode {
         };
         inject::lifecycle::run(injector, inject::lifecycle::process_signals()).await;
         ExitCode::SUCCESS
-    })
+    });
+    // Drained: a certificate reload blocked reading its files is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }
 
 /// `idemproxy conformance`: the table on standard output, the JSON with `--report`;

@@ -91,7 +91,7 @@ fn run_proxy(config: Config, source: ConfigSource) -> ExitCode {
             return ExitCode::from(EXIT_START);
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         // Before anything that takes time (the store's schema check, key and
         // certificate files, binding): a SIGHUP or SIGTERM sent while the
         // proxy starts is then kept for when it serves, not the default
@@ -111,7 +111,11 @@ fn run_proxy(config: Config, source: ConfigSource) -> ExitCode {
         };
         lifecycle::run(server, signals, source).await;
         ExitCode::SUCCESS
-    })
+    });
+    // Drained and flushed: a reload still blocked reading a file (a FIFO, a
+    // mount that stopped answering) is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }
 
 /// A file the configuration names was read and is wrong (a certificate that

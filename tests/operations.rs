@@ -330,6 +330,46 @@ async fn admin_api_is_off_without_a_token() {
     }
 }
 
+/// A reload that hangs reading the file (a FIFO with no writer, a network
+/// mount that stopped answering) does not hold the exit: SIGTERM still ends
+/// the process once it has drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_stuck_reading_its_file_does_not_hold_the_exit() {
+    use std::os::unix::fs::OpenOptionsExt;
+    const O_NONBLOCK: i32 = 0o4000;
+    let upstream = TestUpstream::start().await;
+    let mut proxy = Proxy::start(&ConfigBuilder::new(&upstream.url()).build()).await;
+    let path = proxy.config_path().to_path_buf();
+    std::fs::remove_file(&path).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    proxy.signal("HUP");
+    // Once the reload has the FIFO open for reading, a writer can open it
+    // without blocking; held open and silent, it keeps the reload's read waiting.
+    let writer = eventually("the reload to open the file", DEADLINE, || {
+        let path = path.clone();
+        async move {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(O_NONBLOCK)
+                .open(&path)
+                .ok()
+        }
+    })
+    .await;
+    proxy.signal("TERM");
+    let exited = tokio::time::timeout(DEADLINE, proxy.wait_exit()).await;
+    drop(writer);
+    assert_eq!(
+        exited,
+        Ok(Some(0)),
+        "SIGTERM ends the process, whatever the reload waits for"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_broken() {
     let upstream = TestUpstream::start().await;

@@ -226,6 +226,14 @@ impl Proxy {
         std::fs::write(file.path(), text).expect("rewrite config");
     }
 
+    /// The binary's configuration file.
+    pub fn config_path(&self) -> &std::path::Path {
+        self._config
+            .as_ref()
+            .expect("a config file: the binary's")
+            .path()
+    }
+
     pub fn pid(&self) -> u32 {
         assert!(self.task.is_none(), "a process: the binary, not in-process");
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
