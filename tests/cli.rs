@@ -192,6 +192,28 @@ fn a_store_ca_file_with_no_certificate_exits_2_in_check_and_at_start() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("warning: cannot read the store CA file"));
 }
 
+/// The injector names its files by its own flags, not the proxy's
+/// configuration keys: exit 2 for a file that is wrong, 1 for one it cannot read.
+#[test]
+fn the_injector_names_its_certificate_files_by_its_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    for (cert, code) in [(junk.clone(), 2), (dir.path().join("missing.pem"), 1)] {
+        let out = idemproxy()
+            .args(["injector", "--listen", "127.0.0.1:0", "--tls-cert-file"])
+            .arg(&cert)
+            .arg("--tls-key-file")
+            .arg(&junk)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{err}");
+        assert!(err.contains("--tls-cert-file"), "{err}");
+        assert!(!err.contains("server.tls"), "{err}");
+    }
+}
+
 #[test]
 fn invalid_configuration_exits_2_naming_file_line_and_key() {
     let cfg = write_config(

@@ -221,7 +221,11 @@ impl Injector {
         files: &TlsFiles,
         settings: Settings,
     ) -> Result<Injector, InjectorError> {
-        let tls = Tls::new(files)?;
+        let names = idemproxy::tls::Names {
+            cert: "--tls-cert-file",
+            key: "--tls-key-file",
+        };
+        let tls = Tls::named(files, names)?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| InjectorError::Bind {

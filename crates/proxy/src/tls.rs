@@ -37,6 +37,39 @@ use crate::config::TlsFiles;
 const CERT: &str = "server.tls_cert_file";
 const KEY: &str = "server.tls_key_file";
 
+/// What errors call the two files: the proxy's configuration keys
+/// ([`Names::CONFIG`]), or the injector's flags.
+#[derive(Clone, Copy, Debug)]
+pub struct Names {
+    pub cert: &'static str,
+    pub key: &'static str,
+}
+
+impl Names {
+    pub const CONFIG: Names = Names {
+        cert: CERT,
+        key: KEY,
+    };
+
+    /// `e` with its file named as these names name it.
+    fn name(self, e: TlsError) -> TlsError {
+        let rename = |key: &'static str| if key == KEY { self.key } else { self.cert };
+        match e {
+            TlsError::Read { key, path, source } => TlsError::Read {
+                key: rename(key),
+                path,
+                source,
+            },
+            TlsError::Invalid { key, path, message } => TlsError::Invalid {
+                key: rename(key),
+                path,
+                message,
+            },
+            e => e,
+        }
+    }
+}
+
 /// What ALPN offers, in the server's order of preference: HTTP/2 first, as a
 /// client that speaks both gets the multiplexed protocol.
 const ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
@@ -192,6 +225,7 @@ pub fn check(files: &TlsFiles) -> Result<Vec<String>, TlsError> {
 #[derive(Debug)]
 pub struct Certificates {
     files: TlsFiles,
+    names: Names,
     provider: Arc<CryptoProvider>,
     current: ArcSwap<CertifiedKey>,
 }
@@ -206,7 +240,7 @@ impl Certificates {
     /// Re-reads both files. On any problem the current certificate stays, so
     /// a half-written rotation (a new certificate, the old key) changes nothing.
     pub fn reload(&self) -> Result<(), TlsError> {
-        let new = load(&self.files, &self.provider)?;
+        let new = load(&self.files, &self.provider).map_err(|e| self.names.name(e))?;
         self.current.store(Arc::new(new));
         Ok(())
     }
@@ -225,10 +259,16 @@ pub struct Tls {
 impl Tls {
     /// Reads the files and builds the server configuration.
     pub fn new(files: &TlsFiles) -> Result<Tls, TlsError> {
+        Tls::named(files, Names::CONFIG)
+    }
+
+    /// [`Tls::new`], its errors naming the files as `names` do.
+    pub fn named(files: &TlsFiles, names: Names) -> Result<Tls, TlsError> {
         let provider = provider();
-        let first = load(files, &provider)?;
+        let first = load(files, &provider).map_err(|e| names.name(e))?;
         let certificates = Arc::new(Certificates {
             files: files.clone(),
+            names,
             provider: provider.clone(),
             current: ArcSwap::from_pointee(first),
         });
