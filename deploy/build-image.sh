@@ -11,16 +11,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+usage="usage: deploy/build-image.sh [--no-build] REGISTRY/NAME:TAG"
 build=true
 if [ "${1:-}" = --no-build ]; then
   build=false
   shift
 fi
-image="${1:?usage: deploy/build-image.sh [--no-build] REGISTRY/NAME:TAG}"
-# Only the characters of an image reference (it is written into YAML with
-# sed, so nothing sed or YAML would read as syntax), with a registry path and
-# a tag, a digest, or both (TAG@sha256:DIGEST, the pinned form).
-reference='^[A-Za-z0-9][A-Za-z0-9._-]*(:[0-9]+)?(/[A-Za-z0-9._-]+)+((:[A-Za-z0-9._-]+)(@sha256:[a-f0-9]{64})?|(@sha256:[a-f0-9]{64}))$'
+# Exactly one image, and no other flag: `IMAGE --no-build` must not build and push.
+if [ $# -ne 1 ] || [[ "$1" == -* ]]; then
+  echo "build-image.sh: $usage" >&2
+  exit 2
+fi
+image="$1"
+# An image reference as registries and Kubernetes read it (so that nothing
+# sed or YAML would read as syntax gets through either): a registry host
+# (and port), lower-case path components, and a tag (at most 128
+# characters), a digest, or both (TAG@sha256:DIGEST, the pinned form).
+host='[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*(:[0-9]+)?'
+component='[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*'
+tag='[A-Za-z0-9_][A-Za-z0-9._-]{0,127}'
+digest='@sha256:[a-f0-9]{64}'
+reference="^${host}(/${component})+((:${tag})(${digest})?|(${digest}))\$"
 if ! [[ "$image" =~ $reference ]]; then
   echo "build-image.sh: not an image reference REGISTRY/NAME:TAG (or @sha256:DIGEST, or TAG@sha256:DIGEST): $image" >&2
   exit 2
@@ -33,8 +44,15 @@ fi
 # Every reference to the published image in the manifests, `image:` fields
 # and the injector's `--image=` argument alike. None: they were pointed at
 # another image by an earlier run, and this one would push an image nothing
-# names (checked before building).
+# names (checked before building) -- unless this run pins, by its digest,
+# the tag an earlier run pointed them at (the docs' second step).
+named='ghcr\.io/idemproxy/idemproxy[:@][^" ,]*'
 mapfile -t files < <(grep -rlE 'ghcr\.io/idemproxy/idemproxy[:@]' deploy/kubernetes || true)
+if [ ${#files[@]} -eq 0 ] && ! $build && [[ "${image##*/}" == *:*@* ]]; then
+  tagged="${image%@*}"
+  named="${tagged//./\\.}(@sha256:[a-f0-9]{64})?([^A-Za-z0-9._-]|\$)"
+  mapfile -t files < <(grep -rlE "$named" deploy/kubernetes || true)
+fi
 if [ ${#files[@]} -eq 0 ]; then
   echo "build-image.sh: no manifest under deploy/kubernetes names ghcr.io/idemproxy/idemproxy any more (an earlier run pointed them at another image); restore them first: git checkout -- deploy/kubernetes" >&2
   exit 2
@@ -47,7 +65,12 @@ if $build; then
 fi
 
 for f in "${files[@]}"; do
-  sed -i -E "s#ghcr\.io/idemproxy/idemproxy[:@][^\" ,]*#${image}#g" "$f"
+  if [[ "$named" == ghcr* ]]; then
+    sed -i -E "s#${named}#${image}#g" "$f"
+  else
+    # The tag pinned: what follows the reference (a quote, an end of line) is kept.
+    sed -i -E "s#${named}#${image}\\2#g" "$f"
+  fi
   echo "== $f now names $image"
 done
 echo "== done: kubectl apply -k deploy/kubernetes/injector, and idemproxy inject --image $image"

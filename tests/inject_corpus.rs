@@ -795,6 +795,12 @@ fn build_image_refuses_what_is_not_an_image_reference() {
         "r/x:y\nimage: evil".to_owned(),
         "nohost:1".to_owned(),
         "reg.io/a/b".to_owned(),
+        // What registries and Kubernetes refuse (InvalidImageName).
+        "reg.example.com/x/IdemProxy:1.0".to_owned(),
+        "reg.example.com/x/..:1".to_owned(),
+        "reg.example.com/x/y:.bad".to_owned(),
+        "reg.example.com/x/y:-bad".to_owned(),
+        format!("reg.example.com/x/y:{}", "t".repeat(129)),
     ] {
         let out = std::process::Command::new("bash")
             .arg(copy.path().join("deploy/build-image.sh"))
@@ -804,6 +810,29 @@ fn build_image_refuses_what_is_not_an_image_reference() {
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
     }
     assert!(!marker.exists());
+    // A flag after the image, or a second argument: refused, never a build
+    // and a push of an image the caller meant only to point at.
+    for args in [
+        &["registry.example.com/team/idemproxy:1.0", "--no-build"][..],
+        &[
+            "--no-build",
+            "registry.example.com/team/idemproxy:1.0",
+            "extra",
+        ][..],
+        &["--no-bulid", "registry.example.com/team/idemproxy:1.0"][..],
+    ] {
+        let out = std::process::Command::new("bash")
+            .arg(copy.path().join("deploy/build-image.sh"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("usage:"),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let after =
         std::fs::read_to_string(copy.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
     assert_eq!(before, after);
@@ -861,6 +890,30 @@ fn build_image_refuses_what_is_not_an_image_reference() {
     let pointed =
         std::fs::read_to_string(fresh.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
     assert!(pointed.contains(&pinned), "{pointed}");
+    // The docs' two steps: a tag first (the build), then that tag pinned by
+    // its digest, in manifests that name the tag now.
+    let twice = copy_of_deploy();
+    let script = twice.path().join("deploy/build-image.sh");
+    for image in ["registry.example.com/team/idemproxy:1.2.3", &pinned] {
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .args(["--no-build", image])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{image}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let pointed =
+        std::fs::read_to_string(twice.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
+    assert!(pointed.contains(&pinned), "{pointed}");
+    assert_eq!(
+        pointed.matches("idemproxy:1.2.3").count(),
+        pointed.matches(&pinned).count(),
+        "every reference pinned: {pointed}"
+    );
 }
 
 /// A copy of `deploy/` in a temporary directory, for `deploy/build-image.sh` to rewrite.
