@@ -52,7 +52,12 @@ pub(crate) struct Cli {
     #[arg(long, env = "IDEMPROXY_ADMIN_LISTEN", value_name = "ADDR")]
     pub(crate) admin_listen: Option<String>,
     /// Upstream base URL (overrides server.upstream).
-    #[arg(long, env = "IDEMPROXY_UPSTREAM", value_name = "URL")]
+    #[arg(
+        long,
+        env = "IDEMPROXY_UPSTREAM",
+        value_name = "URL",
+        hide_env_values = true
+    )]
     pub(crate) upstream: Option<String>,
     /// Redis URL; selects the redis backend (overrides store.url).
     #[arg(

@@ -214,6 +214,44 @@ fn the_injector_names_its_certificate_files_by_its_flags() {
     }
 }
 
+/// Credentials in the upstream URL are refused (the proxy would drop them,
+/// and print the password in its logs); `--help` never shows the value
+/// `IDEMPROXY_UPSTREAM` holds.
+#[test]
+fn an_upstream_url_with_credentials_is_refused_without_repeating_them() {
+    for url in [
+        "http://user:s3cretUP@127.0.0.1:1",
+        "http://s3cretUP@127.0.0.1:1/base",
+    ] {
+        let cfg = write_config(&format!("[server]\nupstream = \"{url}\"\n"));
+        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{url} {extra:?}: {err}");
+            assert!(err.contains("credentials"), "{err}");
+            assert!(!err.contains("s3cretUP"), "{err}");
+        }
+        let out = idemproxy()
+            .args(["--upstream", url, "--check"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cretUP"));
+    }
+    let out = idemproxy()
+        .arg("--help")
+        .env("IDEMPROXY_UPSTREAM", "http://user:s3cretUP@127.0.0.1:1")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("s3cretUP"));
+}
+
 #[test]
 fn invalid_configuration_exits_2_naming_file_line_and_key() {
     let cfg = write_config(

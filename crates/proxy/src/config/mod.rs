@@ -346,6 +346,19 @@ pub struct UpstreamUrl {
 
 impl UpstreamUrl {
     pub fn parse(text: &str) -> Result<Self, String> {
+        // Checked first, so that no message below repeats a password.
+        let after_scheme = text.split_once("://").map_or(text, |(_, rest)| rest);
+        let authority_end = after_scheme
+            .find(['/', '?', '#'])
+            .unwrap_or(after_scheme.len());
+        if after_scheme[..authority_end].contains('@') {
+            return Err(
+                "invalid upstream URL: it carries credentials (user:password@), which the proxy \
+                 never sends upstream (the client's own Authorization header goes through); \
+                 remove them"
+                    .to_string(),
+            );
+        }
         let uri: http::Uri = text
             .parse()
             .map_err(|e| format!("invalid upstream URL \"{text}\": {e}"))?;
