@@ -45,26 +45,76 @@ pub fn process_signals() -> ProcessSignals {
 }
 
 async fn reload_when_asked_or_changed(certificates: Arc<Certificates>, asked: Arc<Notify>) {
-    let mut seen = modified(certificates.files());
+    let mut seen = identity(certificates.files());
+    let mut failed = false;
     let mut tick = tokio::time::interval(CERTIFICATE_POLL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = asked.notified() => {}
             _ = tick.tick() => {
-                let now = modified(certificates.files());
-                if now == seen {
+                let now = identity(certificates.files());
+                // A reload that failed (half a rotation) is tried again at
+                // each look until it succeeds.
+                if now == seen && !failed {
                     continue;
                 }
                 seen = now;
             }
         }
-        reload_certificate(certificates.clone()).await;
+        failed = !reload_certificate(certificates.clone()).await;
     }
 }
 
-/// When the certificate and key files were last modified (`None`: unreadable).
-fn modified(files: &TlsFiles) -> (Option<SystemTime>, Option<SystemTime>) {
-    let of = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+/// What tells a file changed: the device, inode, length and modification
+/// time of what the path resolves to (`None`: unreadable). Kubernetes
+/// swaps a Secret's files by a symlink to a new directory, whose files may
+/// keep the old times but never the old inodes.
+type Identity = Option<(u64, u64, u64, Option<SystemTime>)>;
+
+fn identity(files: &TlsFiles) -> (Identity, Identity) {
+    use std::os::unix::fs::MetadataExt;
+    let of = |p: &std::path::Path| {
+        std::fs::metadata(p)
+            .ok()
+            .map(|m| (m.dev(), m.ino(), m.len(), m.modified().ok()))
+    };
     (of(&files.cert_file), of(&files.key_file))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Secret's swap: new files, of the same length and given the old
+    /// times, behind the same path. Times alone would miss it.
+    #[test]
+    fn a_file_swapped_with_the_old_times_is_seen_as_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = TlsFiles {
+            cert_file: dir.path().join("tls.crt"),
+            key_file: dir.path().join("tls.key"),
+        };
+        for f in [&files.cert_file, &files.key_file] {
+            std::fs::write(f, b"one").unwrap();
+        }
+        let before = identity(&files);
+        let times = std::fs::metadata(&files.cert_file)
+            .unwrap()
+            .modified()
+            .unwrap();
+        let swapped = dir.path().join("new.crt");
+        std::fs::write(&swapped, b"two").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&swapped)
+            .unwrap()
+            .set_modified(times)
+            .unwrap();
+        std::fs::rename(&swapped, &files.cert_file).unwrap();
+        let after = identity(&files);
+        assert_eq!(before.0.unwrap().3, after.0.unwrap().3, "the same times");
+        assert_ne!(before, after);
+        assert_eq!(before.1, after.1, "the key is as it was");
+    }
 }

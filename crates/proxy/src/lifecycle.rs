@@ -125,8 +125,7 @@ impl Reloadable {
         // Off the async workers, since reading the file blocks; and in a task of
         // its own, so that even a bug that panics while loading fails this one
         // reload, not the loop that serves the next.
-        let loaded =
-            tokio::task::spawn_blocking(move || Config::load(path.as_deref(), &overrides)).await;
+        let loaded = off_the_workers(move || Config::load(path.as_deref(), &overrides)).await;
         match loaded {
             Ok(Ok(new)) => self.app.reload(&new),
             Ok(Err(e)) => {
@@ -143,14 +142,33 @@ impl Reloadable {
     }
 }
 
+/// How long a reload waits for its files to be read. The files are regular
+/// files, opened without blocking (`store::files`), so only a mount that
+/// stopped answering takes this long; the reload then keeps what is in use
+/// and the next one is not held up behind it.
+pub const RELOAD_READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Runs `read` off the async workers, within [`RELOAD_READ_DEADLINE`]; `Err`
+/// says why there is no answer (it panicked, or is still reading).
+async fn off_the_workers<T: Send + 'static>(
+    read: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    match tokio::time::timeout(RELOAD_READ_DEADLINE, tokio::task::spawn_blocking(read)).await {
+        Ok(Ok(done)) => Ok(done),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "its files were still being read after {RELOAD_READ_DEADLINE:?} (a mount that stopped answering?)"
+        )),
+    }
+}
+
 /// Re-reads the encryption key file, when records are sealed (off the async
 /// workers); a failure keeps the keys in use. Only key ids are logged.
 async fn reload_keys(app: Arc<App>) {
     if app.store.sealing().is_none() {
         return;
     }
-    let reloaded =
-        tokio::task::spawn_blocking(move || app.store.sealing().map(seal::Sealing::reload)).await;
+    let reloaded = off_the_workers(move || app.store.sealing().map(seal::Sealing::reload)).await;
     match reloaded {
         Ok(Some(Ok(keys))) => {
             let ids: Vec<&str> = keys.ids().collect();
@@ -171,14 +189,17 @@ async fn reload_keys(app: Arc<App>) {
 }
 
 /// Re-reads the certificate and key files (off the async workers); a failure
-/// keeps the current certificate. Open connections are never touched: only
+/// keeps the current certificate (false). Open connections are never touched: only
 /// handshakes after the swap present the new certificate.
-pub async fn reload_certificate(certificates: Arc<Certificates>) {
+pub async fn reload_certificate(certificates: Arc<Certificates>) -> bool {
     let files = certificates.files().clone();
-    let reloaded = tokio::task::spawn_blocking(move || certificates.reload()).await;
+    let reloaded = off_the_workers(move || certificates.reload()).await;
     let (cert, key) = (files.cert_file.display(), files.key_file.display());
     match reloaded {
-        Ok(Ok(())) => tracing::info!(%cert, %key, "TLS certificate reloaded"),
+        Ok(Ok(())) => {
+            tracing::info!(%cert, %key, "TLS certificate reloaded");
+            return true;
+        }
         Ok(Err(e)) => {
             tracing::error!(error = %e, "TLS certificate reload failed; keeping the current certificate")
         }
@@ -186,6 +207,7 @@ pub async fn reload_certificate(certificates: Arc<Certificates>) {
             tracing::error!(error = %e, "TLS certificate reload failed; keeping the current certificate")
         }
     }
+    false
 }
 
 /// The proxy's [`ProcessSignals`].

@@ -110,11 +110,13 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 fn read(key: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
-        key,
-        path: path.to_path_buf(),
-        source,
-    })
+    crate::store::files::read_regular(path, crate::store::files::SMALL_FILE_LIMIT).map_err(
+        |source| TlsError::Read {
+            key,
+            path: path.to_path_buf(),
+            source,
+        },
+    )
 }
 
 /// What is wrong with a PEM file, without quoting any of it.

@@ -23,6 +23,7 @@ pub mod seal;
 // What the store is told, and what it shares with the proxy's workers.
 pub mod config;
 pub mod deadline;
+pub mod files;
 pub mod per_worker;
 
 mod backend;

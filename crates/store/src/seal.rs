@@ -102,6 +102,9 @@ impl fmt::Debug for Keyring {
     }
 }
 
+/// The most keys a key file may hold: each record's key is looked up among them.
+pub const MAX_KEYS: usize = 1000;
+
 /// A key id: 1 to [`MAX_KEY_ID`] bytes of `A-Z a-z 0-9 . _ -`.
 pub(crate) fn valid_key_id(id: &[u8]) -> bool {
     (1..=MAX_KEY_ID).contains(&id.len())
@@ -113,17 +116,22 @@ pub(crate) fn valid_key_id(id: &[u8]) -> bool {
 impl Keyring {
     /// Reads and parses the key file.
     pub fn load(path: &Path) -> Result<Keyring, KeyFileError> {
-        let text = std::fs::read(path).map_err(|source| KeyFileError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            crate::files::read_regular(path, crate::files::SMALL_FILE_LIMIT).map_err(|source| {
+                KeyFileError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })?;
         Keyring::parse(path, &text)
     }
 
     /// Parses the text of the key file (`path` is for messages only).
     pub fn parse(path: &Path, text: &[u8]) -> Result<Keyring, KeyFileError> {
         let text = text.strip_prefix(b"\xef\xbb\xbf").unwrap_or(text);
-        let mut keys: Vec<(usize, Key)> = Vec::new();
+        let mut keys: Vec<Key> = Vec::new();
+        // Each id's line: a duplicate is found in one look-up.
+        let mut lines: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         for (n, line) in text.split(|&b| b == b'\n').enumerate() {
             let line = line.trim_ascii();
             if line.is_empty() || line.starts_with(b"#") {
@@ -135,12 +143,18 @@ impl Keyring {
                 message,
             };
             let key = parse_line(line).map_err(wrong)?;
-            if let Some((first, _)) = keys.iter().find(|(_, k)| k.id == key.id) {
+            if let Some(first) = lines.get(&key.id) {
                 return Err(wrong(format!(
                     "this key id is already used on line {first}"
                 )));
             }
-            keys.push((n + 1, key));
+            if keys.len() == MAX_KEYS {
+                return Err(wrong(format!(
+                    "more than {MAX_KEYS} keys (a rotation needs two or three)"
+                )));
+            }
+            lines.insert(key.id.clone(), n + 1);
+            keys.push(key);
         }
         if keys.is_empty() {
             return Err(KeyFileError::File {
@@ -149,7 +163,7 @@ impl Keyring {
             });
         }
         Ok(Keyring {
-            keys: keys.into_iter().map(|(_, k)| k).collect(),
+            keys,
             rng: SystemRandom::new(),
         })
     }
@@ -283,6 +297,23 @@ mod tests {
 
     fn parse(text: &str) -> Result<Keyring, KeyFileError> {
         Keyring::parse(Path::new("keys"), text.as_bytes())
+    }
+
+    #[test]
+    fn a_file_of_more_than_max_keys_is_refused_and_duplicates_are_found_in_large_ones() {
+        let lines = |n: usize| (0..n).map(|i| format!("k{i}:{K1}\n")).collect::<String>();
+        assert_eq!(parse(&lines(MAX_KEYS)).unwrap().ids().count(), MAX_KEYS);
+        let (line, message) = line_error(&lines(MAX_KEYS + 1));
+        assert_eq!(line, MAX_KEYS + 1);
+        assert!(message.contains("more than 1000 keys"), "{message}");
+        let dup = format!("{}k7:{K2}\n", lines(MAX_KEYS - 1));
+        assert_eq!(
+            line_error(&dup),
+            (
+                MAX_KEYS,
+                "this key id is already used on line 8".to_string()
+            )
+        );
     }
 
     fn line_error(text: &str) -> (usize, String) {

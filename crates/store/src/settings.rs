@@ -23,7 +23,7 @@ pub(super) fn setup(e: impl std::fmt::Display) -> StoreSetupError {
 pub(super) fn password(cfg: &StoreConfig, env: &str) -> Result<Option<String>, StoreSetupError> {
     match (std::env::var(env), &cfg.password_file) {
         (Ok(p), _) if !p.is_empty() => Ok(Some(p)),
-        (_, Some(path)) => std::fs::read_to_string(path)
+        (_, Some(path)) => crate::files::read_regular_text(path, crate::files::SMALL_FILE_LIMIT)
             .map(|p| Some(p.trim_end_matches(['\r', '\n']).to_string()))
             .map_err(|source| StoreSetupError::PasswordFile {
                 path: path.clone(),
@@ -54,10 +54,13 @@ pub(crate) fn ca_file(
     path: &std::path::Path,
 ) -> Result<(Vec<u8>, Vec<rustls::pki_types::CertificateDer<'static>>), StoreSetupError> {
     use rustls::pki_types::pem::PemObject;
-    let pem = std::fs::read(path).map_err(|source| StoreSetupError::CaFile {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let pem =
+        crate::files::read_regular(path, crate::files::SMALL_FILE_LIMIT).map_err(|source| {
+            StoreSetupError::CaFile {
+                path: path.to_path_buf(),
+                source,
+            }
+        })?;
     let invalid = |problem: String| StoreSetupError::CaInvalid {
         path: path.to_path_buf(),
         problem,

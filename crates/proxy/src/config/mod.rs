@@ -400,7 +400,11 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         match path {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                let text = crate::store::files::read_regular_text(
+                    path,
+                    crate::store::files::CONFIG_FILE_LIMIT,
+                )
+                .map_err(|source| ConfigError::Read {
                     path: path.to_path_buf(),
                     source,
                 })?;
