@@ -156,7 +156,7 @@ pub(crate) struct InjectArgs {
     #[arg(long, value_name = "NAME", default_value = inject::DEFAULT_CONFIG_MAP)]
     pub(crate) config_map: String,
     /// The sidecar's image.
-    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
+    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE, value_parser = image)]
     pub(crate) image: String,
     /// Inject only this workload (repeatable): deployment/api, statefulset/db, pod/x...
     #[arg(long, value_name = "KIND/NAME")]
@@ -178,8 +178,8 @@ pub(crate) struct InjectArgs {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct InjectorArgs {
-    /// Address to listen on (HTTPS).
-    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:8443")]
+    /// Address to listen on (HTTPS): IP:PORT.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:8443", value_parser = socket_address)]
     pub(crate) listen: String,
     /// PEM certificate chain the webhook presents (re-read on SIGHUP).
     #[arg(long, value_name = "FILE")]
@@ -191,7 +191,7 @@ pub(crate) struct InjectorArgs {
     #[arg(long, value_name = "NAME", default_value = inject::DEFAULT_CONFIG_MAP)]
     pub(crate) config_map: String,
     /// The sidecar's image.
-    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
+    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE, value_parser = image)]
     pub(crate) image: String,
     /// The proxy's admin port in the ConfigMap's configuration (admin_listen), for the probes.
     #[arg(long, value_name = "PORT", default_value_t = inject::DEFAULT_ADMIN_PORT)]
@@ -257,4 +257,16 @@ pub(crate) fn conformance_url(text: &str) -> Result<http::Uri, String> {
 
 pub(crate) fn conformance_timeout(text: &str) -> Result<std::time::Duration, String> {
     HumanDuration::parse(text).map(|d| d.0)
+}
+
+/// `--image`: a reference registries and the kubelet take (exit 2 otherwise).
+fn image(s: &str) -> Result<String, String> {
+    inject::check_image(s).map(|()| s.to_string())
+}
+
+/// `--listen` of the injector: IP:PORT, as the proxy's listeners (exit 2 otherwise).
+fn socket_address(s: &str) -> Result<String, String> {
+    s.parse::<std::net::SocketAddr>()
+        .map(|_| s.to_string())
+        .map_err(|_| "expected IP:PORT, as 0.0.0.0:8443".to_string())
 }

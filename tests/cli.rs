@@ -192,6 +192,42 @@ fn a_store_ca_file_with_no_certificate_exits_2_in_check_and_at_start() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("warning: cannot read the store CA file"));
 }
 
+/// What registries or the kubelet would refuse never reaches a manifest, and
+/// the injector's address is IP:PORT as the proxy's are: exit 2.
+#[test]
+fn inject_and_injector_refuse_an_image_or_address_they_cannot_use() {
+    for args in [
+        &["inject", "--image", "bad image $(x)"][..],
+        &["inject", "--image", "reg.example.com/x/IdemProxy:1.0"][..],
+        &[
+            "injector",
+            "--image",
+            "x:-bad",
+            "--tls-cert-file",
+            "a",
+            "--tls-key-file",
+            "b",
+        ][..],
+        &[
+            "injector",
+            "--listen",
+            "bogus",
+            "--tls-cert-file",
+            "a",
+            "--tls-key-file",
+            "b",
+        ][..],
+    ] {
+        let out = idemproxy()
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
 /// The injector names its files by its own flags, not the proxy's
 /// configuration keys: exit 2 for a file that is wrong, 1 for one it cannot read.
 #[test]

@@ -17,6 +17,7 @@ mod error;
 // Serving until SIGTERM, the certificate re-read on SIGHUP and when it changes.
 pub mod lifecycle;
 // YAML out for YAML 1.1 readers; `openapi` writes documents with it too.
+mod image;
 pub mod manifests;
 pub mod pod;
 pub mod ports;
@@ -24,6 +25,7 @@ pub mod select;
 mod services;
 pub mod webhook;
 
+pub use image::check_image;
 pub use manifests::{inject_manifests, Injected, ManifestError, Options};
 pub use pod::{inject_pod, Change, FieldError, Injection};
 pub use ports::ServicePort;
