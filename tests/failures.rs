@@ -657,6 +657,15 @@ async fn shutdown_grace_running_out_stores_the_unknown_outcome_and_exits_0() {
         .await;
     assert_eq!(r.status, 504);
     assert!(r.is_replay());
+    // It says how long the request actually waited (the grace), not the
+    // upstream timeout it never reached.
+    let detail = r.json()["detail"].as_str().unwrap_or_default().to_string();
+    let waited: u64 = detail
+        .strip_prefix("The upstream did not answer within ")
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("{detail}"));
+    assert!((500..5_000).contains(&waited), "{detail}");
     assert_eq!(upstream.hits(), 1);
     upstream.release(1);
 }

@@ -249,7 +249,9 @@ impl Job {
         let timeout = deadlines.after();
         tokio::select! {
             r = deadlines.within(sent, exchange) => r.unwrap_or(Err(UpstreamError::Timeout(timeout))),
-            () = app.hard_stop.cancelled() => Err(UpstreamError::Timeout(timeout)),
+            // Cut by the end of the drain: a timeout (unknown_outcome applies),
+            // after the time actually waited, not the timeout not reached.
+            () = app.hard_stop.cancelled() => Err(UpstreamError::Timeout(sent.elapsed())),
         }
     }
 
