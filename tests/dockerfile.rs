@@ -33,16 +33,61 @@ fn build_stage() -> Vec<(String, String)> {
     stage
 }
 
+/// Is `rel` (a path in the build context) left out by `.dockerignore`? As
+/// Docker reads it: patterns in order, the last that matches decides, `!`
+/// takes a path back; a pattern matches from the context's root, component
+/// by component (`*` and `?` within one), and a directory it matches takes
+/// everything under it.
+fn ignored(rel: &Path) -> bool {
+    fn glob(pattern: &[u8], name: &[u8]) -> bool {
+        match (pattern.first(), name.first()) {
+            (None, None) => true,
+            (Some(b'*'), _) => {
+                glob(&pattern[1..], name) || (!name.is_empty() && glob(pattern, &name[1..]))
+            }
+            (Some(b'?'), Some(_)) => glob(&pattern[1..], &name[1..]),
+            (Some(p), Some(n)) if p == n => glob(&pattern[1..], &name[1..]),
+            _ => false,
+        }
+    }
+    let rules = std::fs::read_to_string(Path::new(ROOT).join(".dockerignore")).unwrap_or_default();
+    let parts: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    let mut out = false;
+    for line in rules
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (negated, pattern) = match line.strip_prefix('!') {
+            Some(p) => (true, p),
+            None => (false, line),
+        };
+        let pattern: Vec<&str> = pattern.trim_end_matches('/').split('/').collect();
+        let matches = pattern.len() <= parts.len()
+            && pattern
+                .iter()
+                .zip(&parts)
+                .all(|(p, n)| glob(p.as_bytes(), n.as_bytes()));
+        if matches {
+            out = !negated;
+        }
+    }
+    out
+}
+
 fn copy(from: &Path, to: &Path) {
+    let rel = from.strip_prefix(ROOT).unwrap_or(from);
+    if ignored(rel) {
+        return;
+    }
     if from.is_dir() {
         std::fs::create_dir_all(to).unwrap();
         for entry in std::fs::read_dir(from).unwrap() {
             let entry = entry.unwrap();
-            let name = entry.file_name();
-            if name == "target" {
-                continue;
-            }
-            copy(&entry.path(), &to.join(name));
+            copy(&entry.path(), &to.join(entry.file_name()));
         }
     } else {
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
@@ -72,6 +117,18 @@ fn included_files(dir: &Path, out: &mut Vec<PathBuf>) {
             }
         }
     }
+}
+
+#[test]
+fn dockerignore_is_read_as_docker_reads_it() {
+    assert!(ignored(Path::new("target")));
+    assert!(ignored(Path::new("target/debug/idemproxy")));
+    assert!(ignored(Path::new("CHANGELOG.md")));
+    assert!(!ignored(Path::new("README.md")));
+    // `*.md` is the context root's only, as in Docker.
+    assert!(!ignored(Path::new("docs/configuration.md")));
+    assert!(!ignored(Path::new("src/main.rs")));
+    assert!(ignored(Path::new("fuzz/target/x")));
 }
 
 #[test]
