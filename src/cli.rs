@@ -193,6 +193,9 @@ pub(crate) struct InjectorArgs {
     /// The sidecar's image.
     #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE, value_parser = image)]
     pub(crate) image: String,
+    /// On SIGTERM, how long reviews are still taken (with /healthz 503) before the drain.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = human_duration)]
+    pub(crate) shutdown_delay: std::time::Duration,
     /// The proxy's admin port in the ConfigMap's configuration (admin_listen), for the probes.
     #[arg(long, value_name = "PORT", default_value_t = inject::DEFAULT_ADMIN_PORT)]
     pub(crate) admin_port: u16,
@@ -235,7 +238,7 @@ pub(crate) struct ConformanceArgs {
     #[arg(long, default_value_t = idemproxy::conformance::DEFAULT_CONCURRENCY)]
     pub(crate) concurrency: usize,
     /// The deadline of every request.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = conformance_timeout)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = human_duration)]
     pub(crate) timeout: std::time::Duration,
     /// For https://: trust only the CA certificates of this PEM file (default: the system's roots).
     #[arg(long, value_name = "FILE")]
@@ -255,7 +258,8 @@ pub(crate) fn conformance_url(text: &str) -> Result<http::Uri, String> {
     idemproxy::conformance::http_url(text).map_err(|e| e.to_string())
 }
 
-pub(crate) fn conformance_timeout(text: &str) -> Result<std::time::Duration, String> {
+/// A duration as the configuration writes it (`5s`, `250ms`).
+pub(crate) fn human_duration(text: &str) -> Result<std::time::Duration, String> {
     HumanDuration::parse(text).map(|d| d.0)
 }
 

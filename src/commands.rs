@@ -144,7 +144,7 @@ pub(crate) fn run_injector(args: InjectorArgs) -> ExitCode {
     };
     let code = runtime.block_on(async move {
         let injector = match inject::webhook::Injector::bind(&args.listen, &files, settings).await {
-            Ok(i) => i,
+            Ok(i) => i.with_shutdown_delay(args.shutdown_delay),
             Err(e) => {
                 tracing::error!("cannot start: {e}");
                 return ExitCode::from(if e.is_configuration() {

@@ -267,9 +267,10 @@ async fn the_injector_swaps_its_certificate_on_a_reload_and_ends_on_shutdown() {
         .expect("run does not panic");
 }
 
-/// The injector, after a shutdown: no new connection; an idle one closed at
-/// once; a review whose body is still coming is read and answered (the API
-/// server waits for it) before `run` ends.
+/// The injector, after a shutdown: for its delay, `/healthz` 503 and new
+/// reviews still answered (the Service's endpoints are moving); then no new
+/// connection, an idle one closed at once, and a review whose body is still
+/// coming read and answered (the API server waits for it) before `run` ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_injector_answers_the_review_it_is_reading_before_it_ends() {
     use idemproxy_kube::{self as inject, webhook::Injector};
@@ -285,6 +286,7 @@ async fn the_injector_answers_the_review_it_is_reading_before_it_ends() {
         .await
         .expect("bind the injector");
     let addr = injector.local_addr().unwrap();
+    let injector = injector.with_shutdown_delay(std::time::Duration::from_secs(2));
     let (signals, received) = mpsc::unbounded_channel();
     let task = tokio::spawn(inject::lifecycle::run(
         injector,
@@ -330,6 +332,26 @@ async fn the_injector_answers_the_review_it_is_reading_before_it_ends() {
     busy.write_all(&review[..half]).await.unwrap();
 
     signals.send(Signal::Shutdown).unwrap();
+    // The delay: not ready, yet a new connection's review is answered.
+    let mut late = tls_to(addr, dir.path()).await;
+    late.write_all(b"GET /healthz HTTP/1.1\r\nhost: injector\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_until(&mut late, b"stopping\n").await;
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    let mut another = tls_to(addr, dir.path()).await;
+    let request = format!(
+        "POST /mutate HTTP/1.1\r\nhost: injector\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        review.len()
+    );
+    another.write_all(request.as_bytes()).await.unwrap();
+    another.write_all(&review).await.unwrap();
+    let head = read_until(&mut another, b"\r\n\r\n").await;
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "a review during the delay: {head}"
+    );
     eventually("new connections to be refused", DEADLINE, || async {
         TcpStream::connect(addr).await.is_err().then_some(())
     })

@@ -98,7 +98,11 @@ const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// `timeoutSeconds` is 5: after that the API server has stopped waiting);
 /// else 408.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(5);
-/// On SIGTERM, reviews in progress have this long to be answered (the API
+/// On SIGTERM, reviews are still taken for this long, with `/healthz` 503,
+/// while the Service's endpoints (and the API server's connections) move to
+/// the other replicas; then the drain.
+pub const SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
+/// Then reviews in progress have this long to be answered (the API
 /// server stops waiting for one after the webhook's `timeoutSeconds`, 5).
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// An answer must be taken by the client within this of its headers, else
@@ -206,6 +210,8 @@ struct Shared {
     large_slots: Semaphore,
     bodies: Arc<Budget>,
     answers: Arc<Budget>,
+    /// Asked to stop: `/healthz` answers 503 while reviews are still taken.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 /// The webhook, bound and ready to serve.
@@ -213,6 +219,7 @@ pub struct Injector {
     listener: TcpListener,
     tls: Tls,
     shared: Arc<Shared>,
+    shutdown_delay: Duration,
 }
 
 impl Injector {
@@ -251,8 +258,17 @@ impl Injector {
                 large_slots: Semaphore::new(MAX_LARGE_REVIEWS),
                 bodies: Budget::new(BODY_BUDGET, LARGE_BODIES, SMALL_REVIEW_BYTES),
                 answers: Budget::new(ANSWER_BUDGET, LARGE_ANSWERS, SMALL_ANSWER),
+                stopping: std::sync::atomic::AtomicBool::new(false),
             }),
+            shutdown_delay: SHUTDOWN_DELAY,
         })
+    }
+
+    /// How long, once asked to stop, it still takes reviews (with `/healthz`
+    /// 503) before it drains: [`SHUTDOWN_DELAY`] unless set.
+    pub fn with_shutdown_delay(mut self, delay: Duration) -> Injector {
+        self.shutdown_delay = delay;
+        self
     }
 
     pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
@@ -273,11 +289,23 @@ impl Injector {
         let mut connections = tokio::task::JoinSet::new();
         tracing::info!(addr = ?listener.local_addr().ok(), "injector listening");
         tokio::pin!(shutdown);
+        // Set once asked to stop: until then reviews are still taken, while
+        // the Service's endpoints forget this replica.
+        let mut stop_at: Option<Instant> = None;
         loop {
             while connections.try_join_next().is_some() {}
             let accepted = tokio::select! {
                 a = listener.accept() => a,
-                () = &mut shutdown => break,
+                () = &mut shutdown, if stop_at.is_none() => {
+                    self.shared.stopping.store(true, std::sync::atomic::Ordering::Relaxed);
+                    tracing::info!(
+                        delay = ?self.shutdown_delay,
+                        "stopping: /healthz is 503; reviews are taken for the delay, then drained"
+                    );
+                    stop_at = Some(Instant::now() + self.shutdown_delay);
+                    continue;
+                }
+                () = tokio::time::sleep_until(stop_at.unwrap_or_else(Instant::now)), if stop_at.is_some() => break,
             };
             let (io, peer) = match accepted {
                 Ok(a) => a,
@@ -347,6 +375,11 @@ fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Reply> {
 /// The answer to anything but a review; `Err` with the review's scope.
 fn route(shared: &Shared, req: &Request<Incoming>) -> Result<Response<Reply>, Scope> {
     Ok(match (req.method(), req.uri().path()) {
+        (&Method::GET, "/healthz")
+            if shared.stopping.load(std::sync::atomic::Ordering::Relaxed) =>
+        {
+            text(StatusCode::SERVICE_UNAVAILABLE, "stopping\n")
+        }
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
         (&Method::GET, "/metrics") => {
             let mut out = String::new();
