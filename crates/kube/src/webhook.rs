@@ -101,10 +101,10 @@ pub const BODY_DEADLINE: Duration = Duration::from_secs(5);
 /// On SIGTERM, reviews are still taken for this long, with `/healthz` 503,
 /// while the Service's endpoints (and the API server's connections) move to
 /// the other replicas; then the drain.
-pub const SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
+pub(crate) const SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
 /// Then reviews in progress have this long to be answered (the API
 /// server stops waiting for one after the webhook's `timeoutSeconds`, 5).
-pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// An answer must be taken by the client within this of its headers, else
 /// its connection is closed. The API server reads at once; its webhook
 /// timeout is at most 30 s, 5 s in `webhook.yaml`.

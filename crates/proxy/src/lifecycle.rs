@@ -146,7 +146,7 @@ impl Reloadable {
 /// files, opened without blocking (`store::files`), so only a mount that
 /// stopped answering takes this long; the reload then keeps what is in use
 /// and the next one is not held up behind it.
-pub const RELOAD_READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const RELOAD_READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Runs `read` off the async workers, within [`RELOAD_READ_DEADLINE`]; `Err`
 /// says why there is no answer (it panicked, or is still reading).

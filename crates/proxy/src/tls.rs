@@ -46,7 +46,7 @@ pub struct Names {
 }
 
 impl Names {
-    pub const CONFIG: Names = Names {
+    pub(crate) const CONFIG: Names = Names {
         cert: CERT,
         key: KEY,
     };

@@ -103,7 +103,7 @@ impl fmt::Debug for Keyring {
 }
 
 /// The most keys a key file may hold: each record's key is looked up among them.
-pub const MAX_KEYS: usize = 1000;
+pub(crate) const MAX_KEYS: usize = 1000;
 
 /// A key id: 1 to [`MAX_KEY_ID`] bytes of `A-Z a-z 0-9 . _ -`.
 pub(crate) fn valid_key_id(id: &[u8]) -> bool {
