@@ -36,6 +36,14 @@ if ! [[ "$image" =~ $reference ]]; then
   echo "build-image.sh: not an image reference REGISTRY/NAME:TAG (or @sha256:DIGEST, or TAG@sha256:DIGEST): $image" >&2
   exit 2
 fi
+name="${image%@*}"
+if [[ "${name##*/}" == *:* ]]; then
+  name="${name%:*}"
+fi
+if [ ${#name} -gt 255 ]; then
+  echo "build-image.sh: an image name is at most 255 characters: $image" >&2
+  exit 2
+fi
 if $build && [[ "$image" == *@* ]]; then
   echo "build-image.sh: a digest names an image already built; build and push with a tag, then pin with --no-build TAG@sha256:DIGEST" >&2
   exit 2
@@ -50,7 +58,8 @@ named='ghcr\.io/idemproxy/idemproxy[:@][^" ,]*'
 mapfile -t files < <(grep -rlE 'ghcr\.io/idemproxy/idemproxy[:@]' deploy/kubernetes || true)
 if [ ${#files[@]} -eq 0 ] && ! $build && [[ "${image##*/}" == *:*@* ]]; then
   tagged="${image%@*}"
-  named="${tagged//./\\.}(@sha256:[a-f0-9]{64})?([^A-Za-z0-9._-]|\$)"
+  # Whole references only: not the end of a longer name (myreg.io/... for reg.io/...).
+  named="(^|[^A-Za-z0-9._/-])${tagged//./\\.}(@sha256:[a-f0-9]{64})?([^A-Za-z0-9._-]|\$)"
   mapfile -t files < <(grep -rlE "$named" deploy/kubernetes || true)
 fi
 if [ ${#files[@]} -eq 0 ]; then
@@ -69,7 +78,7 @@ for f in "${files[@]}"; do
     sed -i -E "s#${named}#${image}#g" "$f"
   else
     # The tag pinned: what follows the reference (a quote, an end of line) is kept.
-    sed -i -E "s#${named}#${image}\\2#g" "$f"
+    sed -i -E "s#${named}#\\1${image}\\3#g" "$f"
   fi
   echo "== $f now names $image"
 done

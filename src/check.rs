@@ -7,6 +7,15 @@ use idemproxy::seal;
 use idemproxy::store::postgres;
 use idemproxy::tls;
 
+/// A line of the report on standard output; a reader that went away
+/// (`idemproxy --check | head`) ends nothing badly (`println!` would panic).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 use crate::cli::{EXIT_CONFIG, EXIT_START};
 
 /// `--check`: what can be checked without secrets or a store. The TLS files,
@@ -44,18 +53,16 @@ pub(crate) fn check(config: &Config) -> ExitCode {
     print_check(config);
     if let Some(keys) = keys {
         let ids: Vec<&str> = keys.ids().collect();
-        println!(
+        say!(
             "records sealed at rest: sealing key id {}, opening key ids {}",
             keys.sealing_id(),
             ids.join(",")
         );
     }
     if config.store.require_sealed {
-        println!(
-            "require_sealed: a finished record in the clear is unreadable (500), never replayed"
-        );
+        say!("require_sealed: a finished record in the clear is unreadable (500), never replayed");
     } else if config.store.encryption_key_file.is_some() {
-        println!(
+        say!(
             "require_sealed is off: clear records written before sealing still replay. Once every \
              replica seals and the clear records have expired (the longest ttl after the last \
              replica began sealing), set [store] require_sealed = true"
@@ -73,7 +80,7 @@ pub(crate) fn check(config: &Config) -> ExitCode {
 pub(crate) fn init_store(config: &Config) -> ExitCode {
     let store = &config.store;
     if store.backend != Backend::Postgres {
-        println!(
+        say!(
             "the {} store needs nothing created: nothing to do",
             store.backend
         );
@@ -91,14 +98,14 @@ pub(crate) fn init_store(config: &Config) -> ExitCode {
     };
     match runtime.block_on(postgres::init_store(store)) {
         Ok(postgres::Initialised::Created) => {
-            println!(
+            say!(
                 "the PostgreSQL table \"{}\" was created: it is ready",
                 store.table
             );
             ExitCode::SUCCESS
         }
         Ok(postgres::Initialised::AlreadyThere) => {
-            println!(
+            say!(
                 "the PostgreSQL table \"{}\" exists and is as the proxy needs it: it is ready, nothing was changed",
                 store.table
             );
@@ -113,21 +120,21 @@ pub(crate) fn init_store(config: &Config) -> ExitCode {
 
 /// The resolved routes, one line each, for `--check`.
 fn print_check(config: &Config) {
-    println!("configuration {} is valid", config.source);
-    println!(
+    say!("configuration {} is valid", config.source);
+    say!(
         "upstream {}  listen {}  admin {}  store {}",
         config.server.upstream,
         config.server.listen,
         config.server.admin_listen,
         config.store.backend
     );
-    println!(
+    say!(
         "workers {} runtime {}",
         config.server.worker_threads(),
         config.server.runtime
     );
     if let Some(files) = &config.server.tls {
-        println!(
+        say!(
             "tls cert={} key={}",
             files.cert_file.display(),
             files.key_file.display()
@@ -135,7 +142,7 @@ fn print_check(config: &Config) {
     }
     for r in config.routes.iter() {
         let methods: Vec<&str> = r.methods.iter().map(|m| m.as_str()).collect();
-        println!(
+        say!(
             "route {} methods={} path={} key={} key_from={} ttl={} lease={} mode={}",
             r.name,
             methods.join(","),
@@ -147,15 +154,15 @@ fn print_check(config: &Config) {
             r.policy.mode,
         );
         for line in r.coverage() {
-            println!("  {line}");
+            say!("  {line}");
         }
     }
     if config.routes.is_empty() {
-        println!("no routes: every request is passed through unprotected");
+        say!("no routes: every request is passed through unprotected");
     }
     let t = &config.telemetry;
     match &t.otlp_endpoint {
-        Some(endpoint) => println!(
+        Some(endpoint) => say!(
             "telemetry otlp_endpoint={} otlp_protocol={} service_name={} sample_ratio={} client_context={}",
             idemproxy::config::shown_endpoint(endpoint),
             t.otlp_protocol,
@@ -163,6 +170,6 @@ fn print_check(config: &Config) {
             t.sample_ratio,
             t.client_context
         ),
-        None => println!("telemetry off (no otlp_endpoint)"),
+        None => say!("telemetry off (no otlp_endpoint)"),
     }
 }

@@ -194,7 +194,7 @@ pub(crate) struct InjectorArgs {
     #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE, value_parser = image)]
     pub(crate) image: String,
     /// On SIGTERM, how long reviews are still taken (with /healthz 503) before the drain.
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = human_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = shutdown_delay)]
     pub(crate) shutdown_delay: std::time::Duration,
     /// The proxy's admin port in the ConfigMap's configuration (admin_listen), for the probes.
     #[arg(long, value_name = "PORT", default_value_t = inject::DEFAULT_ADMIN_PORT)]
@@ -273,4 +273,16 @@ fn socket_address(s: &str) -> Result<String, String> {
     s.parse::<std::net::SocketAddr>()
         .map(|_| s.to_string())
         .map_err(|_| "expected IP:PORT, as 0.0.0.0:8443".to_string())
+}
+
+/// `--shutdown-delay`: at most a minute (the Pod's grace period must cover it
+/// and the drain; Kubernetes' default is 30 s).
+fn shutdown_delay(text: &str) -> Result<std::time::Duration, String> {
+    let delay = human_duration(text)?;
+    if delay > std::time::Duration::from_secs(60) {
+        return Err(
+            "at most 60s (terminationGracePeriodSeconds must cover it and 5 s of drain)".into(),
+        );
+    }
+    Ok(delay)
 }

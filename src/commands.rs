@@ -34,7 +34,11 @@ pub(crate) fn run_inject(args: InjectArgs) -> ExitCode {
         Some(p) if p.as_os_str() == "-" => {
             std::io::read_to_string(std::io::stdin()).map_err(|e| ("standard input".into(), e))
         }
-        Some(p) => std::fs::read_to_string(p).map_err(|e| (p.display().to_string(), e)),
+        Some(p) => idemproxy::store::files::read_regular_text(
+            p,
+            idemproxy::store::files::CONFIG_FILE_LIMIT,
+        )
+        .map_err(|e| (p.display().to_string(), e)),
     };
     let input = match input {
         Ok(text) => text,
@@ -104,7 +108,12 @@ fn emit(tool: &str, notes: &[String], output: &str) -> ExitCode {
 /// arguments), and the port of its `admin_listen`, which the sidecar's
 /// `--admin-listen 0.0.0.0:PORT` opens to the kubelet's probes.
 fn inject_config(path: &std::path::Path) -> Result<(String, u16), String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // As the proxy reads it: a regular file, of bounded size (a FIFO would hang).
+    let text = idemproxy::store::files::read_regular_text(
+        path,
+        idemproxy::store::files::CONFIG_FILE_LIMIT,
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))?;
     let overrides = Overrides {
         upstream: Some("http://127.0.0.1:1".into()),
         ..Overrides::default()

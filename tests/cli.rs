@@ -146,6 +146,32 @@ fn a_redis_url_the_store_cannot_read_exits_2_in_check_and_at_start() {
             assert!(!err.contains("s3cretpw"), "{err}");
         }
     }
+    // A cluster's seed nodes and Sentinel's sentinels are URLs too.
+    for (store, key) in [
+        (
+            "mode = \"cluster\"\nnodes = [\"redis://127.0.0.1:7000\", \"127.0.0.1:7001\"]",
+            "store.nodes",
+        ),
+        (
+            "mode = \"sentinel\"\nmaster_name = \"m\"\nsentinels = [\"redis://127.0.0.1:99999\"]",
+            "store.sentinels",
+        ),
+    ] {
+        let cfg = write_config(&format!(
+            "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\n{store}\n"
+        ));
+        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{store} {extra:?}: {err}");
+            assert!(err.contains(key), "{err}");
+        }
+    }
 }
 
 /// A store CA file that holds no certificate is refused by --check and at
@@ -217,6 +243,15 @@ fn inject_and_injector_refuse_an_image_or_address_they_cannot_use() {
             "--tls-key-file",
             "b",
         ][..],
+        &[
+            "injector",
+            "--shutdown-delay",
+            "2m",
+            "--tls-cert-file",
+            "a",
+            "--tls-key-file",
+            "b",
+        ][..],
     ] {
         let out = idemproxy()
             .args(args)
@@ -258,6 +293,10 @@ fn an_upstream_url_with_credentials_is_refused_without_repeating_them() {
     for url in [
         "http://user:s3cretUP@127.0.0.1:1",
         "http://s3cretUP@127.0.0.1:1/base",
+        // Generated passwords hold `/`, `?` and `#`: still credentials.
+        "http://user:s3cretUP/x@127.0.0.1:1",
+        "http://user:s3cretUP?x@127.0.0.1:1",
+        "http://user:s3cretUP#x@127.0.0.1:1",
     ] {
         let cfg = write_config(&format!("[server]\nupstream = \"{url}\"\n"));
         for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
@@ -278,6 +317,20 @@ fn an_upstream_url_with_credentials_is_refused_without_repeating_them() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2));
         assert!(!String::from_utf8_lossy(&out.stderr).contains("s3cretUP"));
+    }
+    // A port that is not one (`http` would take it and connect to 80).
+    for url in [
+        "http://127.0.0.1:abc",
+        "http://127.0.0.1:3000x",
+        "http://127.0.0.1:0",
+    ] {
+        let out = idemproxy()
+            .args(["--upstream", url, "--check"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{url}: {err}");
+        assert!(err.contains("port"), "{err}");
     }
     let out = idemproxy()
         .arg("--help")

@@ -914,6 +914,25 @@ fn build_image_refuses_what_is_not_an_image_reference() {
         pointed.matches(&pinned).count(),
         "every reference pinned: {pointed}"
     );
+    // Only whole references are pinned: not the end of a longer name.
+    let other = copy_of_deploy();
+    let script = other.path().join("deploy/build-image.sh");
+    let run = |image: &str| {
+        std::process::Command::new("bash")
+            .arg(&script)
+            .args(["--no-build", image])
+            .output()
+            .unwrap()
+    };
+    assert!(run("myreg.io/team/idemproxy:0.1").status.success());
+    let out = run(&format!("reg.io/team/idemproxy:0.1{digest}"));
+    assert_eq!(out.status.code(), Some(2), "a tag no manifest names whole");
+    let pointed =
+        std::fs::read_to_string(other.path().join("deploy/kubernetes/deployment.yaml")).unwrap();
+    assert!(!pointed.contains("sha256"), "{pointed}");
+    // A name registries refuse for its length.
+    let out = run(&format!("reg.io/{}:1", "a".repeat(300)));
+    assert_eq!(out.status.code(), Some(2));
 }
 
 /// A copy of `deploy/` in a temporary directory, for `deploy/build-image.sh` to rewrite.

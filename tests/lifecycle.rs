@@ -243,6 +243,7 @@ async fn the_injector_swaps_its_certificate_on_a_reload_and_ends_on_shutdown() {
         .await
         .expect("bind the injector");
     let addr = injector.local_addr().unwrap();
+    let injector = injector.with_shutdown_delay(std::time::Duration::ZERO);
     let (signals, received) = mpsc::unbounded_channel();
     let stream = UnboundedReceiverStream::new(received);
     let task = tokio::spawn(inject::lifecycle::run(injector, stream));
@@ -339,6 +340,12 @@ async fn the_injector_answers_the_review_it_is_reading_before_it_ends() {
         .unwrap();
     let head = read_until(&mut late, b"stopping\n").await;
     assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    // Alive all the same: liveness is not readiness.
+    late.write_all(b"GET /livez HTTP/1.1\r\nhost: injector\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_until(&mut late, b"ok\n").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     let mut another = tls_to(addr, dir.path()).await;
     let request = format!(
         "POST /mutate HTTP/1.1\r\nhost: injector\r\ncontent-type: application/json\r\n\

@@ -2,10 +2,13 @@
 //! it is written into a Pod: one they refuse would leave every injected Pod
 //! in `InvalidImageName`.
 
-/// `[HOST[:PORT]/]PATH[:TAG][@ALGORITHM:DIGEST]`: the host (its first
-/// component when it has a dot or a port, or is `localhost`) in any case,
-/// path components lower-case (`a-z0-9` joined by `.`, `_`, `__` or dashes),
-/// a tag of at most 128 characters, a digest of at least 32 hex digits.
+/// `[HOST[:PORT]/]PATH[:TAG][@ALGORITHM:DIGEST]`: the host (the first
+/// component when it has a dot, a port or an upper-case letter, is
+/// `localhost`, or is an IPv6 address in brackets), path components
+/// lower-case (`a-z0-9` joined by `.`, `_`, `__` or dashes), the name at
+/// most 255 characters, a tag of at most 128, and a digest the kubelet
+/// knows: `sha256`, `sha384` or `sha512` with 64, 96 or 128 lower-case hex
+/// digits.
 pub fn check_image(image: &str) -> Result<(), String> {
     let bad = |why: &str| Err(format!("not an image reference ({why})"));
     if image.len() > 4096 {
@@ -16,15 +19,15 @@ pub fn check_image(image: &str) -> Result<(), String> {
         None => (image, None),
     };
     if let Some(digest) = digest {
-        let Some((algorithm, hex)) = digest.split_once(':') else {
-            return bad("a digest is ALGORITHM:HEX");
+        let digits = match digest.split_once(':') {
+            Some(("sha256", hex)) => (hex, 64),
+            Some(("sha384", hex)) => (hex, 96),
+            Some(("sha512", hex)) => (hex, 128),
+            _ => return bad("a digest is sha256:, sha384: or sha512: and its hex digits"),
         };
-        let algorithm_ok = algorithm.split(['+', '.', '_', '-']).all(|part| {
-            part.starts_with(|c: char| c.is_ascii_alphabetic())
-                && part.chars().all(|c| c.is_ascii_alphanumeric())
-        });
-        if !algorithm_ok || hex.len() < 32 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
-            return bad("a digest is ALGORITHM:HEX, as sha256:<64 hex digits>");
+        let (hex, length) = digits;
+        if hex.len() != length || !hex.chars().all(|c| matches!(c, '0'..='9' | 'a'..='f')) {
+            return bad("a sha256 digest is 64 lower-case hex digits (sha384 96, sha512 128)");
         }
     }
     let last_slash = name.rfind('/').map_or(0, |i| i + 1);
@@ -41,9 +44,29 @@ pub fn check_image(image: &str) -> Result<(), String> {
             return bad("a tag is 1 to 128 of A-Z a-z 0-9 _ . - and starts with neither . nor -");
         }
     }
+    if path.len() > 255 {
+        return bad("a name is at most 255 characters");
+    }
     let mut components: Vec<&str> = path.split('/').collect();
     let host = components.first().copied().unwrap_or_default();
-    if components.len() > 1 && (host.contains(['.', ':']) || host == "localhost") {
+    let is_host = host.contains(['.', ':'])
+        || host == "localhost"
+        || host.starts_with('[')
+        || host.chars().any(|c| c.is_ascii_uppercase());
+    if components.len() > 1 && host.starts_with('[') {
+        // An IPv6 registry: `[address]` or `[address]:port`.
+        let (address, port) = match host.split_once("]:") {
+            Some((address, port)) => (address.trim_start_matches('['), Some(port)),
+            None => (host.trim_start_matches('[').trim_end_matches(']'), None),
+        };
+        let address_ok = host.contains(']') && address.parse::<std::net::Ipv6Addr>().is_ok();
+        if !address_ok
+            || port.is_some_and(|p| p.is_empty() || !p.chars().all(|c| c.is_ascii_digit()))
+        {
+            return bad("the registry is HOST, HOST:PORT, [IPv6] or [IPv6]:PORT");
+        }
+        components.remove(0);
+    } else if components.len() > 1 && is_host {
         let (domain, port) = match host.split_once(':') {
             Some((domain, port)) => (domain, Some(port)),
             None => (host, None),
@@ -114,6 +137,10 @@ mod tests {
             "ghcr.io/idemproxy/idemproxy:0.1.0".to_string(),
             "registry.example.com:5000/team/idem_proxy__x/a-b--c:v1".to_string(),
             "localhost/x:1".to_string(),
+            "[::1]:5000/x:1".to_string(),
+            "[fd00::1]/team/x:1".to_string(),
+            "Registry/x:1".to_string(),
+            format!("x@sha512:{}", "b".repeat(128)),
             "Registry.Example.com/x/y:1".to_string(),
             format!("ghcr.io/idemproxy/idemproxy:0.1.0@{digest}"),
             format!("ghcr.io/idemproxy/idemproxy@{digest}"),
@@ -136,6 +163,13 @@ mod tests {
             "x/y:1\nimage: evil".to_string(),
             format!("x:{}", "t".repeat(129)),
             "x@sha256:abc".to_string(),
+            format!("x@sha256:{}", "a".repeat(32)),
+            format!("x@sha256:{}", "A".repeat(64)),
+            format!("x@md5:{}", "a".repeat(32)),
+            format!("x@sha256:{}", "a".repeat(128)),
+            format!("reg.io/{}:1", "a".repeat(300)),
+            "[::1:5000/x:1".to_string(),
+            "[nothost]:5000/x:1".to_string(),
             "-reg.io/x:1".to_string(),
             "reg.io:port/x:1".to_string(),
         ] {

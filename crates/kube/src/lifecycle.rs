@@ -47,13 +47,31 @@ pub fn process_signals() -> ProcessSignals {
 async fn reload_when_asked_or_changed(certificates: Arc<Certificates>, asked: Arc<Notify>) {
     let mut seen = identity(certificates.files());
     let mut failed = false;
+    // A look at the files still under way (a mount that stopped answering):
+    // no other is started beside it, so stuck threads do not pile up.
+    let mut looking: Option<tokio::task::JoinHandle<(Identity, Identity)>> = None;
     let mut tick = tokio::time::interval(CERTIFICATE_POLL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = asked.notified() => {}
             _ = tick.tick() => {
-                let now = identity(certificates.files());
+                if looking.as_ref().is_some_and(|l| !l.is_finished()) {
+                    continue;
+                }
+                // Off the async workers: a stat on a hung mount blocks.
+                let files = certificates.files().clone();
+                let mut look = tokio::task::spawn_blocking(move || identity(&files));
+                let now = match tokio::time::timeout(LOOK_DEADLINE, &mut look).await {
+                    Ok(Ok(now)) => now,
+                    Ok(Err(_)) => continue,
+                    Err(_) => {
+                        tracing::warn!(deadline = ?LOOK_DEADLINE, "the certificate files could not be looked at in time; the current certificate stays");
+                        looking = Some(look);
+                        continue;
+                    }
+                };
+                looking = None;
                 // A reload that failed (half a rotation) is tried again at
                 // each look until it succeeds.
                 if now == seen && !failed {
@@ -65,6 +83,9 @@ async fn reload_when_asked_or_changed(certificates: Arc<Certificates>, asked: Ar
         failed = !reload_certificate(certificates.clone()).await;
     }
 }
+
+/// How long a look at the certificate files' identity may take.
+const LOOK_DEADLINE: Duration = Duration::from_secs(10);
 
 /// What tells a file changed: the device, inode, length and modification
 /// time of what the path resolves to (`None`: unreadable). Kubernetes

@@ -381,6 +381,8 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Result<Response<Reply>, Sc
             text(StatusCode::SERVICE_UNAVAILABLE, "stopping\n")
         }
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+        // Liveness: 200 while the process serves, stopping or not.
+        (&Method::GET, "/livez") => text(StatusCode::OK, "ok\n"),
         (&Method::GET, "/metrics") => {
             let mut out = String::new();
             if prometheus_client::encoding::text::encode(&mut out, &shared.registry).is_err() {
@@ -397,7 +399,7 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Result<Response<Reply>, Sc
         }
         (&Method::POST, "/mutate") => return Err(Scope::Annotated),
         (&Method::POST, "/mutate/namespace") => return Err(Scope::Namespace),
-        (_, "/mutate" | "/mutate/namespace" | "/healthz" | "/metrics") => {
+        (_, "/mutate" | "/mutate/namespace" | "/healthz" | "/livez" | "/metrics") => {
             text(StatusCode::METHOD_NOT_ALLOWED, "")
         }
         _ => text(StatusCode::NOT_FOUND, ""),

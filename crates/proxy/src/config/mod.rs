@@ -345,40 +345,49 @@ pub struct UpstreamUrl {
 }
 
 impl UpstreamUrl {
+    /// The messages never repeat `text`: a URL may carry a password, even
+    /// one that does not parse as such.
     pub fn parse(text: &str) -> Result<Self, String> {
-        // Checked first, so that no message below repeats a password.
-        let after_scheme = text.split_once("://").map_or(text, |(_, rest)| rest);
-        let authority_end = after_scheme
-            .find(['/', '?', '#'])
-            .unwrap_or(after_scheme.len());
-        if after_scheme[..authority_end].contains('@') {
-            return Err(
-                "invalid upstream URL: it carries credentials (user:password@), which the proxy \
-                 never sends upstream (the client's own Authorization header goes through); \
-                 remove them"
-                    .to_string(),
+        let bad = |why: &str| Err(format!("invalid upstream URL: {why}"));
+        if text.contains('@') {
+            return bad(
+                "it carries credentials (user:password@), which the proxy never sends upstream \
+                 (the client's own Authorization header goes through); remove them",
             );
         }
-        let uri: http::Uri = text
-            .parse()
-            .map_err(|e| format!("invalid upstream URL \"{text}\": {e}"))?;
-        let scheme = uri
-            .scheme()
-            .cloned()
-            .ok_or_else(|| format!("invalid upstream URL \"{text}\": expected http://host:port"))?;
-        if scheme != http::uri::Scheme::HTTP {
-            return Err(format!(
-                "invalid upstream URL \"{text}\": only http:// is supported (the upstream is normally on loopback in the same pod)"
-            ));
+        if text.contains('#') {
+            return bad("a fragment (#) is not allowed");
         }
-        let authority = uri
-            .authority()
-            .cloned()
-            .ok_or_else(|| format!("invalid upstream URL \"{text}\": missing host"))?;
+        let Ok(uri) = text.parse::<http::Uri>() else {
+            return bad("expected http://host:port with an optional path");
+        };
+        let Some(scheme) = uri.scheme().cloned() else {
+            return bad("expected http://host:port");
+        };
+        if scheme != http::uri::Scheme::HTTP {
+            return bad(
+                "only http:// is supported (the upstream is normally on loopback in the same pod)",
+            );
+        }
+        let Some(authority) = uri.authority().cloned() else {
+            return bad("missing host");
+        };
+        if authority.host().is_empty() {
+            return bad("missing host");
+        }
+        // `http` takes `host:abc` (and uses port 80): a port is 1 to 65535.
+        if let Some(port) = authority
+            .as_str()
+            .rsplit_once(':')
+            .map(|(_, p)| p)
+            .filter(|_| !authority.as_str().ends_with(']'))
+        {
+            if port.parse::<u16>().map_or(true, |p| p == 0) {
+                return bad("the port is not a number from 1 to 65535");
+            }
+        }
         if uri.query().is_some() {
-            return Err(format!(
-                "invalid upstream URL \"{text}\": a query is not allowed"
-            ));
+            return bad("a query is not allowed");
         }
         let base_path = uri.path().trim_end_matches('/').to_string();
         Ok(UpstreamUrl {

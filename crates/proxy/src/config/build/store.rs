@@ -47,6 +47,20 @@ pub(super) fn store(s: RawStore, src: &Source, ov: &Overrides) -> Result<StoreCo
             return Err(src.given(&url.origin, "store.url", format!("invalid Redis URL: {e}")));
         }
     }
+    if backend == Backend::Redis {
+        for (key, list) in [("store.nodes", &s.nodes), ("store.sentinels", &s.sentinels)] {
+            let Some(list) = list else { continue };
+            for (i, entry) in list.get_ref().iter().enumerate() {
+                if let Err(e) = idemproxy_store::config::check_redis_url(entry) {
+                    return Err(src.entry(
+                        &list.span(),
+                        key,
+                        format!("entry {}: invalid Redis URL: {e}", i + 1),
+                    ));
+                }
+            }
+        }
+    }
     if backend == Backend::Postgres {
         postgres_url(&url, src)?;
     }
