@@ -447,3 +447,17 @@ fn the_readme_test_command_is_what_ci_runs() {
         "tests/run.sh must run every test of the workspace"
     );
 }
+
+/// One page per task, none over 600 lines (the benchmark journal is in parts).
+#[test]
+fn no_page_of_the_docs_is_over_600_lines() {
+    let long: Vec<String> = markdown_files()
+        .into_iter()
+        .filter(|p| p.starts_with(Path::new(ROOT).join("docs")))
+        .filter_map(|p| {
+            let lines = std::fs::read_to_string(&p).unwrap().lines().count();
+            (lines > 600).then(|| format!("{} ({lines} lines)", p.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "pages over 600 lines: {long:?}");
+}
