@@ -130,18 +130,10 @@ fn a_redis_url_the_store_cannot_read_exits_2_in_check_and_at_start() {
         ("redis://:s3cretpw@127.0.0.1/abc", "Invalid database number"),
         ("redis://:s3cretpw@127.0.0.1:99999/0", "did not parse"),
     ] {
-        let cfg = write_config(&format!(
+        let text = format!(
             "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\nurl = \"{url}\"\n"
-        ));
-        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
-            let out = idemproxy()
-                .arg("--config")
-                .arg(cfg.path())
-                .args(extra)
-                .output()
-                .unwrap();
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{url} {extra:?}: {err}");
+        );
+        for err in exits_2_in_check_and_at_start(&text) {
             assert!(err.contains("store.url") && err.contains(says), "{err}");
             assert!(!err.contains("s3cretpw"), "{err}");
         }
@@ -157,18 +149,10 @@ fn a_redis_url_the_store_cannot_read_exits_2_in_check_and_at_start() {
             "store.sentinels",
         ),
     ] {
-        let cfg = write_config(&format!(
+        let text = format!(
             "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\n{store}\n"
-        ));
-        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
-            let out = idemproxy()
-                .arg("--config")
-                .arg(cfg.path())
-                .args(extra)
-                .output()
-                .unwrap();
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{store} {extra:?}: {err}");
+        );
+        for err in exits_2_in_check_and_at_start(&text) {
             assert!(err.contains(key), "{err}");
         }
     }
@@ -186,19 +170,11 @@ fn a_store_ca_file_with_no_certificate_exits_2_in_check_and_at_start() {
         "backend = \"redis\"\nurl = \"rediss://127.0.0.1:1/0\"",
         "backend = \"postgres\"\nurl = \"postgres://u@127.0.0.1:1/db\"\nsslmode = \"verify-full\"",
     ] {
-        let cfg = write_config(&format!(
+        let text = format!(
             "[server]\nupstream = \"http://127.0.0.1:1\"\n[store]\n{backend}\ntls_ca_file = \"{}\"\n",
             ca.display()
-        ));
-        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
-            let out = idemproxy()
-                .arg("--config")
-                .arg(cfg.path())
-                .args(extra)
-                .output()
-                .unwrap();
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{backend} {extra:?}: {err}");
+        );
+        for err in exits_2_in_check_and_at_start(&text) {
             assert!(
                 err.contains("store.tls_ca_file") && err.contains("no certificate"),
                 "{err}"
@@ -298,16 +274,7 @@ fn an_upstream_url_with_credentials_is_refused_without_repeating_them() {
         "http://user:s3cretUP?x@127.0.0.1:1",
         "http://user:s3cretUP#x@127.0.0.1:1",
     ] {
-        let cfg = write_config(&format!("[server]\nupstream = \"{url}\"\n"));
-        for extra in [&["--check"][..], &["--listen", "127.0.0.1:0"][..]] {
-            let out = idemproxy()
-                .arg("--config")
-                .arg(cfg.path())
-                .args(extra)
-                .output()
-                .unwrap();
-            let err = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{url} {extra:?}: {err}");
+        for err in exits_2_in_check_and_at_start(&format!("[server]\nupstream = \"{url}\"\n")) {
             assert!(err.contains("credentials"), "{err}");
             assert!(!err.contains("s3cretUP"), "{err}");
         }
@@ -339,6 +306,26 @@ fn an_upstream_url_with_credentials_is_refused_without_repeating_them() {
         .unwrap();
     assert!(out.status.success());
     assert!(!String::from_utf8_lossy(&out.stdout).contains("s3cretUP"));
+}
+
+/// The configuration `text` run through `--check` and through a start: the
+/// stderr of each, once both exited 2.
+fn exits_2_in_check_and_at_start(text: &str) -> Vec<String> {
+    let cfg = write_config(text);
+    [&["--check"][..], &["--listen", "127.0.0.1:0"][..]]
+        .into_iter()
+        .map(|extra| {
+            let out = idemproxy()
+                .arg("--config")
+                .arg(cfg.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+            err
+        })
+        .collect()
 }
 
 #[test]

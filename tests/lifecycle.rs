@@ -438,27 +438,7 @@ async fn tls_to(
 
 /// The certificate a new TLS connection to `addr` is shown (trusting `dir`'s ca.pem).
 async fn presented(addr: std::net::SocketAddr, dir: &Path) -> CertificateDer<'static> {
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(CertificateDer::from_pem_file(dir.join("ca.pem")).unwrap())
-        .unwrap();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let name = ServerName::try_from("localhost").unwrap();
-    let handshake = async move {
-        let tcp = TcpStream::connect(addr).await?;
-        tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(name, tcp)
-            .await
-    };
-    let tls = tokio::time::timeout(DEADLINE, handshake)
-        .await
-        .expect("the handshake in time")
-        .expect("the handshake");
+    let tls = tls_to(addr, dir).await;
     let certificates = tls.get_ref().1.peer_certificates().expect("a certificate");
     certificates[0].clone().into_owned()
 }
